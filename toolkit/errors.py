@@ -1,0 +1,37 @@
+"""Errors edgeprobe raises on bad input.
+
+Every message says what is wrong and what to do about it. Each class also derives from the
+built-in exception a caller would expect (FileNotFoundError, ValueError), so generic handlers work.
+"""
+
+
+class EdgeprobeError(Exception):
+    """Base class of every error edgeprobe raises on purpose."""
+
+
+class ModelNotFoundError(EdgeprobeError, FileNotFoundError):
+    """A model name is not built in, or a model path does not exist."""
+
+
+class ModelFormatError(EdgeprobeError, ValueError):
+    """A model file exists but is not a readable checkpoint (not GGUF, truncated, corrupt)."""
+
+
+class UnsupportedModelError(EdgeprobeError, ValueError):
+    """A readable checkpoint whose architecture or tensor type edgeprobe does not implement."""
+
+
+class TextError(EdgeprobeError, ValueError):
+    """An evaluation text that cannot be used (empty, shorter than one window)."""
+
+
+class WindowError(EdgeprobeError, ValueError):
+    """An evaluation window length that cannot be used."""
+
+
+class TokenRangeError(EdgeprobeError, ValueError):
+    """Token ids outside the model's vocabulary, or more tokens than the cache holds."""
+
+
+class CorpusNotFoundError(EdgeprobeError, FileNotFoundError):
+    """The bundled corpus is missing (rebuild it with datasets/build_corpus.py)."""

@@ -1,0 +1,52 @@
+"""Greedy and sampled generation through the one forward pass with a KV cache."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .forward import KVCache, forward
+from .models import Model
+
+
+@dataclass
+class Generation:
+    prompt: str
+    text: str  # the continuation only
+    tokens: list[int]
+    prefill_tok_per_s: float
+    decode_tok_per_s: float
+
+
+def generate(model: Model, prompt: str, n: int = 32, temperature: float = 0.0, seed: int = 0,
+             stop_at_eos: bool = True) -> Generation:
+    """Continue `prompt` by up to `n` tokens: greedy at temperature 0, else sampled with `seed`."""
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    ids = model.tokenizer.encode(prompt)
+    if len(ids) == 0:
+        raise ValueError("the prompt is empty; give at least one character of text")
+    rng = np.random.default_rng(seed)
+    cache = KVCache(model.config)
+    t0 = time.perf_counter()
+    logits = forward(model, ids, cache, logits="last")
+    t1 = time.perf_counter()
+    out: list[int] = []
+    for step in range(n):
+        if temperature > 0:
+            z = logits.astype(np.float64) / temperature
+            p = np.exp(z - z.max())
+            nxt = int(rng.choice(len(p), p=p / p.sum()))
+        else:
+            nxt = int(np.argmax(logits))
+        out.append(nxt)
+        if stop_at_eos and nxt == model.tokenizer.eos_id:
+            break
+        if step + 1 < n:
+            logits = forward(model, [nxt], cache, logits="last")
+    t2 = time.perf_counter()
+    steps = max(len(out) - 1, 0)
+    return Generation(prompt=prompt, text=model.tokenizer.decode(out), tokens=out,
+                      prefill_tok_per_s=len(ids) / (t1 - t0),
+                      decode_tok_per_s=steps / (t2 - t1) if steps and t2 > t1 else float("nan"))

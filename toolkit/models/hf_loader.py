@@ -1,0 +1,159 @@
+"""Load a Llama-family Hugging Face folder (config.json, *.safetensors, tokenizer.json).
+
+Tensors are renamed to GGUF's names and Q/K rows are permuted from Hugging Face's "halves" RoPE
+layout to the "adjacent pairs" layout, exactly as llama.cpp's converter does, so the one forward
+pass serves both formats.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+from safetensors import safe_open
+
+from ..errors import ModelFormatError, UnsupportedModelError
+from .config import ModelConfig
+from .model import Model
+from .tokenizer import Tokenizer
+from .weights import LazyWeights, file_sha256
+
+SUPPORTED_MODEL_TYPES = ("llama",)
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """Hugging Face tensor name -> GGUF tensor name (None for tensors the forward pass ignores)."""
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    parts = hf_name.split(".", 3)  # model.layers.{i}.rest
+    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
+        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}"
+    return None
+
+
+def halves_to_adjacent(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder Q/K output rows per head from (i, i+d/2) RoPE pairs to (2i, 2i+1) pairs.
+
+    w: float32[n_heads*head_dim, hidden]. Row j < d/2 of a head moves to 2j, row d/2+j to 2j+1.
+    """
+    rows = w.shape[0]
+    d = rows // n_heads
+    return np.ascontiguousarray(w.reshape(n_heads, 2, d // 2, -1).swapaxes(1, 2).reshape(rows, -1))
+
+
+def _read_bf16(path: Path, name: str) -> np.ndarray:
+    """numpy has no bfloat16: read the raw tensor from the safetensors header and widen to float32."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    info = header[name]
+    start, end = info["data_offsets"]
+    raw = np.memmap(path, dtype=np.uint16, mode="r", offset=8 + n + start, shape=((end - start) // 2,))
+    return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
+
+
+def _tensor_loader(path: Path, name: str, transform=None):
+    def load() -> np.ndarray:
+        with safe_open(str(path), framework="numpy") as f:
+            dtype = f.get_slice(name).get_dtype()
+            arr = _read_bf16(path, name) if dtype == "BF16" else f.get_tensor(name)
+        arr = np.asarray(arr, dtype=np.float32)
+        return transform(arr) if transform else arr
+    return load
+
+
+def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
+    model_type = cfg.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(f"{path}: model_type {model_type!r} is not supported "
+                                    f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use a Llama-family model")
+    # transformers >= 5 nests RoPE settings in rope_parameters; older configs use rope_theta/rope_scaling.
+    rope = dict(cfg.get("rope_scaling") or {}, **(cfg.get("rope_parameters") or {}))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise UnsupportedModelError(f"{path}: RoPE scaling {rope_type!r} is not supported yet; "
+                                    "only plain RoPE (rope_type 'default') is implemented")
+    try:
+        hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        return ModelConfig(
+            arch="llama",
+            n_layers=int(cfg["num_hidden_layers"]),
+            hidden=hidden,
+            ffn=int(cfg["intermediate_size"]),
+            n_heads=n_heads,
+            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            vocab_size=int(cfg["vocab_size"]),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+            context_length=int(cfg.get("max_position_embeddings", 2048)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            name=str(cfg.get("_name_or_path") or path.name),
+        )
+    except KeyError as e:
+        raise ModelFormatError(f"{path}/config.json lacks {e.args[0]!r}; it is not a complete Llama config") from e
+
+
+def load_hf_folder(path: Path, name: str = "") -> Model:
+    path = Path(path)
+    for need in ("config.json", "tokenizer.json"):
+        if not (path / need).exists():
+            raise ModelFormatError(f"{path} has no {need}; a Hugging Face model folder needs config.json, "
+                                   "*.safetensors and tokenizer.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelFormatError(f"{path} has no *.safetensors file; convert .bin checkpoints to safetensors first")
+    try:
+        hf_cfg = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{path}/config.json is not valid JSON ({e})") from e
+    cfg = config_from_hf(hf_cfg, path)
+    loaders = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as f:
+                keys = list(f.keys())
+        except Exception as e:
+            raise ModelFormatError(f"{file} cannot be read as safetensors ({e}); it is truncated or corrupt") from e
+        for key in keys:
+            g = gguf_name(key)
+            if g is None:
+                continue
+            transform = None
+            if g.endswith("attn_q.weight"):
+                transform = lambda w, h=cfg.n_heads: halves_to_adjacent(w, h)
+            elif g.endswith("attn_k.weight"):
+                transform = lambda w, h=cfg.n_kv_heads: halves_to_adjacent(w, h)
+            loaders[g] = _tensor_loader(file, key, transform)
+    if cfg.tie_embeddings:
+        loaders.pop("output.weight", None)
+    missing = [n for n in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight") if n not in loaders]
+    if missing:
+        raise ModelFormatError(f"{path}: tensors {missing} are missing; not a complete Llama checkpoint")
+    eos = hf_cfg.get("eos_token_id")
+    tok = Tokenizer.from_hf_folder(path, cfg.vocab_size, bos_id=hf_cfg.get("bos_token_id"),
+                                   eos_id=eos[0] if isinstance(eos, list) else eos)
+    digest = hashlib.sha256()
+    for file in [path / "config.json", *files]:
+        digest.update(file_sha256(file).encode())
+    return Model(config=cfg, tokenizer=tok, weights=LazyWeights(loaders, None), source=str(path),
+                 sha256=digest.hexdigest(), name=name or cfg.name, meta={"format": "hf"})

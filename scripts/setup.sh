@@ -27,7 +27,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
-"${PIP[@]}" install --upgrade "pip>=23" "setuptools>=64" wheel
+"${PIP[@]}" install --upgrade "pip>=23" "setuptools>=77" wheel
 spec="."
 [ -n "$EXTRAS" ] && spec=".[$EXTRAS]"
 "${PIP[@]}" install -e "$spec"

@@ -5,30 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
-from .errors import EdgeprobeError, TextError
-
-
-def _read_text(path: str) -> str:
-    p = Path(path)
-    if not p.exists():
-        raise TextError(f"text file {path} does not exist; pass an existing file to --text")
-    if p.is_dir():
-        raise TextError(f"{path} is a folder; pass a text file to --text")
-    try:
-        return p.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise TextError(f"{path} is not UTF-8 text ({e}); pass a UTF-8 text file") from e
+from .errors import EdgeprobeError
 
 
 def cmd_eval(args) -> int:
     from . import models
-    from .corpus import corpus_path
+    from .corpus import corpus_path, read_text_file
     from .evaluate import perplexity
 
     model = models.load(args.model)
-    text = _read_text(args.text or str(corpus_path("heldout")))
+    text = read_text_file(args.text or corpus_path("heldout"))
     ids = model.tokenizer.encode(text)
     res = perplexity(model, ids, window=args.window, max_windows=args.max_windows, progress=not args.no_progress)
     out = {"model": args.model, "text": args.text or "corpus:heldout", **res.to_dict()}
@@ -51,6 +38,39 @@ def cmd_generate(args) -> int:
                           "prefill_tok_per_s": g.prefill_tok_per_s, "decode_tok_per_s": g.decode_tok_per_s}))
     else:
         print(g.prompt + g.text)
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from . import models
+    from .corpus import corpus_path, read_text_file
+    from .profile import jobs
+
+    text = read_text_file(args.corpus or corpus_path("train"))
+    model = models.load(args.model)
+    ids = model.tokenizer.encode(text)
+    progress = not args.no_progress
+    if args.what == "outliers":
+        summary = jobs.run_outliers_job(model, ids, args.out, tokens=args.tokens or 32768, window=args.window,
+                                        percentile=args.percentile, prune_rate=args.prune_rate,
+                                        coverage=args.coverage, progress=progress)
+        headline = (f"outliers: {summary['fig10_outlier_channels_per_window_mean']:.1f} channels per window "
+                    f"({summary['fig10_outlier_channels_pct_mean']:.2f}%); 80% of outliers from "
+                    f"{summary['fig11_pct_channels_for_80pct_outliers']:.2f}% of channels; kept layers "
+                    f"{summary['kept_layers']}")
+    else:
+        summary = jobs.run_sparsity_job(model, ids, args.out, tokens=args.tokens or 16384, window=args.window,
+                                        eps=args.eps, bits=args.bits, rank=args.rank,
+                                        predictor=not args.no_predictor, progress=progress)
+        headline = (f"sparsity: {100 * summary['inactive_fraction_mean']:.1f}% of FFN neurons inactive at "
+                    f"eps {100 * args.eps:g}% (achieved {100 * summary['achieved_error_mean']:.2f}%); "
+                    f"80% of firings from {summary['hot_neurons_pct_for_80pct_mean']:.0f}% of neurons")
+    summary["out"] = str(args.out)
+    if args.json:
+        print(json.dumps(summary, default=float))
+    else:
+        print(headline)
+        print(f"wrote {args.out}/{args.what}.npz, summary.json and figures")
     return 0
 
 
@@ -82,6 +102,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true")
     g.set_defaults(fn=cmd_generate)
+
+    p = sub.add_parser("profile", help="profile activation outliers or FFN sparsity on a corpus")
+    p.add_argument("what", choices=["outliers", "sparsity"])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--corpus", help="UTF-8 text file (default: the bundled training corpus)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens to profile (default 32768 for outliers, 16384 for sparsity)")
+    p.add_argument("--window", type=int, default=512, help="tokens per inference window (default 512)")
+    p.add_argument("--out", required=True, help="output folder: <what>.npz, summary.json, figures as HTML")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON line, last")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--percentile", type=float, default=99.99, help="outliers: clip = this percentile of |x|")
+    p.add_argument("--prune-rate", type=float, default=0.85, help="outliers: fraction of layers pruned")
+    p.add_argument("--coverage", type=float, default=0.8, help="outliers: hot-channel coverage")
+    p.add_argument("--eps", type=float, default=0.01, help="sparsity: allowed relative FFN output error")
+    p.add_argument("--bits", type=float, default=4.0, help="sparsity: weight bits for flash traffic")
+    p.add_argument("--rank", type=int, default=32, help="sparsity: predictor rank")
+    p.add_argument("--no-predictor", action="store_true", help="sparsity: skip the low-rank predictor")
+    p.set_defaults(fn=cmd_profile)
 
     d = sub.add_parser("demo", help="the main job: real model in, numbers out")
     d.add_argument("--model", default="smollm2-135m")

@@ -27,3 +27,22 @@ def corpus_path(split: str = "train") -> Path:
 
 def read_corpus(split: str = "train") -> str:
     return corpus_path(split).read_text(encoding="utf-8")
+
+
+def read_text_file(path) -> str:
+    """A UTF-8 text file, or TextError saying why it cannot serve as a corpus."""
+    from .errors import TextError
+
+    p = Path(path)
+    if not p.exists():
+        raise TextError(f"text file {path} does not exist; pass an existing UTF-8 text file")
+    if p.is_dir():
+        raise TextError(f"{path} is a folder; pass a UTF-8 text file")
+    data = p.read_bytes()
+    if b"\x00" in data[:1 << 20]:
+        raise TextError(f"{path} looks binary (it contains NUL bytes); pass a UTF-8 text file")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TextError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); convert it to UTF-8 "
+                        "(e.g. iconv -t utf-8) or pass another file") from e

@@ -35,3 +35,11 @@ class TokenRangeError(EdgeprobeError, ValueError):
 
 class CorpusNotFoundError(EdgeprobeError, FileNotFoundError):
     """The bundled corpus is missing (rebuild it with datasets/build_corpus.py)."""
+
+
+class StatsMismatchError(EdgeprobeError, ValueError):
+    """Two profiles that cannot be merged (different model, kind or thresholds)."""
+
+
+class StatsFileError(EdgeprobeError, ValueError):
+    """A saved profile that cannot be loaded (damaged, another format version, another kind)."""

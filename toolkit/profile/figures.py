@@ -1,0 +1,119 @@
+"""Plotly figures of the profiles, drawn as the papers draw them (mllm-NPU Fig. 10-12; LLM in a flash)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def _go():
+    import plotly.graph_objects as go
+
+    return go
+
+
+OUTLIER_KINDS = ("channels", "share", "importance", "histogram")
+SPARSITY_KINDS = ("inactive", "frequency", "window")
+
+
+def outlier_figure(st, kind: str = "channels"):
+    go = _go()
+    from .outliers import TENSOR_POINTS
+
+    if kind not in OUTLIER_KINDS:
+        raise ValueError(f"unknown outlier figure {kind!r}; choose one of {OUTLIER_KINDS}")
+    L = st._layers()
+    layers = np.arange(L)
+    title_tail = f"{st.model_name}, {st.tokens:,} tokens, clip = p{st.params['percentile']:g} of |x|"
+    if kind == "channels":  # Fig. 10
+        cpl = st.channels_per_layer()
+        fig = go.Figure()
+        for p in TENSOR_POINTS:
+            fig.add_bar(x=layers, y=cpl[f"{p}_per_window"], name=p,
+                        customdata=cpl[f"{p}_pct_window"],
+                        hovertemplate="layer %{x}<br>%{y:.1f} channels (%{customdata:.2f}%)<extra>" + p + "</extra>")
+        fig.add_scatter(x=layers, y=cpl["pct_window"], name="% of channels (mean)", yaxis="y2",
+                        mode="lines+markers", line=dict(color="black"))
+        fig.update_layout(barmode="group", title=f"Outlier channels per layer per {st.windows and st.tokens // st.windows}-token "
+                          f"inference (mllm-NPU Fig. 10) — {title_tail}",
+                          xaxis_title="layer", yaxis_title="channels with an outlier",
+                          yaxis2=dict(title="% of channels", overlaying="y", side="right", rangemode="tozero"))
+        return fig
+    if kind == "share":  # Fig. 11
+        fig = go.Figure()
+
+        def curve(cum):  # ~400 log-spaced ranks keep the HTML small and the curve exact at those ranks
+            idx = np.unique(np.geomspace(1, len(cum), 400).astype(int)) - 1
+            return 100 * (idx + 1) / len(cum), 100 * cum[idx]
+
+        for p in TENSOR_POINTS:
+            x, y = curve(st.channel_share([n for n in st.names if n.endswith(p)]))
+            fig.add_scatter(x=x, y=y, name=p, mode="lines")
+        x, y = curve(st.channel_share())
+        pct = st.share_channels(0.8)
+        fig.add_scatter(x=x, y=y, name="all tensors", mode="lines", line=dict(color="black", width=3))
+        fig.add_hline(y=80, line_dash="dot", annotation_text=f"80% of outliers from {pct:.2f}% of channels")
+        fig.update_layout(title=f"Share of outliers by channel rank (mllm-NPU Fig. 11) — {title_tail}",
+                          xaxis_title="channels, ranked by outlier count (%)", yaxis_title="cumulative share of outliers (%)",
+                          xaxis_type="log")
+        return fig
+    if kind == "importance":  # Fig. 12
+        imp = st.layer_importance()
+        pruned = set(st.pruned_layers())
+        colors = ["#bbbbbb" if i in pruned else "#d62728" for i in layers]
+        fig = go.Figure(go.Bar(x=layers, y=imp, marker_color=colors,
+                               hovertemplate="layer %{x}<br>max|x| / clip = %{y:.2f}<extra></extra>"))
+        fig.update_layout(title=f"Outlier importance per layer, red = kept, grey = pruned at 85% "
+                          f"(mllm-NPU Fig. 12) — {title_tail}", xaxis_title="layer",
+                          yaxis_title="max |x| / clip", yaxis_type="log")
+        return fig
+    # histogram: per layer, share of values by |x| / clip octave (rows) at the ffn_act input
+    edges = st.params["ratio_edges"]
+    z = []
+    for i in layers:
+        h = sum(st.arrays[f"blk.{i}.{p}"]["hist"].sum(axis=0) for p in TENSOR_POINTS)
+        z.append(np.log10(np.maximum(h, 0) + 1))
+    labels = [f"≥{e:g}" for e in edges]
+    fig = go.Figure(go.Heatmap(z=np.array(z).T, x=layers, y=labels, colorscale="Viridis",
+                               colorbar=dict(title="log10(count+1)")))
+    fig.update_layout(title=f"|x| / clip by layer (all linear inputs) — {title_tail}",
+                      xaxis_title="layer", yaxis_title="|x| / clip")
+    return fig
+
+
+def sparsity_figure(st, kind: str = "inactive"):
+    go = _go()
+    if kind not in SPARSITY_KINDS:
+        raise ValueError(f"unknown sparsity figure {kind!r}; choose one of {SPARSITY_KINDS}")
+    L = st.n_layers
+    layers = np.arange(L)
+    tail = f"{st.model_name}, {st.tokens:,} tokens, eps = {100 * st.params['eps']:g}%"
+    if kind == "inactive":
+        fig = go.Figure()
+        fig.add_bar(x=layers, y=100 * st.inactive_fraction(), name="inactive neurons (%)")
+        fig.add_scatter(x=layers, y=100 * st.achieved_error(), name="FFN output error (%)", yaxis="y2",
+                        mode="lines+markers")
+        fig.update_layout(title=f"FFN neurons below the per-layer threshold — {tail}", xaxis_title="layer",
+                          yaxis_title="inactive (%)",
+                          yaxis2=dict(title="relative L2 error (%)", overlaying="y", side="right", rangemode="tozero"))
+        return fig
+    if kind == "frequency":
+        z = np.array([np.sort(st.frequency(i))[::-1] for i in layers])
+        fig = go.Figure(go.Heatmap(z=z, x=100 * np.arange(1, z.shape[1] + 1) / z.shape[1], y=layers,
+                                   colorscale="Magma", colorbar=dict(title="firing frequency")))
+        hot = st.hot_fraction(0.8)
+        fig.update_layout(title=f"Neuron firing frequency, ranked per layer (80% of firings from {hot.mean():.0f}% "
+                          f"of neurons on average) — {tail}", xaxis_title="neurons ranked by frequency (%)",
+                          yaxis_title="layer")
+        return fig
+    w = st.window()
+    fig = go.Figure()
+    fig.add_scatter(x=w["k"], y=w["resident"], name="neurons resident in DRAM", mode="lines+markers")
+    fig.add_scatter(x=w["k"], y=w["new"], name="neurons loaded per token", mode="lines+markers", yaxis="y2")
+    fig.update_layout(title=f"Sliding window (LLM in a flash §3.2), per layer — {tail}",
+                      xaxis_title="window k (tokens)", yaxis_title="resident neurons",
+                      yaxis2=dict(title="new neurons per token", overlaying="y", side="right", type="log"))
+    return fig
+
+
+def write_html(fig, path) -> None:
+    """Self-contained HTML (plotly.js inlined): opens offline, in a browser or a report."""
+    fig.write_html(str(path), include_plotlyjs=True, full_html=True)

@@ -1,0 +1,241 @@
+"""OutlierStats: where the activation outliers are (mllm-NPU §3.3, Fig. 10-12; LLM.int8()).
+
+Outlier rule. Each linear input tensor (hook points attn_in, attn_out, ffn_in, ffn_act of every
+layer) gets a per-tensor symmetric int8 clip value c from calibration: c = the `percentile`-th
+percentile (default 99.99) of |x| over the calibration tokens, so int8 scale s = c / 127 and
+|x| > c is an outlier (mllm-NPU eq. 1: it goes to the CPU's float "shadow" GEMM). LLM.int8()'s
+fixed threshold |x| > 6.0 is counted alongside as a second view.
+
+Per channel, streamed: running max |x|, outlier counts (both views), a histogram of |x| / c in
+octaves from 1/4 up; per tensor: tokens by number of outlier channels, channels with an outlier
+per window. Memory is constant in the number of tokens.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from edgeprobe_kernels.activation_stats import N_RATIO_BINS, RATIO_EDGES, log2_bin_edges, log2_histogram, outlier_update
+
+from ..forward import forward
+from ..models import Model
+from .base import Profile
+from .runner import windows
+
+TENSOR_POINTS = ("attn_in", "attn_out", "ffn_in", "ffn_act")
+LLM_INT8_THRESHOLD = 6.0
+
+
+def tensor_names(model: Model) -> list[str]:
+    return [f"blk.{i}.{p}" for i in range(model.config.n_layers) for p in TENSOR_POINTS]
+
+
+def _percentile_from_hist(hist: np.ndarray, q: float) -> float:
+    """q-th percentile (0-100) of the values binned by log2_histogram, log-interpolated in its bin."""
+    edges = log2_bin_edges()
+    cum = np.cumsum(hist)
+    target = q / 100.0 * cum[-1]
+    b = int(np.searchsorted(cum, target, side="left"))
+    lo, hi = edges[b], edges[b + 1]
+    before = cum[b - 1] if b else 0
+    frac = (target - before) / max(hist[b], 1)
+    if lo <= 0 or not np.isfinite(hi):
+        return float(lo)
+    return float(lo * (hi / lo) ** frac)
+
+
+def calibrate_clips(model: Model, ids, percentile: float = 99.99, window: int = 512,
+                    max_tokens: int | None = 16384, progress: bool = True) -> dict[str, float]:
+    """Per-tensor clip values: the `percentile` of |x| at every linear input over `ids`.
+
+    Streams a log-linear histogram per tensor (32 bins per octave), so the result is within ~1% of
+    the exact percentile and memory stays constant. Returns {"blk.{i}.{point}": clip}.
+    """
+    if not 0 < percentile < 100:
+        raise ValueError(f"percentile must be in (0, 100), got {percentile}")
+    from tqdm.auto import tqdm
+
+    names = tensor_names(model)
+    hists = {n: np.zeros(8192, dtype=np.int64) for n in names}
+    hooks = {n: (lambda name, x: log2_histogram(x, hists[name])) for n in names}
+    for chunk in tqdm(windows(ids, window, max_tokens), desc="calibrate", unit="win", disable=not progress,
+                      leave=False):
+        forward(model, chunk, hooks=hooks, logits="none")
+    return {n: _percentile_from_hist(hists[n], percentile) for n in names}
+
+
+class OutlierStats(Profile):
+    """Per-channel outlier statistics of every linear input. Build with `OutlierStats.for_model`."""
+
+    KIND: ClassVar[str] = "outliers"
+    # field: how shards combine. chmax float32[C]; count, count_fixed int64[C]; hist int64[C, bins];
+    # tok_hist int64[C+1] tokens by number of outlier channels; win_channels int64[1] sum over windows
+    # of channels with an outlier in that window.
+    FIELDS: ClassVar[dict] = {"chmax": "max", "count": "sum", "count_fixed": "sum", "hist": "sum", "tok_hist": "sum",
+              "win_channels": "sum"}
+
+    @classmethod
+    def for_model(cls, model: Model, clips: dict[str, float], percentile: float = 99.99,
+                  fixed: float = LLM_INT8_THRESHOLD) -> "OutlierStats":
+        names = tensor_names(model)
+        missing = [n for n in names if n not in clips]
+        if missing:
+            raise ValueError(f"clips lack {len(missing)} tensors (e.g. {missing[0]}); use calibrate_clips(model, ids)")
+        params = {"clips": {n: float(clips[n]) for n in names}, "percentile": float(percentile),
+                  "fixed_threshold": float(fixed), "ratio_edges": RATIO_EDGES.tolist()}
+        return cls(model_name=model.name, model_sha256=model.sha256, params=params)
+
+    def _state(self, name: str, C: int) -> dict:
+        st = self.arrays.get(name)
+        if st is None:
+            st = self.arrays[name] = {
+                "chmax": np.zeros(C, np.float32), "count": np.zeros(C, np.int64),
+                "count_fixed": np.zeros(C, np.int64), "hist": np.zeros((C, N_RATIO_BINS), np.int64),
+                "tok_hist": np.zeros(C + 1, np.int64), "win_channels": np.zeros(1, np.int64)}
+        return st
+
+    def hooks(self, model: Model) -> dict:
+        self._check_model(model)
+        clips, fixed = self.params["clips"], self.params["fixed_threshold"]
+
+        def observe(name, x):
+            st = self._state(name, x.shape[1])
+            any_out = np.zeros(x.shape[1], dtype=bool)
+            outlier_update(np.ascontiguousarray(x, dtype=np.float32), clips[name], fixed, st["chmax"],
+                           st["count"], st["count_fixed"], st["hist"], st["tok_hist"], any_out)
+            st["win_channels"] += int(any_out.sum())
+        return {n: observe for n in clips}
+
+    # ---- derived: Fig. 10 ----------------------------------------------------------------------
+    @property
+    def names(self) -> list[str]:
+        return list(self.params["clips"])
+
+    def _layers(self) -> int:
+        return 1 + max(int(n.split(".")[1]) for n in self.names)
+
+    def channels_per_layer(self) -> dict[str, np.ndarray]:
+        """Fig. 10: outlier channels per layer, float64[layers] for each point.
+
+        Keys: "{point}_per_token" (mean channels with |x| > clip per token), "{point}_per_window"
+        (mean distinct channels with an outlier per window = one inference), and "{point}_pct_window"
+        (the same as % of the tensor's channels); "pct_window" averages the four points.
+        """
+        L, out = self._layers(), {}
+        for p in TENSOR_POINTS:
+            tok, win, pct = np.zeros(L), np.zeros(L), np.zeros(L)
+            for i in range(L):
+                st = self.arrays.get(f"blk.{i}.{p}")
+                if st is None:
+                    continue
+                C = len(st["chmax"])
+                th = st["tok_hist"]
+                tok[i] = (np.arange(C + 1) * th).sum() / max(th.sum(), 1)
+                win[i] = st["win_channels"][0] / max(self.windows, 1)
+                pct[i] = 100.0 * win[i] / C
+            out[f"{p}_per_token"], out[f"{p}_per_window"], out[f"{p}_pct_window"] = tok, win, pct
+        out["pct_window"] = np.mean([out[f"{p}_pct_window"] for p in TENSOR_POINTS], axis=0)
+        return out
+
+    # ---- derived: Fig. 11 ----------------------------------------------------------------------
+    def channel_share(self, names: list[str] | None = None, fixed: bool = False) -> np.ndarray:
+        """Fig. 11: cumulative share of outliers by channel rank, float64[channels] in [0, 1].
+
+        Channels of the given tensors (default all) are pooled and sorted by outlier count.
+        """
+        key = "count_fixed" if fixed else "count"
+        counts = np.concatenate([self.arrays[n][key] for n in (names or self.names) if n in self.arrays])
+        counts = np.sort(counts)[::-1].astype(np.float64)
+        total = counts.sum()
+        return np.cumsum(counts) / total if total else np.zeros_like(counts)
+
+    def share_channels(self, share: float = 0.8, names: list[str] | None = None) -> float:
+        """% of channels that produce `share` of all outliers (paper: < 3% produce > 80%)."""
+        cum = self.channel_share(names)
+        if not len(cum) or cum[-1] == 0:
+            return float("nan")
+        return 100.0 * (int(np.searchsorted(cum, share - 1e-12)) + 1) / len(cum)
+
+    def hot_channels(self, coverage: float = 0.8) -> dict[str, np.ndarray]:
+        """Per tensor, the fewest channels whose outliers cover `coverage` of the tensor's outliers.
+
+        mllm-NPU keeps only these channels' weight rows in memory for the shadow GEMM.
+        """
+        hot = {}
+        for n in self.names:
+            c = self.arrays[n]["count"] if n in self.arrays else np.zeros(0)
+            total = c.sum()
+            if not total:
+                hot[n] = np.zeros(0, dtype=np.int64)
+                continue
+            order = np.argsort(-c, kind="stable")
+            k = int(np.searchsorted(np.cumsum(c[order]) / total, coverage - 1e-12)) + 1
+            hot[n] = np.sort(order[:k])
+        return hot
+
+    # ---- derived: Fig. 12 ----------------------------------------------------------------------
+    def importance(self) -> dict[str, float]:
+        """Per tensor: max |x| / clip (mllm-NPU §3.3: larger = wider spread = larger int8 error)."""
+        return {n: float(self.arrays[n]["chmax"].max() / self.params["clips"][n])
+                for n in self.names if n in self.arrays}
+
+    def layer_importance(self) -> np.ndarray:
+        """Fig. 12: float64[layers], the largest importance of the layer's tensors."""
+        imp, out = self.importance(), np.zeros(self._layers())
+        for n, v in imp.items():
+            i = int(n.split(".")[1])
+            out[i] = max(out[i], v)
+        return out
+
+    def pruned_layers(self, prune_rate: float = 0.85) -> list[int]:
+        """The `prune_rate` least important layers, whose outliers mllm-NPU drops (default 85%)."""
+        if not 0 <= prune_rate <= 1:
+            raise ValueError(f"prune_rate must be in [0, 1], got {prune_rate}")
+        imp = self.layer_importance()
+        k = int(np.floor(prune_rate * len(imp)))
+        return sorted(np.argsort(imp, kind="stable")[:k].tolist())
+
+    def pruned_tensors(self, prune_rate: float = 0.85) -> list[str]:
+        """The same rule per tensor: the `prune_rate` least important linear inputs."""
+        imp = self.importance()
+        names = sorted(imp, key=lambda n: imp[n])
+        return sorted(names[:int(np.floor(prune_rate * len(names)))])
+
+    def smoothquant_scales(self) -> dict[str, np.ndarray]:
+        """Per tensor name: float32[channels] max |x| per input channel (SmoothQuant's act scale s_j)."""
+        return {n: self.arrays[n]["chmax"].copy() for n in self.names if n in self.arrays}
+
+    def summary(self, coverage: float = 0.8, prune_rate: float = 0.85) -> dict:
+        cpl = self.channels_per_layer()
+        hot = self.hot_channels(coverage)
+        n_hot = sum(len(v) for v in hot.values())
+        n_all = sum(len(self.arrays[n]["chmax"]) for n in self.names if n in self.arrays)
+        total = sum(int(self.arrays[n]["count"].sum()) for n in self.names if n in self.arrays)
+        values = self.tokens * n_all
+        return {
+            "kind": self.KIND, "model": self.model_name, "tokens": self.tokens, "windows": self.windows,
+            "percentile": self.params["percentile"],
+            "outlier_fraction_of_values": total / values if values else 0.0,
+            "fig10_outlier_channels_per_window_mean": float(np.mean([cpl[f"{p}_per_window"] for p in TENSOR_POINTS])),
+            "fig10_outlier_channels_pct_mean": float(cpl["pct_window"].mean()),
+            "fig10_outlier_channels_pct_max_layer": float(cpl["pct_window"].max()),
+            "fig10_outlier_channels_per_token_mean": float(np.mean([cpl[f"{p}_per_token"] for p in TENSOR_POINTS])),
+            "fig11_pct_channels_for_80pct_outliers": self.share_channels(0.8),
+            "fig11_pct_channels_for_80pct_outliers_llm_int8": _share_pct(self.channel_share(fixed=True), 0.8),
+            "hot_channels_coverage": coverage, "hot_channels": n_hot, "hot_channels_pct": 100.0 * n_hot / max(n_all, 1),
+            "fig12_layer_importance": [round(v, 3) for v in self.layer_importance().tolist()],
+            "prune_rate": prune_rate, "pruned_layers": self.pruned_layers(prune_rate),
+            "kept_layers": sorted(set(range(self._layers())) - set(self.pruned_layers(prune_rate))),
+        }
+
+    def figure(self, kind: str = "channels"):
+        from . import figures
+
+        return figures.outlier_figure(self, kind)
+
+
+def _share_pct(cum: np.ndarray, share: float) -> float:
+    if not len(cum) or cum[-1] == 0:
+        return float("nan")
+    return 100.0 * (int(np.searchsorted(cum, share - 1e-12)) + 1) / len(cum)

@@ -1,0 +1,58 @@
+"""Run profiles over a token stream window by window: constant memory, one progress bar."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from ..errors import TextError, WindowError
+from ..forward import forward
+from ..models import Model
+
+
+def windows(ids, window: int, max_tokens: int | None = None) -> list[np.ndarray]:
+    """Non-overlapping windows of `window` tokens (the tail shorter than a window is dropped)."""
+    if not isinstance(window, (int, np.integer)) or window < 2:
+        raise WindowError(f"window must be an integer >= 2, got {window!r}")
+    ids = np.asarray(ids)
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    n = len(ids) // window
+    if n == 0:
+        raise TextError(f"the corpus has {len(ids)} tokens, fewer than one window of {window}; "
+                        "pass a longer corpus, more --tokens or a smaller --window")
+    return [ids[i * window:(i + 1) * window] for i in range(n)]
+
+
+def combine_hooks(hook_dicts) -> dict:
+    """Several observers' {name: hook} dicts -> one dict calling each in turn (observe only)."""
+    per_name = defaultdict(list)
+    for d in hook_dicts:
+        for name, fn in d.items():
+            per_name[name].append(fn)
+
+    def chain(fns):
+        def hook(name, x):
+            for fn in fns:
+                fn(name, x)
+        return hook
+    return {name: fns[0] if len(fns) == 1 else chain(fns) for name, fns in per_name.items()}
+
+
+def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None = None,
+        progress: bool = True, desc: str = "profile"):
+    """Feed `ids` (int[tokens]) through the forward pass, window by window, into each profile.
+
+    Each window is one sequence from an empty cache; the LM head is skipped (profiles read hidden
+    activations only). Memory does not grow with the number of tokens. Returns the profiles.
+    """
+    chunks = windows(ids, window, max_tokens)
+    hooks = combine_hooks(p.hooks(model) for p in profiles)
+    for chunk in tqdm(chunks, desc=desc, unit="win", disable=not progress, leave=False):
+        for p in profiles:
+            p.begin_window(chunk)
+        forward(model, chunk, hooks=hooks, logits="none")
+        for p in profiles:
+            p.end_window(len(chunk))
+    return profiles if len(profiles) != 1 else profiles[0]

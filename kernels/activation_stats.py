@@ -6,6 +6,8 @@ a few percent to the forward pass; the references define what they compute and t
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 try:
@@ -13,9 +15,9 @@ try:
 except ImportError:  # a phone without numba falls back to the references
     numba = None
 
-# Bins of |x| / clip: [<1/4) (implicit), [1/4,1/2), [1/2,1), [1,2), [2,4), ..., [2^(N_RATIO_BINS-3), inf)
-N_RATIO_BINS = 11
-RATIO_EDGES = 2.0 ** np.arange(-2, N_RATIO_BINS - 2)  # lower edges of bins 0..N-1
+# Bins of |x| / clip: [<1/2) (implicit), [1/2,1), [1,2), [2,4), ..., [2^(N_RATIO_BINS-2), inf)
+N_RATIO_BINS = 12
+RATIO_EDGES = 2.0 ** np.arange(-1, N_RATIO_BINS - 1)  # lower edges of bins 0..N-1
 
 
 def outlier_update_ref(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist, any_out):
@@ -24,7 +26,7 @@ def outlier_update_ref(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist
     x: float32[N, C]; clip: float, the per-tensor clip value (int8 scale * 127): |x| > clip is an
     outlier (mllm-NPU eq. 1); fixed: float, LLM.int8()'s absolute threshold (6.0).
     chmax float32[C] running max |x|; count / count_fixed int64[C] values beyond clip / fixed;
-    hist int64[C, N_RATIO_BINS] counts of |x|/clip per RATIO_EDGES bin (values < 1/4 not counted);
+    hist int64[C, N_RATIO_BINS] counts of |x|/clip per RATIO_EDGES bin (values < 1/2 not counted);
     tok_hist int64[C+1] tokens by their number of outlier channels; any_out bool[C] (|=).
     """
     a = np.abs(x)
@@ -33,9 +35,9 @@ def outlier_update_ref(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist
     count += out.sum(axis=0)
     count_fixed += (a > fixed).sum(axis=0)
     r = a / clip
-    b = np.clip(np.floor(np.log2(np.maximum(r, 1e-30))).astype(np.int64) + 2, 0, N_RATIO_BINS - 1)
+    b = np.clip(np.floor(np.log2(np.maximum(r, 1e-30))).astype(np.int64) + 1, 0, N_RATIO_BINS - 1)
     C = x.shape[1]
-    keep = r >= 0.25
+    keep = r >= 0.5
     np.add.at(hist, (np.nonzero(keep)[1], b[keep]), 1)
     tok_hist += np.bincount(out.sum(axis=1), minlength=C + 1)
     any_out |= out.any(axis=0)
@@ -44,15 +46,17 @@ def outlier_update_ref(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist
 NEVER = -(1 << 62)  # `last` value of a neuron that has not fired in this sequence
 
 
-def window_update_ref(active, last, t0, K, fire, gap_hist, age_hist):
+def window_update_ref(act, tau, last, t0, K, fire, gap_hist, age_hist):
     """Sliding-window neuron residency over one sequence's tokens, in order (LLM in a flash §3.2).
 
-    active: bool[N, F], token t0+t fired neuron j; last: int64[F] sequence position at which each
-    neuron last fired (NEVER at the start of a sequence), updated; K: the largest window.
-    fire int64[F] += firings. gap_hist int64[K+2]: for each firing, position - last[j] capped at
-    K+1: a firing is a new load for window k iff its gap > k. age_hist int64[K+2]: for each token and
-    neuron, position - last[j] after the update, capped at K+1: resident in window k iff age < k.
+    act: float32[N, F], activations of tokens t0..t0+N-1; neuron j is active when |act| > tau.
+    last: int64[F] sequence position at which each neuron last fired (NEVER at the start of a
+    sequence), updated; K: the largest window. fire int64[F] += firings.
+    gap_hist int64[K+2]: for each firing, position - last[j] capped at K+1: a firing is a new load
+    for window k iff its gap > k. age_hist int64[K+2]: for each token and neuron, position - last[j]
+    after the update, capped at K+1: the neuron is resident in window k iff age < k.
     """
+    active = np.abs(act) > tau
     N, F = active.shape
     for t in range(N):
         pos = t0 + t
@@ -67,36 +71,24 @@ if numba is not None:
     @numba.njit(nogil=True, cache=True)
     def _outlier_update_nb(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist, any_out):
         N, C = x.shape
-        inv = 1.0 / clip
+        half = 0.5 * clip
+        rare = min(half, fixed)  # values below this only update the running max: the fast path
         for n in range(N):
             k = 0
             for c in range(C):
                 a = abs(x[n, c])
-                if a > chmax[c]:
-                    chmax[c] = a
-                if a > fixed:
-                    count_fixed[c] += 1
-                r = a * inv
-                if r >= 0.25:
-                    b = int(np.floor(np.log2(r))) + 2
-                    hist[c, min(max(b, 0), N_RATIO_BINS - 1)] += 1
-                    if a > clip:
-                        count[c] += 1
-                        any_out[c] = True
-                        k += 1
+                chmax[c] = max(chmax[c], a)
+                if a >= rare:
+                    if a > fixed:
+                        count_fixed[c] += 1
+                    if a >= half:
+                        e = math.frexp(a / clip)[1]  # a/clip = m * 2^e, m in [0.5, 1): floor(log2) = e - 1
+                        hist[c, min(max(e, 0), N_RATIO_BINS - 1)] += 1
+                        if a > clip:
+                            count[c] += 1
+                            any_out[c] = True
+                            k += 1
             tok_hist[k] += 1
-
-    @numba.njit(nogil=True, cache=True)
-    def _window_update_nb(active, last, t0, K, fire, gap_hist, age_hist):
-        N, F = active.shape
-        for t in range(N):
-            pos = t0 + t
-            for j in range(F):
-                if active[t, j]:
-                    fire[j] += 1
-                    gap_hist[min(max(pos - last[j], 0), K + 1)] += 1
-                    last[j] = pos
-                age_hist[min(max(pos - last[j], 0), K + 1)] += 1
 
 
 def outlier_update(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist, any_out):
@@ -109,13 +101,33 @@ def outlier_update(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist, an
     _outlier_update_nb(x, float(clip), float(fixed), chmax, count, count_fixed, hist, tok_hist, any_out)
 
 
-def window_update(active, last, t0, K, fire, gap_hist, age_hist):
-    """See window_update_ref; numba when available."""
-    if gap_hist.shape != (K + 2,) or age_hist.shape != (K + 2,) or last.shape != (active.shape[1],):
-        raise ValueError("window_update: gap_hist/age_hist need K+2 entries and last one per neuron")
-    if numba is None:
-        return window_update_ref(active, last, t0, K, fire, gap_hist, age_hist)
-    _window_update_nb(np.ascontiguousarray(active), last, int(t0), int(K), fire, gap_hist, age_hist)
+def pack_active(act: np.ndarray, tau: float) -> np.ndarray:
+    """act float32[N, F] -> uint64[N, ceil(F/64)]: bit j of row t set when |act[t, j]| > tau."""
+    bits = np.packbits(np.abs(act) > tau, axis=1, bitorder="little")
+    pad = (-bits.shape[1]) % 8
+    if pad:
+        bits = np.pad(bits, ((0, 0), (0, pad)))
+    return np.ascontiguousarray(bits).view(np.uint64)
+
+
+def window_counts(on: np.ndarray, carry: np.ndarray, new: np.ndarray, resident: np.ndarray) -> np.ndarray:
+    """Sliding-window counts for windows k = 1..K over one sequence's tokens, bit-parallel.
+
+    on: uint64[N, W] packed activity (pack_active); carry: uint64[K, W], the packed activity of the
+    K tokens before these (zeros at the start of a sequence). Adds to new int64[K] the firings not
+    active in the k tokens before (loads from flash), and to resident int64[K] the neurons active in
+    the k tokens ending at each token (held in DRAM). Returns the carry for the next call.
+    Same numbers as window_update_ref's gap/age histograms (tested), 64 neurons per operation.
+    """
+    K = carry.shape[0]
+    full = np.concatenate([carry, on])  # row K + t is token t
+    N = on.shape[0]
+    prev = np.zeros_like(on)  # OR over the k tokens before each token
+    for k in range(1, K + 1):
+        resident[k - 1] += int(np.bitwise_count(on | prev).sum())  # window t-k+1..t
+        prev |= full[K - k:K - k + N]
+        new[k - 1] += int(np.bitwise_count(on & ~prev).sum())
+    return full[-K:].copy()
 
 
 def log2_histogram(x: np.ndarray, out: np.ndarray) -> None:

@@ -13,7 +13,7 @@ from edgeprobe.profile import OutlierStats, SparsityStats, calibrate_clips, cali
 from edgeprobe.profile.outliers import TENSOR_POINTS, _percentile_from_hist
 from edgeprobe.profile.predictor import train_predictors
 from edgeprobe_kernels.activation_stats import (NEVER, N_RATIO_BINS, log2_histogram, outlier_update,
-                                                outlier_update_ref, window_update, window_update_ref)
+                                                outlier_update_ref, pack_active, window_counts, window_update_ref)
 
 W = 64  # small windows keep the suite fast
 
@@ -56,17 +56,22 @@ def test_outlier_kernel_matches_reference():
         outlier_update(x, 2.5, 6.0, *state(95))
 
 
-def test_window_kernel_matches_reference_and_definition():
+def test_window_counts_match_reference_and_definition():
     rng = np.random.default_rng(2)
-    act = rng.random((40, 30)) < 0.3
+    a = rng.standard_normal((40, 30)).astype(np.float32)
+    tau = 1.0
+    act = np.abs(a) > tau
     K = 5
     s1 = [np.full(30, NEVER, np.int64), np.zeros(30, np.int64), np.zeros(K + 2, np.int64), np.zeros(K + 2, np.int64)]
-    s2 = [s.copy() for s in s1]
-    for t0, part in ((0, act[:25]), (25, act[25:])):  # one sequence fed in two calls
-        window_update_ref(part, s1[0], t0, K, *s1[1:])
-        window_update(part, s2[0], t0, K, *s2[1:])
-    for p, q in zip(s1, s2):
-        np.testing.assert_array_equal(p, q)
+    for t0, part in ((0, a[:25]), (25, a[25:])):  # one sequence fed in two calls
+        window_update_ref(part, tau, s1[0], t0, K, *s1[1:])
+    # the bit-parallel version used by SparsityStats gives the same counts
+    new, res = np.zeros(K, np.int64), np.zeros(K, np.int64)
+    carry = np.zeros((K, 1), np.uint64)
+    for part in (a[:25], a[25:]):
+        carry = window_counts(pack_active(part, tau), carry, new, res)
+    np.testing.assert_array_equal(new, [s1[2][k + 1:].sum() for k in range(1, K + 1)])
+    np.testing.assert_array_equal(res, [s1[3][:k].sum() for k in range(1, K + 1)])
     # brute force: new loads and residency for window k
     for k in range(1, K + 1):
         new = sum(act[t, j] and not act[max(0, t - k):t, j].any() for t in range(40) for j in range(30))

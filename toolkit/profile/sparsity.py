@@ -20,7 +20,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from edgeprobe_kernels.activation_stats import NEVER, window_update
+from edgeprobe_kernels.activation_stats import pack_active, window_counts
 
 from ..forward import forward
 from ..models import Model
@@ -73,13 +73,14 @@ class SparsityStats(Profile):
     """Per-layer FFN activation sparsity, neuron frequencies and sliding-window traffic."""
 
     KIND: ClassVar[str] = "sparsity"
-    # fire int64[ffn] firings per neuron; gap_hist / age_hist int64[K+2] (see window_update);
-    # err float64[2] = [sum ||dy||^2, sum ||y||^2] over sampled tokens.
-    FIELDS: ClassVar[dict] = {"fire": "sum", "gap_hist": "sum", "age_hist": "sum", "err": "sum"}
+    # fire int64[ffn] firings per neuron; new / resident int64[K]: summed over tokens, neurons loaded /
+    # held for windows k = 1..K (see window_counts); err float64[2] = [sum ||dy||^2, sum ||y||^2] over
+    # sampled tokens.
+    FIELDS: ClassVar[dict] = {"fire": "sum", "new": "sum", "resident": "sum", "err": "sum"}
 
     @classmethod
     def for_model(cls, model: Model, thresholds: dict[int, float], eps: float = 0.01, act_fn: str = "silu",
-                  max_window: int = MAX_WINDOW, error_stride: int = 8) -> "SparsityStats":
+                  max_window: int = MAX_WINDOW, error_stride: int = 16) -> "SparsityStats":
         L = model.config.n_layers
         if sorted(int(k) for k in thresholds) != list(range(L)):
             raise ValueError(f"thresholds must give one tau per layer 0..{L - 1}; use calibrate_thresholds")
@@ -91,30 +92,31 @@ class SparsityStats(Profile):
     def hooks(self, model: Model) -> dict:
         self._check_model(model)
         K, stride, taus = self.params["max_window"], self.params["error_stride"], self.params["thresholds"]
-        self._last = {}
+        self._carry = {}
 
         def observe(name, a):
             i = int(name.split(".")[1])
             F = a.shape[1]
             st = self.arrays.get(name)
             if st is None:
-                st = self.arrays[name] = {"fire": np.zeros(F, np.int64), "gap_hist": np.zeros(K + 2, np.int64),
-                                          "age_hist": np.zeros(K + 2, np.int64), "err": np.zeros(2, np.float64)}
-            last = self._last.setdefault(name, np.full(F, NEVER, np.int64))
-            active = np.abs(a) > taus[i]
-            window_update(active, last, self._pos, K, st["fire"], st["gap_hist"], st["age_hist"])
+                st = self.arrays[name] = {"fire": np.zeros(F, np.int64), "new": np.zeros(K, np.int64),
+                                          "resident": np.zeros(K, np.int64), "err": np.zeros(2, np.float64)}
+            on = pack_active(a, taus[i])
+            st["fire"] += np.unpackbits(on.view(np.uint8), axis=1, bitorder="little", count=F).sum(axis=0, dtype=np.int64)
+            carry = self._carry.get(name)
+            if carry is None:
+                carry = np.zeros((K, on.shape[1]), np.uint64)
+            self._carry[name] = window_counts(on, carry, st["new"], st["resident"])
             s = a[::stride]
             wd = model.weights[f"blk.{i}.ffn_down.weight"]
             y = s @ wd.T
-            dy = np.where(active[::stride], 0.0, s).astype(np.float32) @ wd.T
+            dy = np.where(np.abs(s) > taus[i], 0.0, s).astype(np.float32) @ wd.T
             st["err"] += [np.einsum("ij,ij->", dy, dy, dtype=np.float64), np.einsum("ij,ij->", y, y, dtype=np.float64)]
         return {f"blk.{i}.ffn_act": observe for i in range(model.config.n_layers)}
 
     def begin_window(self, ids):
         super().begin_window(ids)
-        self._pos = 0  # each window is a new sequence: nothing resident
-        for last in getattr(self, "_last", {}).values():
-            last.fill(NEVER)
+        self._carry = {}  # each window is a new sequence: nothing resident
 
     # ---- derived ---------------------------------------------------------------------------------
     def _layer(self, i: int) -> dict:
@@ -154,12 +156,10 @@ class SparsityStats(Profile):
         per layer (1 or 3 per neuron), of bundle_bytes / row_bytes each.
         """
         K, h = self.params["max_window"], self.params["hidden"]
-        ages = np.sum([self._layer(i)["age_hist"] for i in range(self.n_layers)], axis=0)
-        gaps = np.sum([self._layer(i)["gap_hist"] for i in range(self.n_layers)], axis=0)
         denom = max(self.tokens * self.n_layers, 1)
         ks = np.arange(1, K + 1)
-        resident = np.array([ages[:k].sum() for k in ks]) / denom
-        new = np.array([gaps[k + 1:].sum() for k in ks]) / denom
+        resident = np.sum([self._layer(i)["resident"] for i in range(self.n_layers)], axis=0) / denom
+        new = np.sum([self._layer(i)["new"] for i in range(self.n_layers)], axis=0) / denom
         row_bytes = h * bits / 8
         return {"k": ks, "resident": resident, "new": new, "bytes": new * 3 * row_bytes,
                 "reads_bundled": new, "reads_unbundled": 3 * new,

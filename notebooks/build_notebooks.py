@@ -1,0 +1,144 @@
+"""Writes the notebooks (unexecuted) from this one file, so their text can be reviewed as code:
+    .venv/bin/python notebooks/build_notebooks.py"""
+import nbformat as nbf
+from nbformat.v4 import new_notebook, new_markdown_cell as md, new_code_cell as code
+
+KERNEL = {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
+          "language_info": {"name": "python"}}
+
+nb1 = new_notebook(metadata=KERNEL, cells=[
+md("""# 01 · Where are SmolLM2's activation outliers?
+
+**Question.** If SmolLM2-135M ran per-tensor W8A8 on a phone NPU, which activation values would fall
+outside the int8 range, in how many channels, and which layers would actually need the float "shadow"
+execution that mllm-NPU (§3.3) runs on the CPU?
+
+mllm-NPU reports on Qwen1.5-1.8B / LLaMA-2-7B: outliers touch only **0.1–0.3 % of channels** per layer
+(about 5–15; Fig. 10); **fewer than 3 % of channels produce over 80 %** of the outliers (Fig. 11); and the
+outliers of the **85 % least important layers** can be pruned, importance being max outlier / scale, with
+layers near the input and output mattering most (Fig. 12).
+
+**Rule used here.** Each linear input (attn_in, attn_out, ffn_in, ffn_act) gets a per-tensor clip value
+c = the 99.99th percentile of |x| on calibration tokens (int8 scale s = c/127); |x| > c is an outlier.
+LLM.int8()'s fixed threshold 6.0 is kept as a second view. One inference = one 512-token window."""),
+code("""import os
+from edgeprobe import models
+from edgeprobe.corpus import read_corpus
+from edgeprobe.profile.jobs import profile_outliers
+
+TOKENS = int(os.environ.get("EDGEPROBE_NB_TOKENS", 32768))   # the test suite runs this notebook small
+WINDOW = min(512, TOKENS // 4)
+model = models.load("smollm2-135m")
+ids = model.tokenizer.encode(read_corpus("train"))
+stats = profile_outliers(model, ids, tokens=TOKENS, window=WINDOW)
+s = stats.summary()
+print(f"{s['tokens']:,} tokens in {s['windows']} windows of {WINDOW}; "
+      f"{100 * s['outlier_fraction_of_values']:.4f}% of all activation values are outliers")"""),
+md("## Fig. 10 — outlier channels per layer"),
+code("""stats.figure("channels")"""),
+code("""print(f"ours : {s['fig10_outlier_channels_per_window_mean']:.1f} channels per window on average "
+      f"= {s['fig10_outlier_channels_pct_mean']:.2f}% of channels (worst layer {s['fig10_outlier_channels_pct_max_layer']:.2f}%); "
+      f"{s['fig10_outlier_channels_per_token_mean']:.3f} per token")
+print("paper: 5-15 channels, 0.1-0.3% of channels (Qwen1.5-1.8B, 2048-token inference)")"""),
+md("## Fig. 11 — a few channels produce most outliers"),
+code("""stats.figure("share")"""),
+code("""print(f"ours : {s['fig11_pct_channels_for_80pct_outliers']:.2f}% of channels produce 80% of outliers "
+      f"(LLM.int8() threshold 6.0: {s['fig11_pct_channels_for_80pct_outliers_llm_int8']:.2f}%)")
+print(f"       hot channels for 80% coverage per tensor: {s['hot_channels']} = {s['hot_channels_pct']:.2f}% of all channels")
+print("paper: < 3% of channels produce > 80% of outliers")"""),
+md("## Fig. 12 — which layers' outliers matter"),
+code("""stats.figure("importance")"""),
+code("""print("kept layers (15% most important):", s["kept_layers"])
+print("paper: layers near the input and the output are the most important")"""),
+md("## Where |x| sits relative to the clip"),
+code("""stats.figure("histogram")"""),
+md("""## What we found
+
+Measured on SmolLM2-135M with 32,768 tokens of the bundled corpus (rerun the cells for live numbers):
+
+- **Fig. 10 — agrees in shape, not in size.** About 10 channels per layer carry an outlier in a 512-token
+  inference, close to the paper's 5–15 channels; but SmolLM2's layers are narrow (576 / 1536 channels), so
+  that is ≈1 % of channels rather than 0.1–0.3 %.
+- **Fig. 11 — agrees, more skewed.** Under 1 % of channels produce 80 % of the outliers (paper: < 3 %); with
+  LLM.int8()'s fixed threshold 6.0 the concentration is stronger still. Keeping only hot-channel weight rows
+  resident is therefore even more attractive here.
+- **Fig. 12 — agrees.** Importance (max |x| / clip) is highest at layers 1–2 (input side) and 28 (output
+  side); SmolLM2 adds one very large outlier in a middle layer (11), a massive-activation layer that a
+  purely positional rule would miss. The measured ranking, not position, must decide what is pruned.
+- Stats are values: `stats.merge(other)`, `stats.save(path)`, `OutlierStats.load(path)`, and
+  `stats.smoothquant_scales()` feeds the quantizers."""),
+code("""from edgeprobe.profile import OutlierStats
+stats.save("out/notebook_outliers.npz")
+assert OutlierStats.load("out/notebook_outliers.npz") == stats"""),
+])
+
+nb3 = new_notebook(metadata=KERNEL, cells=[
+md("""# 03 · How sparse are SmolLM2's FFNs, and what would flash streaming cost?
+
+**Question.** LLM in a flash keeps FFN neurons on flash and loads only the active ones, helped by a
+sliding window of recently active neurons and a low-rank predictor; PowerInfer and DejaVu exploit the
+same sparsity. Their models are ReLU models (OPT, ReLU-fied Llama) where > 90 % of FFN activations are
+exactly zero. SmolLM2 uses SiLU: how many neurons can be treated as inactive, what does a sliding
+window load per token, and can a small predictor find the active ones?
+
+**Rule used here.** At `ffn_act` (the down-projection input), neuron j is inactive when |a_j| ≤ τ_i, τ_i
+per layer the largest threshold that changes the FFN output by at most ε = 1 % (relative L2) on
+calibration tokens; the achieved error is measured again on the profiled tokens."""),
+code("""import os
+from edgeprobe import models
+from edgeprobe.corpus import read_corpus
+from edgeprobe.profile.jobs import profile_sparsity
+from edgeprobe.profile import train_predictors
+
+TOKENS = int(os.environ.get("EDGEPROBE_NB_TOKENS", 16384))
+WINDOW = min(512, TOKENS // 4)
+model = models.load("smollm2-135m")
+ids = model.tokenizer.encode(read_corpus("train"))
+stats = profile_sparsity(model, ids, tokens=TOKENS, window=WINDOW, eps=0.01)
+s = stats.summary(bits=4)
+print(f"{s['tokens']:,} tokens: {100 * s['inactive_fraction_mean']:.1f}% of neurons inactive on average "
+      f"(layers {100 * s['inactive_fraction_min']:.0f}-{100 * s['inactive_fraction_max']:.0f}%), "
+      f"FFN output error {100 * s['achieved_error_mean']:.2f}% (target 1%)")
+print("paper (ReLU OPT): > 90% of FFN activations are zero")"""),
+code("""stats.figure("inactive")"""),
+md("## Hot and cold neurons"),
+code("""stats.figure("frequency")"""),
+code("""print(f"80% of firings come from {s['hot_neurons_pct_for_80pct_mean']:.0f}% of neurons (per layer, mean)")"""),
+md("## Sliding window: resident neurons and flash traffic per token"),
+code("""stats.figure("window")"""),
+code("""dense = 3 * 576 * 1536 * 4 / 8
+for k, w in s["window"].items():
+    print(f"k={k:>2}: {w['resident']:7.1f} resident, {w['new_per_token']:6.1f} new/token, "
+          f"{w['flash_bytes_per_token_per_layer'] / 1024:6.1f} KiB/token/layer at 4 bits "
+          f"({100 * w['fraction_of_dense_ffn_bytes']:.2f}% of the dense FFN); reads: "
+          f"{w['reads_bundled']:.0f} bundled of {s['bundle_bytes']:.0f} B vs {w['reads_unbundled']:.0f} of {s['row_bytes']:.0f} B")"""),
+md("## A low-rank predictor of the active set"),
+code("""n_train = 2 * WINDOW
+rep = train_predictors(model, ids[:n_train], ids[n_train:n_train + WINDOW], stats.params["thresholds"],
+                       rank=32, window=WINDOW)
+p = rep.summary()
+print(f"rank {p['rank']}: recall {p['recall_mean']:.3f}, precision {p['precision_mean']:.3f}, "
+      f"predicts {100 * p['predicted_fraction_mean']:.0f}% of neurons active, "
+      f"FFN output error {100 * p['ffn_error_mean']:.1f}% when only those are computed")"""),
+md("""## What we found
+
+Measured on SmolLM2-135M with 16,384 tokens (rerun the cells for live numbers):
+
+- **Sparsity: disagrees, as expected for SiLU.** At 1 % FFN-output error only about a fifth of the neurons
+  can be dropped per token (most layers 12–18 %; the first and last layers and the massive-activation
+  layer 11 much more). The > 90 % of ReLU models does not carry over: SiLU models need ReLU-fication
+  (as in PowerInfer / "ReLU strikes back") before flash streaming pays.
+- **Hot/cold: weak.** About three quarters of the neurons are needed for 80 % of firings: no small hot
+  set to pin in DRAM.
+- **Sliding window: agrees in mechanism.** Because most neurons fire often, a window of a few tokens
+  makes nearly all of them resident and new loads per token fall steeply with k (see the table): the
+  window trades DRAM for flash traffic exactly as the paper describes, just with less to gain here.
+  Bundling reads gate row, up row and down column in one read: the same bytes in a third of the reads.
+- **Predictor: weak on SiLU.** A rank-32 predictor reaches ≈94 % recall only by predicting most neurons
+  active (≈92 %), and the neurons it misses still carry ≈11 % of the FFN output: the paper's predictors were
+  built for ReLU's exact zeros."""),
+])
+
+HERE = __import__("pathlib").Path(__file__).resolve().parent
+nbf.write(nb1, HERE / "01_outliers.ipynb")
+nbf.write(nb3, HERE / "03_sparsity.ipynb")

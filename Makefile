@@ -24,6 +24,7 @@ test: setup-test
 
 bench: setup
 	$(BIN)/python bench/forward.py
+	$(BIN)/python bench/profile.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -33,9 +33,9 @@ def outlier_figure(st, kind: str = "channels"):
         fig.add_scatter(x=layers, y=cpl["pct_window"], name="% of channels (mean)", yaxis="y2",
                         mode="lines+markers", line=dict(color="black"))
         fig.update_layout(barmode="group", title=f"Outlier channels per layer per {st.windows and st.tokens // st.windows}-token "
-                          f"inference (mllm-NPU Fig. 10) — {title_tail}",
+                          f"inference (mllm-NPU Fig. 10)<br><sup>{title_tail}</sup>",
                           xaxis_title="layer", yaxis_title="channels with an outlier",
-                          yaxis2=dict(title="% of channels", overlaying="y", side="right", rangemode="tozero"))
+                          yaxis2=_right_axis("% of channels"), legend=_legend_below())
         return fig
     if kind == "share":  # Fig. 11
         fig = go.Figure()
@@ -51,30 +51,35 @@ def outlier_figure(st, kind: str = "channels"):
         pct = st.share_channels(0.8)
         fig.add_scatter(x=x, y=y, name="all tensors", mode="lines", line=dict(color="black", width=3))
         fig.add_hline(y=80, line_dash="dot", annotation_text=f"80% of outliers from {pct:.2f}% of channels")
-        fig.update_layout(title=f"Share of outliers by channel rank (mllm-NPU Fig. 11) — {title_tail}",
+        fig.update_layout(title=f"Share of outliers by channel rank (mllm-NPU Fig. 11)<br><sup>{title_tail}</sup>",
                           xaxis_title="channels, ranked by outlier count (%)", yaxis_title="cumulative share of outliers (%)",
-                          xaxis_type="log")
+                          xaxis=dict(type="log", tickvals=[0.01, 0.1, 1, 10, 100], ticktext=["0.01", "0.1", "1", "10", "100"]),
+                          legend=_legend_below())
         return fig
     if kind == "importance":  # Fig. 12
         imp = st.layer_importance()
-        pruned = set(st.pruned_layers())
-        colors = ["#bbbbbb" if i in pruned else "#d62728" for i in layers]
-        fig = go.Figure(go.Bar(x=layers, y=imp, marker_color=colors,
-                               hovertemplate="layer %{x}<br>max|x| / clip = %{y:.2f}<extra></extra>"))
-        fig.update_layout(title=f"Outlier importance per layer, red = kept, grey = pruned at 85% "
-                          f"(mllm-NPU Fig. 12) — {title_tail}", xaxis_title="layer",
-                          yaxis_title="max |x| / clip", yaxis_type="log")
+        pruned = np.zeros(L, bool)
+        pruned[st.pruned_layers()] = True
+        fig = go.Figure()
+        for mask, name, color in ((~pruned, "outliers kept", "#d62728"), (pruned, "outliers pruned (85%)", "#bbbbbb")):
+            fig.add_bar(x=layers[mask], y=imp[mask], name=name, marker_color=color,
+                        hovertemplate="layer %{x}<br>max|x| / clip = %{y:.2f}<extra></extra>")
+        top = np.log10(max(float(imp.max()), 2.0)) * 1.05
+        fig.update_layout(title=f"Outlier importance per layer (mllm-NPU Fig. 12)<br><sup>{title_tail}</sup>",
+                          xaxis_title="layer", yaxis=dict(title="max |x| / clip (1 = no outlier)", type="log",
+                                                          range=[0, top]), legend=_legend_below())
         return fig
     # histogram: per layer, share of values by |x| / clip octave (rows) at the ffn_act input
     edges = st.params["ratio_edges"]
     z = []
     for i in layers:
         h = sum(st.arrays[f"blk.{i}.{p}"]["hist"].sum(axis=0) for p in TENSOR_POINTS)
-        z.append(np.log10(np.maximum(h, 0) + 1))
-    labels = [f"≥{e:g}" for e in edges]
+        with np.errstate(divide="ignore"):
+            z.append(np.where(h > 0, np.log10(np.maximum(h, 1)), np.nan))  # empty cells stay blank
+    labels = [f"{lo:g}–{hi:g}" for lo, hi in zip(edges[:-1], edges[1:])] + [f"≥{edges[-1]:g}"]
     fig = go.Figure(go.Heatmap(z=np.array(z).T, x=layers, y=labels, colorscale="Viridis",
-                               colorbar=dict(title="log10(count+1)")))
-    fig.update_layout(title=f"|x| / clip by layer (all linear inputs) — {title_tail}",
+                               colorbar=dict(title="log10(count)")))
+    fig.update_layout(title=f"|x| / clip by layer, all linear inputs (counts per range)<br><sup>{title_tail}</sup>",
                       xaxis_title="layer", yaxis_title="|x| / clip")
     return fig
 
@@ -91,9 +96,9 @@ def sparsity_figure(st, kind: str = "inactive"):
         fig.add_bar(x=layers, y=100 * st.inactive_fraction(), name="inactive neurons (%)")
         fig.add_scatter(x=layers, y=100 * st.achieved_error(), name="FFN output error (%)", yaxis="y2",
                         mode="lines+markers")
-        fig.update_layout(title=f"FFN neurons below the per-layer threshold — {tail}", xaxis_title="layer",
-                          yaxis_title="inactive (%)",
-                          yaxis2=dict(title="relative L2 error (%)", overlaying="y", side="right", rangemode="tozero"))
+        fig.update_layout(title=f"FFN neurons below the per-layer threshold<br><sup>{tail}</sup>", xaxis_title="layer",
+                          yaxis_title="inactive (%)", yaxis2=_right_axis("FFN output error, relative L2 (%)"),
+                          legend=_legend_below())
         return fig
     if kind == "frequency":
         z = np.array([np.sort(st.frequency(i))[::-1] for i in layers])
@@ -101,17 +106,31 @@ def sparsity_figure(st, kind: str = "inactive"):
                                    colorscale="Magma", colorbar=dict(title="firing frequency")))
         hot = st.hot_fraction(0.8)
         fig.update_layout(title=f"Neuron firing frequency, ranked per layer (80% of firings from {hot.mean():.0f}% "
-                          f"of neurons on average) — {tail}", xaxis_title="neurons ranked by frequency (%)",
+                          f"of neurons on average)<br><sup>{tail}</sup>", xaxis_title="neurons ranked by frequency (%)",
                           yaxis_title="layer")
         return fig
+    from plotly.subplots import make_subplots
+
     w = st.window()
-    fig = go.Figure()
-    fig.add_scatter(x=w["k"], y=w["resident"], name="neurons resident in DRAM", mode="lines+markers")
-    fig.add_scatter(x=w["k"], y=w["new"], name="neurons loaded per token", mode="lines+markers", yaxis="y2")
-    fig.update_layout(title=f"Sliding window (LLM in a flash §3.2), per layer — {tail}",
-                      xaxis_title="window k (tokens)", yaxis_title="resident neurons",
-                      yaxis2=dict(title="new neurons per token", overlaying="y", side="right", type="log"))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=("neurons resident in DRAM", "neurons loaded from flash per token"))
+    fig.add_scatter(x=w["k"], y=w["resident"], name="resident", mode="lines+markers", row=1, col=1)
+    fig.add_scatter(x=w["k"], y=w["new"], name="loaded per token", mode="lines+markers", row=2, col=1,
+                    customdata=w["bytes"] / 1024, hovertemplate="k=%{x}: %{y:.1f} neurons, %{customdata:.1f} KiB<extra></extra>")
+    fig.update_yaxes(title_text="neurons per layer", row=1, col=1)
+    fig.update_yaxes(title_text="neurons per token per layer", type="log", row=2, col=1)
+    fig.update_xaxes(title_text="window k (tokens)", dtick=1, row=2, col=1)
+    fig.update_layout(title=f"Sliding window (LLM in a flash §3.2)<br><sup>{tail}</sup>", showlegend=False, height=700)
     return fig
+
+
+def _right_axis(title: str) -> dict:
+    """A secondary y-axis with its own ticks (not aligned to the left grid, which gives odd values)."""
+    return dict(title=title, overlaying="y", side="right", rangemode="tozero", showgrid=False, tickmode="auto")
+
+
+def _legend_below() -> dict:
+    return dict(orientation="h", yanchor="top", y=-0.18, xanchor="left", x=0)
 
 
 def write_html(fig, path) -> None:

@@ -1,0 +1,82 @@
+"""HMX tile layout and tile-group Q4_0 (NPU test-time scaling §5.1), with its byte layout.
+
+HMX layout of a weight W float[N_out, K_in] (the matrix unit computes x[M, K] @ W^T[K, N]):
+  1. Take W^T [K, N]; pad K and N with zeros to multiples of 32 (the padding is recorded).
+  2. Cut it into 32x32 tiles; tiles are ordered column-major: tile (kt, nt) is number nt * KT + kt.
+  3. Inside a tile (rows k, columns n) each pair of rows is interleaved: element order is
+     (r2, c, p) -> tile[2 * r2 + p, c], i.e. row 2r2 and row 2r2+1 alternate column by column.
+  So every tile is 1024 consecutive values of one stream.
+Tile-group quantization: the stream is cut into groups of 32 consecutive values (a 2x16 block of the
+tile: 16 columns of a row pair) and each group is Q4_0-quantized (kernels/lut.py rule).
+Super-block: 8 consecutive groups = 256 values, stored in 144 bytes:
+  bytes   0..15 : the 8 group scales, float16 little-endian, group 0 first
+  bytes  16..143: 128 bytes of 4-bit codes; byte b holds value b in its low nibble and value b+128 in
+                  its high nibble (one HVX vector: a mask gives values 0..127, a shift gives 128..255)
+A tile is exactly 4 super-blocks; a weight is KT * NT * 4 super-blocks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .lut import GROUP, lut16_dequant, q4_quantize_groups
+
+TILE = 32
+SUPER = 8 * GROUP  # values per super-block
+SUPER_BYTES = 16 + SUPER // 2
+
+
+def padded(n: int) -> int:
+    return -(-n // TILE) * TILE
+
+
+def to_tiles(w: np.ndarray) -> np.ndarray:
+    """W float[N, K] -> float[KT*NT*1024] stream in HMX order (zero-padded to multiples of 32)."""
+    N, K = w.shape
+    Kp, Np = padded(K), padded(N)
+    wt = np.zeros((Kp, Np), dtype=w.dtype)
+    wt[:K, :N] = w.T
+    KT, NT = Kp // TILE, Np // TILE
+    t = wt.reshape(KT, TILE, NT, TILE).transpose(2, 0, 1, 3)  # [nt, kt, row, col]: column-major tiles
+    t = t.reshape(NT, KT, TILE // 2, 2, TILE).transpose(0, 1, 2, 4, 3)  # [nt, kt, r2, c, p]
+    return np.ascontiguousarray(t).reshape(-1)
+
+
+def from_tiles(stream: np.ndarray, N: int, K: int) -> np.ndarray:
+    """Inverse of to_tiles: stream -> W [N, K] (padding dropped)."""
+    Kp, Np = padded(K), padded(N)
+    KT, NT = Kp // TILE, Np // TILE
+    t = stream.reshape(NT, KT, TILE // 2, TILE, 2).transpose(0, 1, 2, 4, 3).reshape(NT, KT, TILE, TILE)
+    wt = t.transpose(1, 2, 0, 3).reshape(Kp, Np)
+    return np.ascontiguousarray(wt[:K, :N].T)
+
+
+def pack_superblocks(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """q uint8[G, 32] codes, d float16[G] (G a multiple of 8) -> uint8[G/8, 144] (layout above)."""
+    S = len(q) // 8
+    codes = q.reshape(S, SUPER)
+    out = np.empty((S, SUPER_BYTES), np.uint8)
+    out[:, :16] = d.astype("<f2").reshape(S, 8).view(np.uint8)
+    out[:, 16:] = codes[:, :128] | (codes[:, 128:] << 4)
+    return out
+
+
+def unpack_superblocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """uint8[S, 144] -> (q uint8[8S, 32], d float16[8S])."""
+    S = len(blocks)
+    d = np.ascontiguousarray(blocks[:, :16]).view("<f2").reshape(-1).astype(np.float16)
+    nib = blocks[:, 16:]
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=1).reshape(S * 8, GROUP)
+    return q, d
+
+
+def quantize_tiles(w: np.ndarray) -> np.ndarray:
+    """W float32[N, K] -> tile-group Q4_0 super-blocks uint8[S, 144]."""
+    stream = to_tiles(np.asarray(w, np.float32))
+    q, d = q4_quantize_groups(stream.reshape(-1, GROUP))
+    return pack_superblocks(q, d)
+
+
+def dequantize_tiles(blocks: np.ndarray, N: int, K: int) -> np.ndarray:
+    """Super-blocks -> W float16[N, K] through the vlut16 kernel, then back from the tile order."""
+    q, d = unpack_superblocks(blocks)
+    return from_tiles(lut16_dequant(q, d).reshape(-1), N, K)

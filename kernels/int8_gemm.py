@@ -1,7 +1,9 @@
 """int8 x int8 -> int32 GEMM with per-tensor scales: what an NPU's matrix unit computes for W8A8.
 
-C[m, n] = sum_k A[m, k] * B[n, k] exactly in int32 (B is the weight, one output channel per row),
-then y = C * (scale_a * scale_b) in float32 (mllm-NPU §3.3, eq. 1, int8 part).
+C[m, n] = sum_k A[m, k] * Bt[k, n] exactly in int32, then y = C * (scale_a * scale_b) in float32
+(mllm-NPU §3.3, eq. 1, int8 part). The weight is stored k-major (Bt int8[K, N], row k = the weights
+every output channel applies to input channel k), the layout an outer-product kernel streams:
+each int8 product fits int16 (|127 * 127| < 2^15) and is accumulated in int32, as vector units do.
 """
 from __future__ import annotations
 
@@ -13,52 +15,49 @@ except ImportError:
     numba = None
 
 
-def gemm_s8s32_ref(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a: int8[M, K], b: int8[N, K] -> int32[M, N] (numpy reference, exact)."""
-    return a.astype(np.int32) @ b.astype(np.int32).T
+def gemm_s8s32_ref(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
+    """a: int8[M, K], bt: int8[K, N] -> int32[M, N] (numpy reference, exact)."""
+    return a.astype(np.int32) @ bt.astype(np.int32)
 
 
 if numba is not None:
     @numba.njit(parallel=True, nogil=True, cache=True)
-    def _gemm_s8s32_nb(a, b, c):
+    def _gemm_s8s32_nb(a, bt, c):
         M, K = a.shape
-        N = b.shape[0]
-        nblk = (M + 3) // 4
-        for blk in numba.prange(nblk):  # 4 rows of A share each row of B read from memory
+        N = bt.shape[1]
+        for blk in numba.prange((M + 3) // 4):  # 4 rows of A share every row of Bt read
             m0 = blk * 4
-            if m0 + 4 <= M:
-                for n in range(N):
-                    s0 = np.int32(0)
-                    s1 = np.int32(0)
-                    s2 = np.int32(0)
-                    s3 = np.int32(0)
-                    for k in range(K):
-                        w = np.int32(b[n, k])
-                        s0 += np.int32(a[m0, k]) * w
-                        s1 += np.int32(a[m0 + 1, k]) * w
-                        s2 += np.int32(a[m0 + 2, k]) * w
-                        s3 += np.int32(a[m0 + 3, k]) * w
-                    c[m0, n] = s0
-                    c[m0 + 1, n] = s1
-                    c[m0 + 2, n] = s2
-                    c[m0 + 3, n] = s3
-            else:
-                for m in range(m0, M):
-                    for n in range(N):
-                        s = np.int32(0)
-                        for k in range(K):
-                            s += np.int32(a[m, k]) * np.int32(b[n, k])
-                        c[m, n] = s
+            rows = min(4, M - m0)
+            acc = np.zeros((4, N), np.int32)
+            acc0, acc1, acc2, acc3 = acc[0], acc[1], acc[2], acc[3]
+            for k in range(K):
+                bk = bt[k]
+                x0 = np.int16(a[m0, k])
+                x1 = np.int16(a[m0 + 1, k]) if rows > 1 else np.int16(0)
+                x2 = np.int16(a[m0 + 2, k]) if rows > 2 else np.int16(0)
+                x3 = np.int16(a[m0 + 3, k]) if rows > 3 else np.int16(0)
+                for n in range(N):  # contiguous over n: vectorizes to int16 multiplies, int32 adds
+                    w = np.int16(bk[n])
+                    acc0[n] += np.int32(np.int16(x0 * w))
+                    acc1[n] += np.int32(np.int16(x1 * w))
+                    acc2[n] += np.int32(np.int16(x2 * w))
+                    acc3[n] += np.int32(np.int16(x3 * w))
+            for r in range(rows):
+                c[m0 + r] = acc[r]
 
 
-def gemm_s8s32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a: int8[M, K], b: int8[N, K] -> int32[M, N]; numba 4-row-blocked kernel when available."""
-    if a.dtype != np.int8 or b.dtype != np.int8 or a.shape[1] != b.shape[1]:
-        raise ValueError(f"gemm_s8s32 needs int8[M, K] and int8[N, K], got {a.dtype}{a.shape} and {b.dtype}{b.shape}")
+def gemm_s8s32(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
+    """a: int8[M, K], bt: int8[K, N] -> int32[M, N]; numba 4-row-blocked kernel when available.
+
+    Inputs must lie in [-127, 127] (symmetric quantization never produces -128), so every product
+    fits int16.
+    """
+    if a.dtype != np.int8 or bt.dtype != np.int8 or a.ndim != 2 or bt.ndim != 2 or a.shape[1] != bt.shape[0]:
+        raise ValueError(f"gemm_s8s32 needs int8[M, K] and int8[K, N], got {a.dtype}{a.shape} and {bt.dtype}{bt.shape}")
     if numba is None:
-        return gemm_s8s32_ref(a, b)
-    c = np.empty((a.shape[0], b.shape[0]), np.int32)
-    _gemm_s8s32_nb(np.ascontiguousarray(a), np.ascontiguousarray(b), c)
+        return gemm_s8s32_ref(a, bt)
+    c = np.empty((a.shape[0], bt.shape[1]), np.int32)
+    _gemm_s8s32_nb(np.ascontiguousarray(a), np.ascontiguousarray(bt), c)
     return c
 
 

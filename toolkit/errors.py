@@ -43,3 +43,11 @@ class StatsMismatchError(EdgeprobeError, ValueError):
 
 class StatsFileError(EdgeprobeError, ValueError):
     """A saved profile that cannot be loaded (damaged, another format version, another kind)."""
+
+
+class UnknownSchemeError(EdgeprobeError, ValueError):
+    """A quantization scheme name that edgeprobe does not implement."""
+
+
+class ManifestError(EdgeprobeError, ValueError):
+    """A quantized model whose manifest or blobs are missing, damaged or inconsistent."""

@@ -1,0 +1,114 @@
+"""NPU-semantics kernels against their numpy references (exact where the arithmetic is integer)."""
+import gguf
+import numpy as np
+import pytest
+
+from edgeprobe_kernels.flash_attention import flash_attention_f16, flash_attention_f16_ref
+from edgeprobe_kernels.int8_gemm import gemm_s8s32, gemm_s8s32_ref, quantize_per_tensor
+from edgeprobe_kernels.lut import exp_lut, exp_lut_max_error, lut16_dequant, lut16_dequant_ref, q4_quantize_groups
+from edgeprobe_kernels.shadow import extract_outliers, shadow_gemm, shadow_gemm_ref
+from edgeprobe_kernels.tiles import (SUPER_BYTES, dequantize_tiles, from_tiles, pack_superblocks, quantize_tiles,
+                                     to_tiles, unpack_superblocks)
+
+rng = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (5, 33, 7), (64, 576, 192), (9, 1536, 40)])
+def test_int8_gemm_exact(M, K, N):
+    a = rng.integers(-127, 128, (M, K), dtype=np.int8)
+    bt = rng.integers(-127, 128, (K, N), dtype=np.int8)
+    a[0] = 127  # extremes: the int16 products and int32 sums must not overflow
+    bt[:, 0] = -127
+    np.testing.assert_array_equal(gemm_s8s32(a, bt), gemm_s8s32_ref(a, bt))
+    assert gemm_s8s32(a, bt)[0, 0] == -127 * 127 * K
+    with pytest.raises(ValueError, match="int8"):
+        gemm_s8s32(a.astype(np.int16), bt)
+
+
+def test_quantize_per_tensor_symmetric():
+    x = np.array([-3.0, -0.26, 0.0, 0.25, 2.0, 100.0], np.float32)
+    np.testing.assert_array_equal(quantize_per_tensor(x, 0.5), [-6, -1, 0, 0, 4, 127])
+
+
+def test_q4_groups_match_ggml_and_lut_is_bit_exact():
+    x = rng.standard_normal((500, 32)).astype(np.float32)
+    q, d = q4_quantize_groups(x)
+    blocks = gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_0).reshape(-1, 18)
+    np.testing.assert_array_equal(d.view(np.uint16), blocks[:, :2].copy().view("<u2").reshape(-1))
+    nib = blocks[:, 2:]
+    np.testing.assert_array_equal(q, np.concatenate([nib & 15, nib >> 4], axis=1))
+    a, b = lut16_dequant_ref(q, d), lut16_dequant(q, d)
+    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))
+    # the table holds (i - 8) * d rounded to FP16
+    np.testing.assert_array_equal(a, ((q.astype(np.float32) - 8) * d.astype(np.float32)[:, None]).astype(np.float16))
+
+
+def test_exp_table():
+    x = -np.abs(rng.standard_normal(10000) * 5).astype(np.float16)
+    got = exp_lut(x).astype(np.float64)
+    np.testing.assert_allclose(got, np.exp(x.astype(np.float64)), rtol=1e-3, atol=1e-7)
+    err = exp_lut_max_error()
+    assert err["max_rel_error_normal"] <= 2 ** -11 and err["entries"] == 32768
+    assert exp_lut(np.float16(0.0)) == 1.0 and exp_lut(np.float16(-np.inf)) == 0.0
+
+
+@pytest.mark.parametrize("N,K", [(32, 32), (64, 96), (50, 70), (192, 576)])
+def test_tile_layout_round_trip_and_byte_layout(N, K):
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    np.testing.assert_array_equal(from_tiles(to_tiles(w), N, K), w)
+    blocks = quantize_tiles(w)
+    Kp, Np = -(-K // 32) * 32, -(-N // 32) * 32
+    assert blocks.shape == (Kp * Np // 256, SUPER_BYTES)
+    q, d = unpack_superblocks(blocks)
+    np.testing.assert_array_equal(pack_superblocks(q, d), blocks)
+    wq = dequantize_tiles(blocks, N, K).astype(np.float32)
+    # Q4_0 rounds to half a step, except the clamp at 15 on the side opposite the largest value: one step
+    err = np.abs(to_tiles(wq) - to_tiles(w)).reshape(-1, 32).max(axis=1)
+    assert np.all(err <= np.abs(d.astype(np.float32)) * 1.001 + 1e-3)
+
+
+def test_tile_order_is_hmx_order():
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)  # W[n, k] = 64 n + k
+    s = to_tiles(w)
+    # tile 0 = (k 0..31, n 0..31): rows k=0 and k=1 interleave column by column
+    np.testing.assert_array_equal(s[:4], [w[0, 0], w[0, 1], w[1, 0], w[1, 1]])
+    assert s[1024] == w[0, 32]  # tiles are column-major: the next tile goes down K
+    assert s[2048] == w[32, 0]  # after all K tiles, the next column of tiles
+    # super-block nibble layout: byte 16+b holds value b (low) and value b+128 (high)
+    blocks = quantize_tiles(w)
+    q, _ = unpack_superblocks(blocks)
+    first = q[:8].reshape(-1)
+    assert blocks[0, 16] == first[0] | (first[128] << 4)
+
+
+def test_shadow_gemm():
+    x = (rng.standard_normal((20, 48)) * 2).astype(np.float32)
+    w = rng.standard_normal((30, 48)).astype(np.float32)
+    rows, cols, vals = extract_outliers(x, 2.5)
+    hot = np.array([3, 10, 11])
+    cold = np.setdiff1d(np.arange(48), hot)
+    slot = np.empty(48, np.int64)
+    slot[hot], slot[cold] = np.arange(3), -1 - np.arange(len(cold))
+    y1, y2 = np.zeros((20, 30), np.float32), np.zeros((20, 30), np.float32)
+    shadow_gemm_ref(rows, cols, vals, slot, w.T[hot].copy(), w.T[cold].copy(), y1)
+    shadow_gemm(rows, cols, vals, slot, w.T[hot].copy(), w.T[cold].copy(), y2)
+    np.testing.assert_array_equal(y1, y2)
+    np.testing.assert_allclose(y1, (x - np.clip(x, -2.5, 2.5)) @ w.T, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal,start", [(True, 0), (True, 5), (False, 0)])
+def test_flash_attention_f16(causal, start):
+    H, T, d = 2, 40, 64
+    S = start + T if causal else 50
+    q = rng.standard_normal((H, T, d)).astype(np.float32)
+    k = rng.standard_normal((H, S, d)).astype(np.float32)
+    v = rng.standard_normal((H, S, d)).astype(np.float32)
+    s = np.einsum("htd,hsd->hts", q.astype(np.float64), k.astype(np.float64)) / np.sqrt(d)
+    if causal:
+        s[:, np.arange(S)[None, :] > (start + np.arange(T))[:, None]] = -np.inf
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = (p / p.sum(-1, keepdims=True)) @ v.astype(np.float64)
+    a = flash_attention_f16_ref(q, k, v, causal, start)
+    b = flash_attention_f16(q, k, v, causal, start)
+    assert np.abs(a - ref).max() < 1e-2 and np.abs(b - ref).max() < 1e-2
+    assert np.abs(a - b).max() < 2e-3

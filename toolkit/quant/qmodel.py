@@ -1,0 +1,163 @@
+"""QuantizedModel: a manifest (JSON) plus content-addressed blobs, runnable by the one forward pass.
+
+On disk, a folder:
+  manifest.json   format "edgeprobe-quantized", format_version 1, scheme, model {name, sha256},
+                  config (ModelConfig fields), tokenizer (blob id of its JSON), tensors {name: blob id}
+                  for the float tensors (embedding, norms), linears {name: record} (schemes.py says what
+                  each kind's record holds), blobs {sha256: {dtype, shape, nbytes, role}}, params, bytes
+  blobs/<sha256>  raw little-endian array bytes; verified against the name on load
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import __version__
+from ..errors import ManifestError, StatsMismatchError, UnknownSchemeError
+from ..forward import forward
+from ..models import Model, ModelConfig, Tokenizer
+from ..models.weights import LazyWeights
+from .blobs import BlobStore
+from .schemes import INPUT_POINT, NEEDS_PROFILE, SCHEMES, input_point
+
+FORMAT, FORMAT_VERSION = "edgeprobe-quantized", 1
+LINEARS = tuple(INPUT_POINT)
+
+
+@dataclass
+class QuantizedModel:
+    scheme: str
+    manifest: dict
+    store: BlobStore
+    counters: Counter = field(default_factory=Counter)
+
+    def __post_init__(self):
+        self._runners = {}
+        self._model = None
+
+    # ---- running ----------------------------------------------------------------------------------
+    @property
+    def model(self) -> Model:
+        """A Model whose float tensors (embedding, norms) come from the blobs; linears go through `linear`."""
+        if self._model is None:
+            m = self.manifest
+            tok = Tokenizer.from_json(json.loads(self.store.get(m["tokenizer"]).tobytes().decode()))
+            loaders = {n: (lambda sha=sha: self.store.get(sha)) for n, sha in m["tensors"].items()}
+            self._model = Model(config=ModelConfig(**m["config"]), tokenizer=tok, weights=LazyWeights(loaders, None),
+                                source=f"quantized:{self.scheme}", sha256=m["model"]["sha256"],
+                                name=m["model"]["name"], meta={"format": FORMAT, "scheme": self.scheme})
+        return self._model
+
+    def linear(self, name: str, x: np.ndarray) -> np.ndarray:
+        """y = x @ W^T computed as this scheme computes it; x float32[M, K] -> float32[M, N]."""
+        run = self._runners.get(name)
+        if run is None:
+            rec = self.manifest["linears"][name]
+            run = self._runners[name] = SCHEMES[rec["kind"]][1](rec, self.store, self)
+        return run(x)
+
+    def forward(self, tokens, **kw) -> np.ndarray:
+        return forward(self.model, tokens, linear=self.linear, **kw)
+
+    # ---- sizes ------------------------------------------------------------------------------------
+    def nbytes(self) -> dict:
+        by_role = Counter()
+        for meta in self.manifest["blobs"].values():
+            by_role[meta["role"]] += meta["nbytes"]
+        return {"linear_weights": by_role["weight"] + by_role["weight-scales"] + by_role["smooth-scales"],
+                "shadow_resident": by_role["shadow-resident"] + by_role["shadow-index"],
+                "shadow_flash": by_role["shadow-flash"], "float_tensors": by_role["float"],
+                "total": sum(by_role.values())}
+
+    # ---- persistence ------------------------------------------------------------------------------
+    def save(self, folder) -> Path:
+        folder = Path(folder)
+        self.store.write(folder / "blobs")
+        tmp = folder / "manifest.json.tmp"
+        tmp.write_text(json.dumps(self.manifest, indent=1))
+        tmp.replace(folder / "manifest.json")
+        return folder
+
+    @classmethod
+    def load(cls, folder, verify: bool = True) -> "QuantizedModel":
+        folder = Path(folder)
+        path = folder / "manifest.json"
+        if not path.exists():
+            raise ManifestError(f"{folder} has no manifest.json; it is not a quantized model folder "
+                                "(make one with `edgeprobe quantize ... --out DIR`)")
+        try:
+            m = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ManifestError(f"{path} is not valid JSON ({e}); quantize again") from e
+        if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
+            raise ManifestError(f"{path} is not a version-{FORMAT_VERSION} {FORMAT} manifest "
+                                f"(format {m.get('format')!r}, version {m.get('format_version')!r}); quantize again")
+        if m.get("scheme") not in SCHEMES:
+            raise UnknownSchemeError(f"{path} uses scheme {m.get('scheme')!r}, unknown to this edgeprobe")
+        return cls(scheme=m["scheme"], manifest=m, store=BlobStore.read(folder / "blobs", m["blobs"], verify))
+
+
+def _check_scheme(scheme: str) -> None:
+    if scheme not in SCHEMES:
+        raise UnknownSchemeError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
+
+
+def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, coverage: float = 0.8,
+             alpha: float = 0.5, int8_threshold: float = 6.0) -> QuantizedModel:
+    """model -> QuantizedModel under `scheme` (see schemes.SCHEMES).
+
+    profile: an OutlierStats of this model (activation clips, hot channels, layer importance, per-channel
+    maxima), needed by w8a8, w8a8-shadow and smoothquant; `calibration_profile` makes one.
+    """
+    _check_scheme(scheme)
+    if scheme in NEEDS_PROFILE:
+        if profile is None:
+            raise ValueError(f"scheme {scheme!r} needs an outlier profile of the model for its activation scales; "
+                             "pass profile=calibration_profile(model)")
+        if profile.model_sha256 != model.sha256:
+            raise StatsMismatchError(f"the profile belongs to model {profile.model_name} "
+                                     f"({profile.model_sha256[:12]}), not {model.name} ({model.sha256[:12]})")
+    c = model.config
+    names = [f"blk.{i}.{op}" for i in range(c.n_layers) for op in LINEARS]
+    ctx = {"alpha": alpha, "int8_threshold": int8_threshold}
+    if profile is not None:
+        ctx.update(clips=profile.params["clips"], hot=profile.hot_channels(coverage),
+                   pruned_layers=set(profile.pruned_layers(prune_rate)), act_max=profile.smoothquant_scales())
+        if scheme == "smoothquant":
+            w_max = {}
+            for n in names:
+                col = np.abs(model.weights[n + ".weight"]).max(axis=0)
+                p = input_point(n)
+                w_max[p] = np.maximum(w_max.get(p, 0), col)
+            ctx["w_max"] = w_max
+    store = BlobStore()
+    build = SCHEMES[scheme][0]
+    linears = {n: build(n, np.asarray(model.weights[n + ".weight"], np.float32), ctx, store) for n in names}
+    tensors = {n: store.put(np.asarray(model.weights[n], np.float32), "float")
+               for n in model.weights if not any(n == f"{l}.weight" for l in names)}
+    tok = store.put(np.frombuffer(json.dumps(model.tokenizer.to_json()).encode(), np.uint8), "tokenizer")
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "edgeprobe_version": __version__, "scheme": scheme,
+        "model": {"name": model.name, "sha256": model.sha256}, "config": dataclasses.asdict(c),
+        "tokenizer": tok, "tensors": tensors, "linears": linears, "blobs": store.meta,
+        "params": {"prune_rate": prune_rate, "coverage": coverage, "alpha": alpha, "int8_threshold": int8_threshold,
+                   "profile": None if profile is None else {"tokens": profile.tokens,
+                                                             "percentile": profile.params["percentile"]}},
+    }
+    qm = QuantizedModel(scheme=scheme, manifest=manifest, store=store)
+    manifest["bytes"] = qm.nbytes()
+    return qm
+
+
+def calibration_profile(model: Model, ids, tokens: int = 4096, window: int = 512, percentile: float = 99.99,
+                        progress: bool = True):
+    """OutlierStats on the first `tokens` of `ids` (clips calibrated on the same tokens)."""
+    from ..profile.jobs import profile_outliers
+
+    return profile_outliers(model, ids, tokens=tokens, window=window, percentile=percentile,
+                            calib_tokens=tokens, progress=progress)

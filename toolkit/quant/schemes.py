@@ -1,0 +1,197 @@
+"""Quantization schemes of the five papers: how each linear is stored and what it computes.
+
+A scheme has a `build(name, W, ctx, store) -> record` (weights -> blobs + a JSON record for the
+manifest) and a `runner(record, store, qm) -> linear(x)` that computes y = x @ W^T the way the device
+would. Records and blobs are all a device agent needs; the host simulation runs the same kernels.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from edgeprobe_kernels.int8_gemm import gemm_s8s32, quantize_per_tensor
+from edgeprobe_kernels.lut import GROUP, lut16_dequant
+from edgeprobe_kernels.shadow import extract_outliers, shadow_gemm
+from edgeprobe_kernels.tiles import TILE, dequantize_tiles, padded, quantize_tiles
+
+from .blobs import BlobStore
+
+# Which hook point feeds which linear: activation statistics are per hook point.
+INPUT_POINT = {"attn_q": "attn_in", "attn_k": "attn_in", "attn_v": "attn_in", "attn_output": "attn_out",
+               "ffn_gate": "ffn_in", "ffn_up": "ffn_in", "ffn_down": "ffn_act"}
+
+
+def input_point(linear_name: str) -> str:
+    """"blk.3.ffn_up" -> "blk.3.ffn_in"."""
+    blk, i, op = linear_name.split(".")
+    return f"{blk}.{i}.{INPUT_POINT[op]}"
+
+
+def _w_scale(w: np.ndarray) -> float:
+    return max(float(np.abs(w).max()), 1e-12) / 127.0
+
+
+# ---- float ----------------------------------------------------------------------------------------
+
+def build_float(name, w, ctx, store: BlobStore) -> dict:
+    return {"kind": "float", "shape": list(w.shape), "w": store.put(w.astype(np.float32), "weight")}
+
+
+def run_float(rec, store, qm):
+    w = store.get(rec["w"])
+    return lambda x: x @ w.T
+
+
+# ---- w8a8: per-tensor int8 weights and activations (no outlier handling) --------------------------
+
+def build_w8a8(name, w, ctx, store) -> dict:
+    sw = _w_scale(w)
+    clip = ctx["clips"][input_point(name)]
+    return {"kind": "w8a8", "shape": list(w.shape), "wt": store.put(quantize_per_tensor(w.T, sw), "weight"),
+            "scale_w": sw, "scale_a": clip / 127.0}
+
+
+def run_w8a8(rec, store, qm):
+    wt, sa, sw = store.get(rec["wt"]), rec["scale_a"], rec["scale_w"]
+    return lambda x: gemm_s8s32(quantize_per_tensor(x, sa), wt).astype(np.float32) * np.float32(sa * sw)
+
+
+# ---- w8a8-shadow: mllm-NPU eq. 1 -------------------------------------------------------------------
+
+def build_shadow(name, w, ctx, store) -> dict:
+    rec = build_w8a8(name, w, ctx, store)
+    point = input_point(name)
+    layer = int(name.split(".")[1])
+    rec.update(kind="w8a8-shadow", clip=ctx["clips"][point], shadow=layer not in ctx["pruned_layers"])
+    if rec["shadow"]:
+        K = w.shape[1]
+        hot = np.asarray(ctx["hot"].get(point, np.zeros(0, np.int64)), np.int64)
+        cold = np.setdiff1d(np.arange(K), hot)
+        slot = np.empty(K, np.int64)
+        slot[hot] = np.arange(len(hot))
+        slot[cold] = -1 - np.arange(len(cold))
+        wt = np.ascontiguousarray(w.T.astype(np.float32))  # row j = float weights of input channel j
+        rec.update(hot_channels=len(hot), slot=store.put(slot, "shadow-index"),
+                   hot=store.put(wt[hot], "shadow-resident"), cold=store.put(wt[cold], "shadow-flash"))
+    return rec
+
+
+def run_shadow(rec, store, qm):
+    base = run_w8a8(rec, store, qm)
+    if not rec["shadow"]:
+        return base  # pruned layer: outliers are clipped, no CPU work
+    clip, slot = rec["clip"], store.get(rec["slot"])
+    hot, cold = store.get(rec["hot"]), store.get(rec["cold"])
+
+    def linear(x):
+        y = base(x)
+        rows, cols, vals = extract_outliers(x, clip)
+        if len(rows):
+            shadow_gemm(rows, cols, vals, slot, hot, cold, y)
+            cold_ch = np.unique(cols[slot[cols] < 0])
+            qm.counters["outliers"] += len(rows)
+            qm.counters["cold_rows_read"] += len(cold_ch)
+            qm.counters["cold_bytes_read"] += int(len(cold_ch) * cold.shape[1] * cold.itemsize)
+        return y
+    return linear
+
+
+# ---- smoothquant: per-channel smoothing s_j = max|X_j|^a / max|W_j|^(1-a), then per-tensor W8A8 ----
+
+def build_smoothquant(name, w, ctx, store) -> dict:
+    point = input_point(name)
+    act_max = np.maximum(ctx["act_max"][point].astype(np.float64), 1e-5)
+    w_max = np.maximum(ctx["w_max"][point], 1e-5)  # over every linear that reads this input
+    a = ctx["alpha"]
+    s = (act_max ** a / w_max ** (1 - a)).astype(np.float32)
+    ws = w * s[None, :]
+    sw = _w_scale(ws)
+    clip = float((act_max / s).max())  # SmoothQuant: static per-tensor scale from the smoothed max
+    return {"kind": "smoothquant", "shape": list(w.shape), "wt": store.put(quantize_per_tensor(ws.T, sw), "weight"),
+            "smooth": store.put(s, "smooth-scales"), "scale_w": sw, "scale_a": clip / 127.0, "alpha": a}
+
+
+def run_smoothquant(rec, store, qm):
+    inner = run_w8a8(rec, store, qm)
+    s = store.get(rec["smooth"])
+    return lambda x: inner(x / s)
+
+
+# ---- llm-int8: outlier feature columns (|x| > 6) in float, the rest int8 vector-wise ---------------
+
+def build_llm_int8(name, w, ctx, store) -> dict:
+    sw = np.maximum(np.abs(w).max(axis=1), 1e-12).astype(np.float32) / 127.0
+    wq = np.clip(np.rint(w / sw[:, None]), -127, 127).astype(np.int8)
+    return {"kind": "llm-int8", "shape": list(w.shape), "wt": store.put(np.ascontiguousarray(wq.T), "weight"),
+            "scale_w_rows": store.put(sw, "weight-scales"), "threshold": ctx["int8_threshold"]}
+
+
+def run_llm_int8(rec, store, qm):
+    wt, sw, thr = store.get(rec["wt"]), store.get(rec["scale_w_rows"]), rec["threshold"]
+
+    def linear(x):
+        cols = np.nonzero((np.abs(x) > thr).any(axis=0))[0]
+        xi = x.copy()
+        xi[:, cols] = 0.0
+        sx = np.maximum(np.abs(xi).max(axis=1), 1e-12) / 127.0
+        xq = np.clip(np.rint(xi / sx[:, None]), -127, 127).astype(np.int8)
+        y = gemm_s8s32(xq, wt).astype(np.float32) * sx[:, None].astype(np.float32) * sw[None, :]
+        if len(cols):  # LLM.int8(): the outlier columns in 16-bit with the dequantized weights
+            y += x[:, cols] @ (wt[cols].astype(np.float32) * sw[None, :])
+            qm.counters["outlier_columns"] += len(cols)
+        return y
+    return linear
+
+
+# ---- q4_0: ggml Q4_0 groups of 32 along K, W4A16 ---------------------------------------------------
+
+def build_q4_0(name, w, ctx, store) -> dict:
+    import gguf
+
+    N, K = w.shape
+    Kp = -(-K // GROUP) * GROUP
+    wp = np.zeros((N, Kp), np.float32)
+    wp[:, :K] = w
+    blocks = gguf.quants.quantize(wp, gguf.GGMLQuantizationType.Q4_0)  # uint8[N, Kp/32 * 18]
+    return {"kind": "q4_0", "shape": [N, K], "padded_k": Kp, "blocks": store.put(blocks, "weight")}
+
+
+def q4_0_dequant(blocks: np.ndarray, N: int, Kp: int) -> np.ndarray:
+    """ggml Q4_0 blocks (2-byte FP16 d, 16 bytes: value j low nibble, j+16 high) -> float16[N, Kp] via vlut16."""
+    b = blocks.reshape(-1, 18)
+    d = np.ascontiguousarray(b[:, :2]).view("<f2").reshape(-1)
+    nib = b[:, 2:]
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=1)
+    return lut16_dequant(q, d).reshape(N, Kp)
+
+
+def run_q4_0(rec, store, qm):
+    N, K = rec["shape"]
+    w = q4_0_dequant(store.get(rec["blocks"]), N, rec["padded_k"])[:, :K].astype(np.float32)
+    return lambda x: x.astype(np.float16).astype(np.float32) @ w.T  # A16: FP16 activations
+
+
+# ---- q4_0-tile: HMX tile layout, then tile-group Q4_0 (NPU test-time scaling §5.1) -----------------
+
+def build_q4_0_tile(name, w, ctx, store) -> dict:
+    N, K = w.shape
+    return {"kind": "q4_0-tile", "shape": [N, K], "tile": TILE, "padded": [padded(K), padded(N)],
+            "padding": padded(K) != K or padded(N) != N, "blocks": store.put(quantize_tiles(w), "weight")}
+
+
+def run_q4_0_tile(rec, store, qm):
+    N, K = rec["shape"]
+    w = dequantize_tiles(store.get(rec["blocks"]), N, K).astype(np.float32)
+    return lambda x: x.astype(np.float16).astype(np.float32) @ w.T
+
+
+# Scheme names are a contract (CLI, manifests): add, never rename.
+SCHEMES = {
+    "float": (build_float, run_float),
+    "w8a8": (build_w8a8, run_w8a8),
+    "w8a8-shadow": (build_shadow, run_shadow),
+    "smoothquant": (build_smoothquant, run_smoothquant),
+    "llm-int8": (build_llm_int8, run_llm_int8),
+    "q4_0": (build_q4_0, run_q4_0),
+    "q4_0-tile": (build_q4_0_tile, run_q4_0_tile),
+}
+NEEDS_PROFILE = {"w8a8", "w8a8-shadow", "smoothquant"}

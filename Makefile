@@ -25,6 +25,7 @@ test: setup-test
 bench: setup
 	$(BIN)/python bench/forward.py
 	$(BIN)/python bench/profile.py
+	$(BIN)/python bench/quant.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -8,15 +8,18 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-@pytest.mark.parametrize("name", ["01_outliers.ipynb", "03_sparsity.ipynb"])
+@pytest.mark.parametrize("name", ["01_outliers.ipynb", "03_sparsity.ipynb", "04_quantization.ipynb"])
 def test_notebook_executes_and_draws(name, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEPROBE_NB_TOKENS", "1024")
+    for k, v in {"EDGEPROBE_NB_WINDOW": "64", "EDGEPROBE_NB_WINDOWS": "2", "EDGEPROBE_NB_CALIB": "256"}.items():
+        monkeypatch.setenv(k, v)
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     figures = [o for o in outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
     assert len(figures) >= 3
+    assert "application/vnd.plotly.v1+json" in str(outputs)
     for f in figures:
         assert f["data"]["application/vnd.plotly.v1+json"]["data"], "an empty figure"
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")

@@ -14,16 +14,70 @@ def cmd_eval(args) -> int:
     from .corpus import corpus_path, read_text_file
     from .evaluate import perplexity
 
+    from .quant import SCHEMES
+    from .quant.qmodel import _check_scheme
+
+    _check_scheme(args.scheme)
     model = models.load(args.model)
     text = read_text_file(args.text or corpus_path("heldout"))
     ids = model.tokenizer.encode(text)
-    res = perplexity(model, ids, window=args.window, max_windows=args.max_windows, progress=not args.no_progress)
-    out = {"model": args.model, "text": args.text or "corpus:heldout", **res.to_dict()}
+    run_model, linear = model, None
+    if args.scheme != "float":
+        qm = _quantized(model, args.scheme, not args.no_progress)
+        run_model, linear = qm.model, qm.linear
+    res = perplexity(run_model, ids, window=args.window, max_windows=args.max_windows, linear=linear,
+                     progress=not args.no_progress)
+    out = {"model": args.model, "scheme": args.scheme, "text": args.text or "corpus:heldout", **res.to_dict()}
     if args.json:
         print(json.dumps(out))
     else:
         print(f"perplexity {res.perplexity:.3f} over {res.tokens_scored} tokens "
               f"({res.windows} windows of {res.window}); {res.tok_per_s:.0f} tok/s")
+    return 0
+
+
+def _quantized(model, scheme: str, progress: bool):
+    from .corpus import read_corpus
+    from .quant import calibration_profile, quantize
+    from .quant.schemes import NEEDS_PROFILE
+
+    profile = None
+    if scheme in NEEDS_PROFILE:  # activation scales from the bundled training corpus
+        profile = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), progress=progress)
+    return quantize(model, scheme, profile)
+
+
+def cmd_quantize(args) -> int:
+    from . import models
+    from .corpus import corpus_path, read_corpus, read_text_file
+    from .quant import SCHEMES, calibration_profile, quantize
+    from .quant.qmodel import _check_scheme
+    from .quant.report import accuracy_table, format_table
+
+    schemes = args.schemes.split(",") if args.schemes else list(SCHEMES)
+    for s in schemes:
+        _check_scheme(s)
+    if not args.report and not args.out:
+        raise SystemExit("edgeprobe quantize: give --report (accuracy table) and/or --out DIR with --scheme")
+    text = read_text_file(args.text or corpus_path("heldout"))
+    model = models.load(args.model)
+    progress = not args.no_progress
+    profile = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), tokens=args.calib_tokens,
+                                  window=min(args.window, args.calib_tokens), progress=progress)
+    if args.out:
+        scheme = args.scheme or schemes[0]
+        _check_scheme(scheme)
+        qm = quantize(model, scheme, profile, prune_rate=args.prune_rate, coverage=args.coverage)
+        qm.save(args.out)
+        print(f"wrote {scheme} to {args.out} ({qm.nbytes()['total'] / 1e6:.1f} MB in {len(qm.manifest['blobs'])} blobs)")
+    if args.report:
+        rows = accuracy_table(model, model.tokenizer.encode(text), profile, schemes, window=args.window,
+                              max_windows=args.max_windows, progress=progress, prune_rate=args.prune_rate,
+                              coverage=args.coverage)
+        if args.json:
+            print(json.dumps({"model": args.model, "text": args.text or "corpus:heldout", "rows": rows}))
+        else:
+            print(format_table(rows))
     return 0
 
 
@@ -90,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--text", help="UTF-8 text file (default: the bundled held-out corpus)")
     e.add_argument("--window", type=int, default=512, help="window length in tokens (default 512)")
     e.add_argument("--max-windows", type=int, default=None, help="evaluate at most this many windows")
+    e.add_argument("--scheme", default="float", help="quantization scheme to simulate (default float)")
     e.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(fn=cmd_eval)
@@ -102,6 +157,22 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--json", action="store_true")
     g.set_defaults(fn=cmd_generate)
+
+    q = sub.add_parser("quantize", help="quantize a model; --report prints the accuracy table of every scheme")
+    q.add_argument("--model", default="smollm2-135m")
+    q.add_argument("--report", action="store_true", help="accuracy table: every scheme on the same text")
+    q.add_argument("--text", help="evaluation text (default: the bundled held-out corpus)")
+    q.add_argument("--schemes", help="comma-separated schemes for the report (default: all)")
+    q.add_argument("--scheme", help="scheme to write with --out")
+    q.add_argument("--out", help="folder for the quantized model: manifest.json + blobs/")
+    q.add_argument("--window", type=int, default=512)
+    q.add_argument("--max-windows", type=int, default=8, help="windows of the text to evaluate (default 8)")
+    q.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens from the training corpus")
+    q.add_argument("--prune-rate", type=float, default=0.85, help="w8a8-shadow: layers whose outliers are dropped")
+    q.add_argument("--coverage", type=float, default=0.8, help="w8a8-shadow: hot-channel coverage")
+    q.add_argument("--json", action="store_true")
+    q.add_argument("--no-progress", action="store_true")
+    q.set_defaults(fn=cmd_quantize)
 
     p = sub.add_parser("profile", help="profile activation outliers or FFN sparsity on a corpus")
     p.add_argument("what", choices=["outliers", "sparsity"])

@@ -1,0 +1,64 @@
+"""Quantized arithmetic speed on the host, side by side in one run.
+
+1. int8 x int8 -> int32 GEMM (edgeprobe_kernels.int8_gemm, numba) against numpy float32 GEMM (BLAS)
+   on SmolLM2's shapes, M = 256 tokens: GOP/s each and the ratio.
+2. Prefill tokens/s at 256 tokens of the one forward pass under each scheme, float included.
+
+    .venv/bin/python bench/quant.py [--repeat 5]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+SHAPES = [(256, 576, 576), (256, 576, 192), (256, 576, 1536), (256, 1536, 576)]  # M, K, N
+
+
+def best(fn, repeat):
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return min(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args()
+    from edgeprobe_kernels.int8_gemm import gemm_s8s32
+
+    rng = np.random.default_rng(0)
+    print(f"{'M x K x N':>18} {'int8 GOP/s':>11} {'f32 GFLOP/s':>12} {'int8/f32':>9}")
+    for M, K, N in SHAPES:
+        a = rng.integers(-127, 128, (M, K), dtype=np.int8)
+        bt = rng.integers(-127, 128, (K, N), dtype=np.int8)
+        af, bf = a.astype(np.float32), bt.astype(np.float32)
+        ops = 2 * M * K * N
+        ti = best(lambda: gemm_s8s32(a, bt), args.repeat)
+        tf = best(lambda: af @ bf, args.repeat)
+        print(f"{M:>6} x {K:>4} x {N:>4} {ops / ti / 1e9:11.1f} {ops / tf / 1e9:12.1f} {tf / ti:9.2f}")
+
+    from edgeprobe import models
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.quant import SCHEMES, calibration_profile, quantize
+
+    m = models.load("smollm2-135m")
+    m.weights.materialize()
+    ids = m.tokenizer.encode(read_corpus("heldout"))[:256]
+    profile = calibration_profile(m, m.tokenizer.encode(read_corpus("train")), tokens=1024, progress=False)
+    print(f"\nprefill of 256 tokens on the host (best of {args.repeat}):")
+    base = None
+    for scheme in SCHEMES:
+        qm = quantize(m, scheme, profile if scheme != "float" else None)
+        t = best(lambda: qm.forward(ids, logits="last"), args.repeat)
+        base = base or t
+        print(f"  {scheme:<12} {256 / t:8.1f} tok/s   {base / t:5.2f}x float")
+
+
+if __name__ == "__main__":
+    main()

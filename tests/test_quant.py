@@ -1,0 +1,154 @@
+"""Quantization schemes on the real model: one forward pass, saved manifests, accuracy, bad input."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from edgeprobe.errors import ManifestError, StatsMismatchError, UnknownSchemeError
+from edgeprobe.evaluate import window_nll
+from edgeprobe.forward import forward
+from edgeprobe.quant import SCHEMES, QuantizedModel, calibration_profile, quantize
+from edgeprobe.quant.schemes import input_point
+
+W = 64
+
+
+@pytest.fixture(scope="module")
+def ids(smollm):
+    from edgeprobe.corpus import read_corpus
+
+    return smollm.tokenizer.encode(read_corpus("heldout"))[:2 * W]
+
+
+@pytest.fixture(scope="module")
+def profile(smollm):
+    from edgeprobe.corpus import read_corpus
+
+    return calibration_profile(smollm, smollm.tokenizer.encode(read_corpus("train")), tokens=4 * W, window=W,
+                               progress=False)
+
+
+@pytest.fixture(scope="module")
+def float_logits(smollm, ids):
+    return forward(smollm, ids[:W])
+
+
+@pytest.fixture(scope="module")
+def quantized(smollm, profile):
+    return {s: quantize(smollm, s, profile if s != "float" else None) for s in SCHEMES}
+
+
+def _ppl(logits, ids):
+    return float(np.exp(window_nll(logits, ids).mean()))
+
+
+def test_every_scheme_runs_through_the_one_forward_pass(smollm, ids, quantized, float_logits):
+    base = _ppl(float_logits, ids[:W])
+    for scheme, qm in quantized.items():
+        logits = qm.forward(ids[:W])
+        assert logits.shape == float_logits.shape and np.isfinite(logits).all(), scheme
+        ppl = _ppl(logits, ids[:W])
+        if scheme == "float":
+            np.testing.assert_allclose(logits, float_logits, atol=1e-4)
+        else:
+            assert ppl != base, f"{scheme} changed nothing"
+            assert ppl < 10 * base, f"{scheme} is broken: perplexity {ppl} vs float {base}"
+    # the shadow outliers repair what plain per-tensor W8A8 breaks
+    assert _ppl(quantized["w8a8-shadow"].forward(ids[:W]), ids[:W]) < _ppl(quantized["w8a8"].forward(ids[:W]), ids[:W])
+
+
+def test_w8a8_linear_is_the_integer_formula(smollm, quantized, profile):
+    qm = quantized["w8a8"]
+    rec = qm.manifest["linears"]["blk.2.ffn_up"]
+    x = np.random.default_rng(0).standard_normal((5, 576)).astype(np.float32)
+    sa, sw = rec["scale_a"], rec["scale_w"]
+    assert sa == pytest.approx(profile.params["clips"][input_point("blk.2.ffn_up")] / 127)
+    xq = np.clip(np.rint(x / sa), -127, 127)
+    wq = np.clip(np.rint(smollm.weights["blk.2.ffn_up.weight"] / sw), -127, 127)
+    expect = (xq.astype(np.int64) @ wq.astype(np.int64).T).astype(np.float32) * np.float32(sa * sw)
+    np.testing.assert_allclose(qm.linear("blk.2.ffn_up", x), expect, rtol=1e-6, atol=1e-6)
+
+
+def test_shadow_bytes_and_pruning(smollm, profile, ids):
+    qm = quantize(smollm, "w8a8-shadow", profile, prune_rate=0.85, coverage=0.8)
+    b = qm.nbytes()
+    assert 0 < b["shadow_resident"] < b["shadow_flash"]
+    pruned = set(profile.pruned_layers(0.85))
+    shadows = {n: r["shadow"] for n, r in qm.manifest["linears"].items()}
+    assert all(not s for n, s in shadows.items() if int(n.split(".")[1]) in pruned)
+    assert sum(shadows.values()) == 7 * (30 - len(pruned))
+    none_pruned = quantize(smollm, "w8a8-shadow", profile, prune_rate=0.0)
+    assert all(r["shadow"] for r in none_pruned.manifest["linears"].values())
+    none_pruned.forward(ids[:W])
+    assert none_pruned.counters["outliers"] > 0
+
+
+def test_save_load_round_trip_and_damage(smollm, quantized, ids, tmp_path):
+    qm = quantized["q4_0-tile"]
+    qm.save(tmp_path / "q")
+    back = QuantizedModel.load(tmp_path / "q")
+    np.testing.assert_array_equal(back.forward(ids[:16]), qm.forward(ids[:16]))
+    man = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    assert man["scheme"] == "q4_0-tile" and man["model"]["sha256"] == smollm.sha256
+    rec = man["linears"]["blk.0.attn_k"]
+    assert rec["padded"] == [576, 192] and rec["padding"] is False
+    blob = tmp_path / "q" / "blobs" / rec["blocks"]
+    raw = bytearray(blob.read_bytes())
+    raw[100] ^= 0xFF
+    blob.write_bytes(bytes(raw))
+    with pytest.raises(ManifestError, match="sha256"):
+        QuantizedModel.load(tmp_path / "q")
+    blob.unlink()
+    with pytest.raises(ManifestError, match="missing"):
+        QuantizedModel.load(tmp_path / "q")
+    with pytest.raises(ManifestError, match="no manifest"):
+        QuantizedModel.load(tmp_path)
+
+
+def test_padding_recorded_for_shapes_that_do_not_tile():
+    from edgeprobe.quant.blobs import BlobStore
+    from edgeprobe.quant.schemes import build_q4_0_tile, run_q4_0_tile
+
+    w = np.random.default_rng(1).standard_normal((50, 70)).astype(np.float32)
+    store = BlobStore()
+    rec = build_q4_0_tile("blk.0.ffn_up", w, {}, store)
+    assert rec["padding"] is True and rec["padded"] == [96, 64]
+    x = np.random.default_rng(2).standard_normal((3, 70)).astype(np.float32)
+    y = run_q4_0_tile(rec, store, None)(x)
+    assert y.shape == (3, 50) and np.abs(y - x @ w.T).max() < 0.2 * np.abs(x @ w.T).max()
+
+
+def test_bad_input(smollm, profile):
+    with pytest.raises(UnknownSchemeError, match="unknown scheme 'w3a3'"):
+        quantize(smollm, "w3a3", profile)
+    with pytest.raises(ValueError, match="needs an outlier profile"):
+        quantize(smollm, "w8a8")
+    other = type(profile)(model_name="other", model_sha256="0" * 64, params=profile.params, arrays=profile.arrays)
+    with pytest.raises(StatsMismatchError, match="belongs to model other"):
+        quantize(smollm, "w8a8-shadow", other)
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "edgeprobe", *args], capture_output=True, text=True, timeout=900)
+
+
+def test_cli_eval_scheme_and_report(tmp_path):
+    text = tmp_path / "t.txt"
+    from edgeprobe.corpus import read_corpus
+
+    text.write_text(read_corpus("heldout")[:3000])
+    r = _cli("eval", "--scheme", "q4_0", "--text", str(text), "--window", "64", "--max-windows", "2", "--json",
+             "--no-progress")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["scheme"] == "q4_0" and out["perplexity"] > 1
+    r = _cli("quantize", "--report", "--schemes", "float,w8a8-shadow,q4_0-tile", "--text", str(text), "--window", "64",
+             "--max-windows", "1", "--calib-tokens", "128", "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    rows = {row["scheme"]: row for row in json.loads(r.stdout.strip().splitlines()[-1])["rows"]}
+    assert rows["float"]["top1_agreement"] == 1.0 and rows["float"]["delta_vs_float_pct"] == 0.0
+    assert rows["w8a8-shadow"]["shadow_flash_bytes"] > 0 and rows["q4_0-tile"]["weight_bytes"] < rows["float"]["weight_bytes"] / 6
+    r = _cli("eval", "--scheme", "w3a3", "--text", str(text))
+    assert r.returncode == 2 and "unknown scheme" in r.stderr and "Traceback" not in r.stderr

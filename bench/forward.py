@@ -15,15 +15,7 @@ import numpy as np
 
 from edgeprobe import models
 from edgeprobe.forward import KVCache, forward
-
-
-def best_of(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+from timing import best_of
 
 
 def main() -> None:

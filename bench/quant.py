@@ -9,21 +9,11 @@
 from __future__ import annotations
 
 import argparse
-import time
 
 import numpy as np
+from timing import best_of
 
 SHAPES = [(256, 576, 576), (256, 576, 192), (256, 576, 1536), (256, 1536, 576)]  # M, K, N
-
-
-def best(fn, repeat):
-    fn()
-    ts = []
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return min(ts)
 
 
 def main():
@@ -39,8 +29,8 @@ def main():
         bt = rng.integers(-127, 128, (K, N), dtype=np.int8)
         af, bf = a.astype(np.float32), bt.astype(np.float32)
         ops = 2 * M * K * N
-        ti = best(lambda: gemm_s8s32(a, bt), args.repeat)
-        tf = best(lambda: af @ bf, args.repeat)
+        ti = best_of(lambda: gemm_s8s32(a, bt), args.repeat, warmup=True)
+        tf = best_of(lambda: af @ bf, args.repeat, warmup=True)
         print(f"{M:>6} x {K:>4} x {N:>4} {ops / ti / 1e9:11.1f} {ops / tf / 1e9:12.1f} {tf / ti:9.2f}")
 
     from edgeprobe import models
@@ -55,7 +45,7 @@ def main():
     base = None
     for scheme in SCHEMES:
         qm = quantize(m, scheme, profile if scheme != "float" else None)
-        t = best(lambda: qm.forward(ids, logits="last"), args.repeat)
+        t = best_of(lambda: qm.forward(ids, logits="last"), args.repeat, warmup=True)
         base = base or t
         print(f"  {scheme:<12} {256 / t:8.1f} tok/s   {base / t:5.2f}x float")
 

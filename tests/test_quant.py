@@ -152,3 +152,14 @@ def test_cli_eval_scheme_and_report(tmp_path):
     assert rows["w8a8-shadow"]["shadow_flash_bytes"] > 0 and rows["q4_0-tile"]["weight_bytes"] < rows["float"]["weight_bytes"] / 6
     r = _cli("eval", "--scheme", "w3a3", "--text", str(text))
     assert r.returncode == 2 and "unknown scheme" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_quantize_out_writes_a_loadable_model(tmp_path, smollm):
+    r = _cli("quantize", "--scheme", "w8a8-shadow", "--out", str(tmp_path / "q"), "--calib-tokens", "128",
+             "--window", "64", "--no-progress")
+    assert r.returncode == 0, r.stderr
+    qm = QuantizedModel.load(tmp_path / "q")
+    assert qm.scheme == "w8a8-shadow" and qm.nbytes()["shadow_flash"] > 0
+    assert qm.forward(smollm.tokenizer.encode("The capital of France is"), logits="last").shape == (49152,)
+    r = _cli("quantize")
+    assert r.returncode == 2 and "--report" in r.stderr

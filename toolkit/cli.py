@@ -58,7 +58,9 @@ def cmd_quantize(args) -> int:
     for s in schemes:
         _check_scheme(s)
     if not args.report and not args.out:
-        raise SystemExit("edgeprobe quantize: give --report (accuracy table) and/or --out DIR with --scheme")
+        print("edgeprobe: error: quantize needs --report (the accuracy table) and/or --out DIR (with --scheme)",
+              file=sys.stderr)
+        return 2
     text = read_text_file(args.text or corpus_path("heldout"))
     model = models.load(args.model)
     progress = not args.no_progress

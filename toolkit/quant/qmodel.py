@@ -138,8 +138,9 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
     store = BlobStore()
     build = SCHEMES[scheme][0]
     linears = {n: build(n, np.asarray(model.weights[n + ".weight"], np.float32), ctx, store) for n in names}
+    linear_weights = {f"{n}.weight" for n in names}
     tensors = {n: store.put(np.asarray(model.weights[n], np.float32), "float")
-               for n in model.weights if not any(n == f"{l}.weight" for l in names)}
+               for n in model.weights if n not in linear_weights}
     tok = store.put(np.frombuffer(json.dumps(model.tokenizer.to_json()).encode(), np.uint8), "tokenizer")
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "edgeprobe_version": __version__, "scheme": scheme,

@@ -1,8 +1,9 @@
 """Streaming per-channel activation statistics: numba kernels, each beside its numpy reference.
 
 Used by edgeprobe's profilers (mllm-NPU §3.3 outliers; LLM in a flash §3 sliding window). The
-kernels make one pass over an activation, release the GIL and allocate nothing, so profiling adds
-a few percent to the forward pass; the references define what they compute and test them.
+outlier kernel makes one pass over an activation and releases the GIL; the sliding-window counts
+work on packed activity bits, 64 neurons per numpy operation. The references define what they
+compute and the tests hold the fast versions to them.
 """
 from __future__ import annotations
 

@@ -14,10 +14,9 @@ def cmd_eval(args) -> int:
     from .corpus import corpus_path, read_text_file
     from .evaluate import perplexity
 
-    from .quant import SCHEMES
-    from .quant.qmodel import _check_scheme
+    from .quant.qmodel import check_scheme
 
-    _check_scheme(args.scheme)
+    check_scheme(args.scheme)
     model = models.load(args.model)
     text = read_text_file(args.text or corpus_path("heldout"))
     ids = model.tokenizer.encode(text)
@@ -51,12 +50,12 @@ def cmd_quantize(args) -> int:
     from . import models
     from .corpus import corpus_path, read_corpus, read_text_file
     from .quant import SCHEMES, calibration_profile, quantize
-    from .quant.qmodel import _check_scheme
+    from .quant.qmodel import check_scheme
     from .quant.report import accuracy_table, format_table
 
     schemes = args.schemes.split(",") if args.schemes else list(SCHEMES)
     for s in schemes:
-        _check_scheme(s)
+        check_scheme(s)
     if not args.report and not args.out:
         print("edgeprobe: error: quantize needs --report (the accuracy table) and/or --out DIR (with --scheme)",
               file=sys.stderr)
@@ -68,7 +67,7 @@ def cmd_quantize(args) -> int:
                                   window=min(args.window, args.calib_tokens), progress=progress)
     if args.out:
         scheme = args.scheme or schemes[0]
-        _check_scheme(scheme)
+        check_scheme(scheme)
         qm = quantize(model, scheme, profile, prune_rate=args.prune_rate, coverage=args.coverage)
         qm.save(args.out)
         print(f"wrote {scheme} to {args.out} ({qm.nbytes()['total'] / 1e6:.1f} MB in {len(qm.manifest['blobs'])} blobs)")

@@ -26,6 +26,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
     context_length: int = 2048
+    act_fn: str = "silu"  # the FFN gate activation; the forward pass implements SwiGLU (silu)
     rope_pairs: str = "adjacent"
     tie_embeddings: bool = True
     # Mixture-of-experts (0 experts = dense FFN); filled in by the MoE loaders.

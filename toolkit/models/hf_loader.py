@@ -89,6 +89,9 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
     # transformers >= 5 nests RoPE settings in rope_parameters; older configs use rope_theta/rope_scaling.
     rope = dict(cfg.get("rope_scaling") or {}, **(cfg.get("rope_parameters") or {}))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedModelError(f"{path}: FFN activation {cfg['hidden_act']!r} is not supported; "
+                                    "the forward pass implements SwiGLU with silu")
     if rope_type not in ("default", None):
         raise UnsupportedModelError(f"{path}: RoPE scaling {rope_type!r} is not supported yet; "
                                     "only plain RoPE (rope_type 'default') is implemented")

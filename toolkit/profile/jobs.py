@@ -28,7 +28,7 @@ def profile_sparsity(model: Model, ids, tokens: int | None = 16384, window: int 
     """Calibrate per-layer thresholds on the first window, then stream `tokens` into SparsityStats."""
     windows(ids, window, tokens)
     taus = calibrate_thresholds(model, ids, eps, tokens=window)
-    st = SparsityStats.for_model(model, taus, eps, act_fn=getattr(model.config, "act_fn", "silu"))
+    st = SparsityStats.for_model(model, taus, eps, act_fn=model.config.act_fn)
     return run(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="sparsity")
 
 
@@ -66,8 +66,8 @@ def run_sparsity_job(model: Model, ids, out_dir, tokens=16384, window=512, eps=0
         # train on the profiled tokens' first windows, test on the window after them
         usable = len(windows(ids, window, tokens)) * window
         n_train = max(window, min(2 * window, usable - window))
-        test = ids[n_train:n_train + window] if len(ids) >= n_train + window else None
-        if test is not None and len(test) == window:
+        test = ids[n_train:n_train + window]
+        if len(test) == window:
             rep = train_predictors(model, ids[:n_train], test, st.params["thresholds"], rank=rank,
                                    window=window, progress=progress)
             summary["predictor"] = rep.summary()

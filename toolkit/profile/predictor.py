@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from ..forward import forward
 from ..models import Model
 from .runner import windows
+from .sparsity import dropped_output, sq_norm
 
 
 @dataclass
@@ -114,9 +115,7 @@ def train_predictors(model: Model, train_ids, test_ids, thresholds, rank: int = 
         prec.append(tp / max(pred.sum(), 1))
         frac.append(pred.mean())
         wd = model.weights[f"blk.{i}.ffn_down.weight"]
-        y = ate[i] @ wd.T
-        dy = np.where(pred, 0.0, ate[i]).astype(np.float32) @ wd.T
-        err.append(float(np.sqrt((dy.astype(np.float64) ** 2).sum() / (y.astype(np.float64) ** 2).sum())))
+        err.append(float(np.sqrt(sq_norm(dropped_output(ate[i], ~pred, wd)) / sq_norm(ate[i] @ wd.T))))
         cuts.append(float(cut))
         weights[i] = (A, B, b)
     return PredictorReport(rank=rank, recall=np.array(rec, float), precision=np.array(prec, float),

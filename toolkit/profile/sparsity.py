@@ -30,10 +30,17 @@ from .runner import windows
 MAX_WINDOW = 16
 
 
-def _rel_error(act: np.ndarray, wd: np.ndarray, tau: float, y_norm2: float) -> float:
-    small = np.where(np.abs(act) <= tau, act, 0.0).astype(np.float32)
-    dy = small @ wd.T
-    return float(np.sqrt(np.einsum("ij,ij->", dy, dy, dtype=np.float64) / y_norm2))
+def sq_norm(m: np.ndarray) -> float:
+    """Squared Frobenius norm, summed in float64."""
+    return float(np.einsum("ij,ij->", m, m, dtype=np.float64))
+
+
+def dropped_output(a: np.ndarray, dropped: np.ndarray, wd: np.ndarray) -> np.ndarray:
+    """The part of the FFN output down(a) that dropping neurons removes: (a * dropped) @ W_down^T.
+
+    a: float32[N, ffn], dropped: bool[N, ffn], wd: float32[hidden, ffn] -> float32[N, hidden].
+    """
+    return np.where(dropped, a, 0.0).astype(np.float32) @ wd.T
 
 
 def calibrate_thresholds(model: Model, ids, eps: float = 0.01, tokens: int = 512, act_fn: str | None = None,
@@ -44,11 +51,11 @@ def calibrate_thresholds(model: Model, ids, eps: float = 0.01, tokens: int = 512
     """
     if not 0 < eps < 1:
         raise ValueError(f"eps must be in (0, 1), got {eps}")
-    act_fn = act_fn or getattr(model.config, "act_fn", "silu")
+    act_fn = act_fn or model.config.act_fn
     L = model.config.n_layers
     if act_fn == "relu":
         return {i: 0.0 for i in range(L)}
-    chunk = windows(ids, min(tokens, len(ids)) if len(ids) >= 2 else 2)[0]
+    chunk = windows(ids, max(2, min(tokens, len(ids))))[0]
     acts = {}
     forward(model, chunk, hooks={f"blk.{i}.ffn_act": (lambda n, x: acts.__setitem__(n, x.copy())) for i in range(L)},
             logits="none")
@@ -56,12 +63,11 @@ def calibrate_thresholds(model: Model, ids, eps: float = 0.01, tokens: int = 512
     for i in range(L):
         a = acts[f"blk.{i}.ffn_act"]
         wd = model.weights[f"blk.{i}.ffn_down.weight"]
-        y = a @ wd.T
-        y2 = float(np.einsum("ij,ij->", y, y, dtype=np.float64))
+        y2 = sq_norm(a @ wd.T)
         lo, hi = np.log(max(np.abs(a).min(), 1e-12)), np.log(np.abs(a).max())
         for _ in range(iters):  # largest tau with error <= eps
             mid = 0.5 * (lo + hi)
-            if _rel_error(a, wd, float(np.exp(mid)), y2) <= eps:
+            if np.sqrt(sq_norm(dropped_output(a, np.abs(a) <= np.exp(mid), wd)) / y2) <= eps:
                 lo = mid
             else:
                 hi = mid
@@ -79,13 +85,13 @@ class SparsityStats(Profile):
     FIELDS: ClassVar[dict] = {"fire": "sum", "new": "sum", "resident": "sum", "err": "sum"}
 
     @classmethod
-    def for_model(cls, model: Model, thresholds: dict[int, float], eps: float = 0.01, act_fn: str = "silu",
+    def for_model(cls, model: Model, thresholds: dict[int, float], eps: float = 0.01, act_fn: str | None = None,
                   max_window: int = MAX_WINDOW, error_stride: int = 16) -> "SparsityStats":
         L = model.config.n_layers
         if sorted(int(k) for k in thresholds) != list(range(L)):
             raise ValueError(f"thresholds must give one tau per layer 0..{L - 1}; use calibrate_thresholds")
         params = {"thresholds": [float(thresholds[i] if i in thresholds else thresholds[str(i)]) for i in range(L)],
-                  "eps": float(eps), "act_fn": act_fn, "max_window": int(max_window),
+                  "eps": float(eps), "act_fn": act_fn or model.config.act_fn, "max_window": int(max_window),
                   "error_stride": int(error_stride), "hidden": model.config.hidden, "ffn": model.config.ffn}
         return cls(model_name=model.name, model_sha256=model.sha256, params=params)
 
@@ -109,9 +115,7 @@ class SparsityStats(Profile):
             self._carry[name] = window_counts(on, carry, st["new"], st["resident"])
             s = a[::stride]
             wd = model.weights[f"blk.{i}.ffn_down.weight"]
-            y = s @ wd.T
-            dy = np.where(np.abs(s) > taus[i], 0.0, s).astype(np.float32) @ wd.T
-            st["err"] += [np.einsum("ij,ij->", dy, dy, dtype=np.float64), np.einsum("ij,ij->", y, y, dtype=np.float64)]
+            st["err"] += [sq_norm(dropped_output(s, np.abs(s) <= taus[i], wd)), sq_norm(s @ wd.T)]
         return {f"blk.{i}.ffn_act": observe for i in range(model.config.n_layers)}
 
     def begin_window(self, ids):

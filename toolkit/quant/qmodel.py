@@ -102,7 +102,7 @@ class QuantizedModel:
         return cls(scheme=m["scheme"], manifest=m, store=BlobStore.read(folder / "blobs", m["blobs"], verify))
 
 
-def _check_scheme(scheme: str) -> None:
+def check_scheme(scheme: str) -> None:
     if scheme not in SCHEMES:
         raise UnknownSchemeError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
 
@@ -114,7 +114,7 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
     profile: an OutlierStats of this model (activation clips, hot channels, layer importance, per-channel
     maxima), needed by w8a8, w8a8-shadow and smoothquant; `calibration_profile` makes one.
     """
-    _check_scheme(scheme)
+    check_scheme(scheme)
     if scheme in NEEDS_PROFILE:
         if profile is None:
             raise ValueError(f"scheme {scheme!r} needs an outlier profile of the model for its activation scales; "

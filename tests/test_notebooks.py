@@ -8,7 +8,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-@pytest.mark.parametrize("name", ["01_outliers.ipynb", "03_sparsity.ipynb", "04_quantization.ipynb"])
+@pytest.mark.parametrize("name", ["01_outliers.ipynb", "02_experts.ipynb", "03_sparsity.ipynb", "04_quantization.ipynb"])
 def test_notebook_executes_and_draws(name, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEPROBE_NB_TOKENS", "1024")
     for k, v in {"EDGEPROBE_NB_WINDOW": "64", "EDGEPROBE_NB_WINDOWS": "2", "EDGEPROBE_NB_CALIB": "256"}.items():

@@ -9,7 +9,7 @@ import pytest
 from edgeprobe.errors import ManifestError, StatsMismatchError, UnknownSchemeError
 from edgeprobe.evaluate import window_nll
 from edgeprobe.forward import forward
-from edgeprobe.quant import SCHEMES, QuantizedModel, calibration_profile, quantize
+from edgeprobe.quant import SCHEMES, QuantizedModel, calibration_profile, quantize, schemes_for
 from edgeprobe.quant.schemes import input_point
 
 W = 64
@@ -37,7 +37,7 @@ def float_logits(smollm, ids):
 
 @pytest.fixture(scope="module")
 def quantized(smollm, profile):
-    return {s: quantize(smollm, s, profile if s != "float" else None) for s in SCHEMES}
+    return {s: quantize(smollm, s, profile if s != "float" else None) for s in schemes_for(smollm.config)}
 
 
 def _ppl(logits, ids):

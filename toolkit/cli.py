@@ -35,7 +35,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _quantized(model, scheme: str, progress: bool):
+def _quantized(model, scheme: str, progress: bool, tolerance: float = 0.05):
     from .corpus import read_corpus
     from .quant import calibration_profile, quantize
     from .quant.schemes import NEEDS_PROFILE
@@ -43,38 +43,56 @@ def _quantized(model, scheme: str, progress: bool):
     profile = None
     if scheme in NEEDS_PROFILE:  # activation scales from the bundled training corpus
         profile = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), progress=progress)
-    return quantize(model, scheme, profile)
+    bits = _expert_bits(model, tolerance, progress) if scheme == "moe-mixed" else None
+    return quantize(model, scheme, profile, expert_bits=bits)
+
+
+def _expert_bits(model, tolerance: float, progress: bool) -> dict:
+    """moe-mixed widths chosen on the bundled training corpus (never on the evaluation text)."""
+    from .corpus import read_corpus
+    from .quant.expert_bits import ExpertBitsStudy
+
+    study = ExpertBitsStudy(model, model.tokenizer.encode(read_corpus("train")),
+                            window=min(256, model.config.context_length), max_windows=4, progress=progress)
+    return study.select(tolerance).bits
 
 
 def cmd_quantize(args) -> int:
     from . import models
     from .corpus import corpus_path, read_corpus, read_text_file
-    from .quant import SCHEMES, calibration_profile, quantize
+    from .quant import calibration_profile, quantize, schemes_for
     from .quant.qmodel import check_scheme
     from .quant.report import accuracy_table, format_table
+    from .quant.schemes import NEEDS_PROFILE
 
-    schemes = args.schemes.split(",") if args.schemes else list(SCHEMES)
-    for s in schemes:
+    schemes = args.schemes.split(",") if args.schemes else None
+    for s in schemes or []:
         check_scheme(s)
+    if args.scheme:
+        check_scheme(args.scheme)
     if not args.report and not args.out:
         print("edgeprobe: error: quantize needs --report (the accuracy table) and/or --out DIR (with --scheme)",
               file=sys.stderr)
         return 2
     text = read_text_file(args.text or corpus_path("heldout"))
     model = models.load(args.model)
+    schemes = schemes or schemes_for(model.config)
     progress = not args.no_progress
-    profile = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), tokens=args.calib_tokens,
-                                  window=min(args.window, args.calib_tokens), progress=progress)
+    needed = set(schemes if args.report else []) | ({args.scheme or schemes[0]} if args.out else set())
+    profile = None
+    if needed & NEEDS_PROFILE:
+        profile = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), tokens=args.calib_tokens,
+                                      window=min(args.window, args.calib_tokens), progress=progress)
+    bits = _expert_bits(model, args.tolerance, progress) if "moe-mixed" in needed else None
     if args.out:
         scheme = args.scheme or schemes[0]
-        check_scheme(scheme)
-        qm = quantize(model, scheme, profile, prune_rate=args.prune_rate, coverage=args.coverage)
+        qm = quantize(model, scheme, profile, prune_rate=args.prune_rate, coverage=args.coverage, expert_bits=bits)
         qm.save(args.out)
         print(f"wrote {scheme} to {args.out} ({qm.nbytes()['total'] / 1e6:.1f} MB in {len(qm.manifest['blobs'])} blobs)")
     if args.report:
         rows = accuracy_table(model, model.tokenizer.encode(text), profile, schemes, window=args.window,
                               max_windows=args.max_windows, progress=progress, prune_rate=args.prune_rate,
-                              coverage=args.coverage)
+                              coverage=args.coverage, expert_bits=bits)
         if args.json:
             print(json.dumps({"model": args.model, "text": args.text or "corpus:heldout", "rows": rows}))
         else:
@@ -102,11 +120,23 @@ def cmd_profile(args) -> int:
     from .profile import jobs
 
     text = read_text_file(args.corpus or corpus_path("train"))
-    model = models.load(args.model)
+    model = models.load(args.model or ("tiny-moe" if args.what == "experts" else "smollm2-135m"))
     ids = model.tokenizer.encode(text)
     progress = not args.no_progress
-    if args.what == "outliers":
-        summary = jobs.run_outliers_job(model, ids, args.out, tokens=args.tokens or 32768, window=args.window,
+    if args.what == "experts":
+        held = model.tokenizer.encode(read_text_file(args.heldout or corpus_path("heldout")))
+        window = args.window or min(256, model.config.context_length)
+        summary = jobs.run_experts_job(model, ids, held, args.out, tokens=args.tokens or 32768, window=window,
+                                       heldout_tokens=args.heldout_tokens, bit_widths=args.bit_widths,
+                                       progress=progress)
+        pl, hr = summary["path_power_law"], summary["predictor_hit_rate"]
+        k = model.config.n_experts_used
+        headline = (f"experts: top 20% of {pl['paths_observed']} paths cover "
+                    f"{100 * summary['top20pct_paths_token_share']:.1f}% of tokens (power law alpha {pl['alpha']:.2f}); "
+                    f"preload hit rate top-{k} {100 * hr['order2'][f'top{k}']:.1f}% (frequency only "
+                    f"{100 * hr['order0'][f'top{k}']:.1f}%)")
+    elif args.what == "outliers":
+        summary = jobs.run_outliers_job(model, ids, args.out, tokens=args.tokens or 32768, window=args.window or 512,
                                         percentile=args.percentile, prune_rate=args.prune_rate,
                                         coverage=args.coverage, progress=progress)
         headline = (f"outliers: {summary['fig10_outlier_channels_per_window_mean']:.1f} channels per window "
@@ -114,7 +144,7 @@ def cmd_profile(args) -> int:
                     f"{summary['fig11_pct_channels_for_80pct_outliers']:.2f}% of channels; kept layers "
                     f"{summary['kept_layers']}")
     else:
-        summary = jobs.run_sparsity_job(model, ids, args.out, tokens=args.tokens or 16384, window=args.window,
+        summary = jobs.run_sparsity_job(model, ids, args.out, tokens=args.tokens or 16384, window=args.window or 512,
                                         eps=args.eps, bits=args.bits, rank=args.rank,
                                         predictor=not args.no_predictor, progress=progress)
         headline = (f"sparsity: {100 * summary['inactive_fraction_mean']:.1f}% of FFN neurons inactive at "
@@ -125,7 +155,8 @@ def cmd_profile(args) -> int:
         print(json.dumps(summary, default=float))
     else:
         print(headline)
-        print(f"wrote {args.out}/{args.what}.npz, summary.json and figures")
+        kind = "coactivation" if args.what == "experts" else args.what
+        print(f"wrote {args.out}/{kind}.npz, summary.json and figures")
     return 0
 
 
@@ -171,17 +202,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens from the training corpus")
     q.add_argument("--prune-rate", type=float, default=0.85, help="w8a8-shadow: layers whose outliers are dropped")
     q.add_argument("--coverage", type=float, default=0.8, help="w8a8-shadow: hot-channel coverage")
+    q.add_argument("--tolerance", type=float, default=0.05,
+                   help="moe-mixed: tolerated perplexity increase P for the per-expert widths (default 0.05)")
     q.add_argument("--json", action="store_true")
     q.add_argument("--no-progress", action="store_true")
     q.set_defaults(fn=cmd_quantize)
 
-    p = sub.add_parser("profile", help="profile activation outliers or FFN sparsity on a corpus")
-    p.add_argument("what", choices=["outliers", "sparsity"])
-    p.add_argument("--model", default="smollm2-135m")
+    p = sub.add_parser("profile", help="profile activation outliers, FFN sparsity or MoE expert routing on a corpus")
+    p.add_argument("what", choices=["outliers", "sparsity", "experts"])
+    p.add_argument("--model", default=None, help="default smollm2-135m (experts: tiny-moe)")
     p.add_argument("--corpus", help="UTF-8 text file (default: the bundled training corpus)")
     p.add_argument("--tokens", type=int, default=None,
-                   help="tokens to profile (default 32768 for outliers, 16384 for sparsity)")
-    p.add_argument("--window", type=int, default=512, help="tokens per inference window (default 512)")
+                   help="tokens to profile (default 32768 for outliers and experts, 16384 for sparsity)")
+    p.add_argument("--window", type=int, default=None, help="tokens per inference window (default 512; experts 256)")
     p.add_argument("--out", required=True, help="output folder: <what>.npz, summary.json, figures as HTML")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON line, last")
     p.add_argument("--no-progress", action="store_true")
@@ -192,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=float, default=4.0, help="sparsity: weight bits for flash traffic")
     p.add_argument("--rank", type=int, default=32, help="sparsity: predictor rank")
     p.add_argument("--no-predictor", action="store_true", help="sparsity: skip the low-rank predictor")
+    p.add_argument("--heldout", help="experts: held-out text for predictor and cache (default: bundled held-out corpus)")
+    p.add_argument("--heldout-tokens", type=int, default=8192, help="experts: held-out tokens replayed (default 8192)")
+    p.add_argument("--bit-widths", action="store_true",
+                   help="experts: also measure per-expert INT2 sensitivity and width selections (EdgeMoE §3.2)")
     p.set_defaults(fn=cmd_profile)
 
     d = sub.add_parser("demo", help="the main job: real model in, numbers out")

@@ -9,7 +9,8 @@ Hook points, each seeing x: float32[batch*tokens, features] (rows in batch-major
     blk.{i}.attn_out  input of the output projection           [N, n_heads*head_dim]
     blk.{i}.ffn_in    input of gate/up (after ffn_norm)        [N, hidden]
     blk.{i}.ffn_act   input of down: silu(gate) * up           [N, ffn]
-    blk.{i}.router    MoE router logits (MoE models)           [N, n_experts]
+    blk.{i}.router    MoE router logits (MoE models)           [N, n_experts], a RouterLogits whose
+                      .experts int64[N, k] and .weights float32[N, k] are the routing they imply
     out_norm          input of the LM head (after output_norm) [N, hidden]
 """
 from __future__ import annotations
@@ -131,10 +132,30 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
 
 
 def float_linear(model: Model) -> LinearFn:
-    """The reference linear: y = x @ W.T with W float32[out, in] (x: float32[N, in] -> [N, out])."""
+    """The reference linear: y = x @ W.T with W float32[out, in] (x: float32[N, in] -> [N, out]).
+
+    Expert linears are named "blk.{i}.ffn_up_exps.{e}": expert e's slice of the stacked tensor.
+    """
     def linear(name: str, x: np.ndarray) -> np.ndarray:
-        return x @ model.weights[name + ".weight"].T
+        return x @ model.linear_weight(name).T
     return linear
+
+
+def linear_names(config: ModelConfig) -> list[str]:
+    """Every linear the forward pass calls, in execution order (experts one by one, then shared)."""
+    out = []
+    for i in range(config.n_layers):
+        out += [f"blk.{i}.{op}" for op in ("attn_q", "attn_k", "attn_v", "attn_output")]
+        if not config.n_experts:
+            out += [f"blk.{i}.{op}" for op in ("ffn_gate", "ffn_up", "ffn_down")]
+            continue
+        out.append(f"blk.{i}.ffn_gate_inp")
+        out += [f"blk.{i}.ffn_{op}_exps.{e}" for e in range(config.n_experts) for op in ("gate", "up", "down")]
+        if config.shared_expert_ffn:
+            out += [f"blk.{i}.ffn_{op}_shexp" for op in ("gate", "up", "down")]
+            if config.shared_expert_gate:
+                out.append(f"blk.{i}.ffn_gate_inp_shexp")
+    return out
 
 
 def dense_ffn(model: Model, i: int, x: np.ndarray, hooks: Hooks, linear: LinearFn) -> np.ndarray:
@@ -146,8 +167,78 @@ def dense_ffn(model: Model, i: int, x: np.ndarray, hooks: Hooks, linear: LinearF
     return linear(f"blk.{i}.ffn_down", act)
 
 
-# FFN implementations by kind; the MoE issue registers "moe" here rather than forking the pass.
-FFN_KINDS: dict[str, Callable] = {"dense": dense_ffn}
+class RouterLogits(np.ndarray):
+    """Router logits float32[N, n_experts] that also carry the routing they imply:
+    `.experts` int64[N, k] (the chosen experts, best first) and `.weights` float32[N, k]."""
+
+    experts: np.ndarray
+    weights: np.ndarray
+
+
+def route(logits: np.ndarray, k: int, norm_topk: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax router with top-k (Shazeer et al. 2017; Mixtral, OLMoE, Qwen-MoE).
+
+    logits float32[N, E] -> experts int64[N, k] (highest probability first, ties to the lower index),
+    weights float32[N, k]: the softmax probabilities of the chosen experts, renormalized to sum to 1
+    when `norm_topk` (Mixtral, OLMoE with norm_topk_prob) or left as they are (Qwen1.5-MoE).
+    """
+    z = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    experts = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    w = np.take_along_axis(p, experts, axis=1)
+    if norm_topk:
+        w = w / w.sum(axis=1, keepdims=True)
+    return experts.astype(np.int64), w.astype(np.float32)
+
+
+def _router_hook(hooks: Hooks, name: str, logits: np.ndarray, k: int, norm: bool):
+    experts, weights = route(logits, k, norm)
+    if hooks is None:
+        return experts, weights
+    x = logits.view(RouterLogits)
+    x.experts, x.weights = experts, weights
+    out = _hook(hooks, name, x)
+    if out is x:
+        return experts, weights
+    return route(out, k, norm)  # the hook replaced the logits: route by the new ones
+
+
+def swiglu(linear: LinearFn, prefix: str, suffix: str, x: np.ndarray) -> np.ndarray:
+    """down(silu(gate(x)) * up(x)) through linears named f"{prefix}ffn_gate{suffix}" etc."""
+    g = linear(f"{prefix}ffn_gate{suffix}", x)
+    act = g / (1.0 + np.exp(-g)) * linear(f"{prefix}ffn_up{suffix}", x)
+    return linear(f"{prefix}ffn_down{suffix}", act)
+
+
+def moe_ffn(model: Model, i: int, x: np.ndarray, hooks: Hooks, linear: LinearFn) -> np.ndarray:
+    """Mixture-of-experts FFN (Mixtral / OLMoE / Qwen-MoE style); x: float32[N, hidden].
+
+    A softmax router picks top-k SwiGLU experts per token and mixes their outputs by the (optionally
+    renormalized) router probabilities; an optional shared expert runs on every token, scaled by
+    sigmoid(ffn_gate_inp_shexp · x) when that gate exists (Qwen-MoE). Each expert's GEMM sees only
+    the rows routed to it, as on a device that loads just the chosen experts (EdgeMoE §3.3).
+    """
+    c = model.config
+    logits = linear(f"blk.{i}.ffn_gate_inp", x)
+    experts, weights = _router_hook(hooks, f"blk.{i}.router", logits, c.n_experts_used, c.norm_topk)
+    y = np.zeros_like(x)
+    for e in range(c.n_experts):
+        rows, slot = np.nonzero(experts == e)
+        if len(rows) == 0:
+            continue
+        # a token picks an expert at most once, so rows are unique and += is a scatter-add
+        y[rows] += weights[rows, slot, None] * swiglu(linear, f"blk.{i}.", f"_exps.{e}", x[rows])
+    if c.shared_expert_ffn:
+        s = swiglu(linear, f"blk.{i}.", "_shexp", x)
+        if c.shared_expert_gate:
+            s *= 1.0 / (1.0 + np.exp(-linear(f"blk.{i}.ffn_gate_inp_shexp", x)))
+        y += s
+    return y
+
+
+# FFN implementations by kind: dense SwiGLU or mixture of experts, in the one forward pass.
+FFN_KINDS: dict[str, Callable] = {"dense": dense_ffn, "moe": moe_ffn}
 
 
 def ffn_kind(config: ModelConfig) -> str:

@@ -25,9 +25,23 @@ def _smollm2_135m() -> Path:
     return found[0]
 
 
+def _tiny_moe() -> Path:
+    """edgeprobe's own small Mixtral-layout MoE (datasets/moe/tiny-moe, trained by train_tiny_moe.py)."""
+    import os
+
+    env = os.environ.get("EDGEPROBE_TINY_MOE")
+    folder = Path(env) if env else Path(__file__).resolve().parents[2] / "datasets" / "moe" / "tiny-moe"
+    if not (folder / "config.json").exists():
+        raise ModelNotFoundError(f"built-in model 'tiny-moe' is not at {folder}: it lives in a source checkout of "
+                                 "edgeprobe (datasets/moe/tiny-moe); rebuild it with `python "
+                                 "datasets/moe/train_tiny_moe.py` or set EDGEPROBE_TINY_MOE to its folder")
+    return folder
+
+
 # Built-in model names are a contract with users and scripts: add names, never rename them.
 BUILTIN = {
     "smollm2-135m": _smollm2_135m,
+    "tiny-moe": _tiny_moe,
 }
 
 

@@ -5,6 +5,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+from ..errors import ModelFormatError
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -35,6 +37,7 @@ class ModelConfig:
     expert_ffn: int = 0
     norm_topk: bool = True
     shared_expert_ffn: int = 0
+    shared_expert_gate: bool = False  # Qwen-MoE: shared expert scaled by sigmoid(ffn_gate_inp_shexp · x)
     name: str = ""
 
     def __post_init__(self):
@@ -42,6 +45,12 @@ class ModelConfig:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim={self.head_dim} must be even for RoPE")
+        if self.n_experts and not 1 <= self.n_experts_used <= self.n_experts:
+            raise ModelFormatError(f"{self.name or 'model'}: top-k = {self.n_experts_used} experts per token, but "
+                                   f"the model has {self.n_experts} experts; top-k must be between 1 and "
+                                   f"{self.n_experts} (fix num_experts_per_tok / expert_used_count)")
+        if self.n_experts and not self.expert_ffn:
+            object.__setattr__(self, "expert_ffn", self.ffn)  # Mixtral: intermediate_size is the expert's
 
     @property
     def group(self) -> int:
@@ -63,3 +72,27 @@ class ModelConfig:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
+
+
+def check_ffn_shapes(cfg: ModelConfig, shapes: dict, path) -> None:
+    """Router and expert tensors must agree with each other and the config (GGUF names, [out, in])."""
+    if not cfg.n_experts:
+        return
+    E, h, f = cfg.n_experts, cfg.hidden, cfg.expert_ffn
+    want = {"ffn_gate_inp": (E, h), "ffn_gate_exps": (E, f, h), "ffn_up_exps": (E, f, h), "ffn_down_exps": (E, h, f)}
+    if cfg.shared_expert_ffn:
+        s = cfg.shared_expert_ffn
+        want.update({"ffn_gate_shexp": (s, h), "ffn_up_shexp": (s, h), "ffn_down_shexp": (h, s)})
+        if cfg.shared_expert_gate:
+            want["ffn_gate_inp_shexp"] = (1, h)
+    for i in range(cfg.n_layers):
+        for t, shape in want.items():
+            name = f"blk.{i}.{t}.weight"
+            if name not in shapes:
+                raise ModelFormatError(f"{path}: tensor {name} is missing; an MoE layer needs a router "
+                                       "(ffn_gate_inp) and stacked experts (ffn_gate/up/down_exps)")
+            if tuple(shapes[name]) != shape:
+                raise ModelFormatError(
+                    f"{path}: tensor {name} has shape {tuple(shapes[name])} but {shape} is implied by {E} experts, "
+                    f"hidden {h} and expert FFN {f}; the router and expert shapes disagree with each other or "
+                    "with the config")

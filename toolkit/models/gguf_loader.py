@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .config import ModelConfig
+from .config import ModelConfig, check_ffn_shapes
 from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, default_cache_dir, file_sha256
@@ -92,6 +92,9 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         n_experts=n_experts,
         n_experts_used=int(get(f"{arch}.expert_used_count", 0) or 0),
         expert_ffn=int(get(f"{arch}.expert_feed_forward_length", 0) or 0),
+        norm_topk=bool(get(f"{arch}.expert_weights_norm", True)),
+        shared_expert_ffn=int(get(f"{arch}.expert_shared_feed_forward_length", 0) or 0),
+        shared_expert_gate="blk.0.ffn_gate_inp_shexp.weight" in names,
         name=str(get("general.name", path.stem)),
     )
 
@@ -136,6 +139,7 @@ def _check_tensors(cfg: ModelConfig, reader: gguf.GGUFReader, path: Path) -> Non
         if not cfg.n_experts:
             expect.update({f"blk.{i}.ffn_gate.weight": (cfg.ffn, h), f"blk.{i}.ffn_up.weight": (cfg.ffn, h),
                            f"blk.{i}.ffn_down.weight": (h, cfg.ffn)})
+    check_ffn_shapes(cfg, shapes, path)
     for name, shape in expect.items():
         if name not in shapes:
             raise ModelFormatError(f"{path}: tensor {name} is missing; this is not a complete "

@@ -15,12 +15,12 @@ import numpy as np
 from safetensors import safe_open
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .config import ModelConfig
+from .config import ModelConfig, check_ffn_shapes
 from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, file_sha256
 
-SUPPORTED_MODEL_TYPES = ("llama",)
+SUPPORTED_MODEL_TYPES = ("llama", "mixtral")
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -40,13 +40,28 @@ _GLOBAL_NAMES = {
 }
 
 
+# Mixtral's experts: block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down), stacked per layer.
+_EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+
+
 def gguf_name(hf_name: str) -> str | None:
-    """Hugging Face tensor name -> GGUF tensor name (None for tensors the forward pass ignores)."""
+    """Hugging Face tensor name -> GGUF tensor name (None for tensors the forward pass ignores).
+
+    A Mixtral expert tensor maps to "<stacked GGUF name>.<expert>", e.g. "blk.0.ffn_up_exps.3".
+    """
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     parts = hf_name.split(".", 3)  # model.layers.{i}.rest
-    if len(parts) == 4 and parts[:2] == ["model", "layers"] and parts[3] in _LAYER_NAMES:
-        return f"blk.{parts[2]}.{_LAYER_NAMES[parts[3]]}"
+    if len(parts) != 4 or parts[:2] != ["model", "layers"]:
+        return None
+    rest = parts[3]
+    if rest in _LAYER_NAMES:
+        return f"blk.{parts[2]}.{_LAYER_NAMES[rest]}"
+    if rest == "block_sparse_moe.gate.weight":
+        return f"blk.{parts[2]}.ffn_gate_inp.weight"
+    sub = rest.split(".")  # block_sparse_moe.experts.{e}.w1.weight
+    if len(sub) == 5 and sub[:2] == ["block_sparse_moe", "experts"] and sub[3] in _EXPERT_NAMES and sub[4] == "weight":
+        return f"blk.{parts[2]}.{_EXPERT_NAMES[sub[3]]}.{sub[2]}"
     return None
 
 
@@ -71,21 +86,37 @@ def _read_bf16(path: Path, name: str) -> np.ndarray:
     return (raw.astype(np.uint32) << 16).view(np.float32).reshape(info["shape"])
 
 
+def _read_tensor(path: Path, name: str) -> np.ndarray:
+    with safe_open(str(path), framework="numpy") as f:
+        dtype = f.get_slice(name).get_dtype()
+        arr = _read_bf16(path, name) if dtype == "BF16" else f.get_tensor(name)
+    return np.asarray(arr, dtype=np.float32)
+
+
 def _tensor_loader(path: Path, name: str, transform=None):
     def load() -> np.ndarray:
-        with safe_open(str(path), framework="numpy") as f:
-            dtype = f.get_slice(name).get_dtype()
-            arr = _read_bf16(path, name) if dtype == "BF16" else f.get_tensor(name)
-        arr = np.asarray(arr, dtype=np.float32)
+        arr = _read_tensor(path, name)
         return transform(arr) if transform else arr
     return load
+
+
+def _stacked_loader(parts: list[tuple[Path, str]]):
+    """Experts stored one tensor each -> float32[E, out, in], as GGUF's ffn_*_exps tensors hold them."""
+    return lambda: np.stack([_read_tensor(p, n) for p, n in parts])
 
 
 def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"{path}: model_type {model_type!r} is not supported "
-                                    f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use a Llama-family model")
+                                    f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use a Llama-family model "
+                                    "or a Mixtral-layout MoE")
+    moe = {}
+    if model_type == "mixtral":
+        moe = dict(n_experts=int(cfg.get("num_local_experts", 0)), n_experts_used=int(cfg.get("num_experts_per_tok", 0)),
+                   expert_ffn=int(cfg.get("intermediate_size", 0)), norm_topk=True)
+        if moe["n_experts"] < 1:
+            raise ModelFormatError(f"{path}/config.json: a mixtral config needs num_local_experts >= 1")
     # transformers >= 5 nests RoPE settings in rope_parameters; older configs use rope_theta/rope_scaling.
     rope = dict(cfg.get("rope_scaling") or {}, **(cfg.get("rope_parameters") or {}))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -111,6 +142,7 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
             context_length=int(cfg.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             name=str(cfg.get("_name_or_path") or path.name),
+            **moe,
         )
     except KeyError as e:
         raise ModelFormatError(f"{path}/config.json lacks {e.args[0]!r}; it is not a complete Llama config") from e
@@ -130,28 +162,45 @@ def load_hf_folder(path: Path, name: str = "") -> Model:
     except json.JSONDecodeError as e:
         raise ModelFormatError(f"{path}/config.json is not valid JSON ({e})") from e
     cfg = config_from_hf(hf_cfg, path)
-    loaders = {}
+    loaders, shapes, experts = {}, {}, {}
     for file in files:
         try:
             with safe_open(str(file), framework="numpy") as f:
                 keys = list(f.keys())
+                key_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in keys}
         except Exception as e:
             raise ModelFormatError(f"{file} cannot be read as safetensors ({e}); it is truncated or corrupt") from e
         for key in keys:
             g = gguf_name(key)
             if g is None:
                 continue
+            if "_exps." in g:  # one expert of a stacked tensor
+                base, _, e = g.rpartition(".")
+                experts.setdefault(base + ".weight", {})[int(e)] = (file, key, key_shapes[key])
+                continue
+            shapes[g] = key_shapes[key]
             transform = None
             if g.endswith("attn_q.weight"):
                 transform = lambda w, h=cfg.n_heads: halves_to_adjacent(w, h)
             elif g.endswith("attn_k.weight"):
                 transform = lambda w, h=cfg.n_kv_heads: halves_to_adjacent(w, h)
             loaders[g] = _tensor_loader(file, key, transform)
+    for tname, by_e in experts.items():
+        if sorted(by_e) != list(range(cfg.n_experts)):
+            raise ModelFormatError(f"{path}: {tname} has experts {sorted(by_e)[:10]}, config.json says "
+                                   f"num_local_experts = {cfg.n_experts}; the checkpoint and its config disagree")
+        parts = [by_e[e] for e in range(cfg.n_experts)]
+        if len({p[2] for p in parts}) != 1:
+            raise ModelFormatError(f"{path}: the experts of {tname} have different shapes "
+                                   f"{sorted({p[2] for p in parts})}; the checkpoint is inconsistent")
+        shapes[tname] = (cfg.n_experts, *parts[0][2])
+        loaders[tname] = _stacked_loader([(p[0], p[1]) for p in parts])
     if cfg.tie_embeddings:
         loaders.pop("output.weight", None)
     missing = [n for n in ("token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight") if n not in loaders]
     if missing:
         raise ModelFormatError(f"{path}: tensors {missing} are missing; not a complete Llama checkpoint")
+    check_ffn_shapes(cfg, shapes, path)
     eos = hf_cfg.get("eos_token_id")
     tok = Tokenizer.from_hf_folder(path, cfg.vocab_size, bos_id=hf_cfg.get("bos_token_id"),
                                    eos_id=eos[0] if isinstance(eos, list) else eos)

@@ -30,6 +30,17 @@ class Model:
     def w(self, name: str) -> np.ndarray:
         return self.weights[name]
 
+    def linear_weight(self, name: str) -> np.ndarray:
+        """float32[out, in] of a linear by its forward-pass name ("blk.0.attn_q"); an expert linear
+        "blk.{i}.ffn_up_exps.{e}" is expert e's slice of the stacked float32[E, out, in] tensor."""
+        w = self.weights.get(name + ".weight")
+        if w is not None:
+            return w
+        base, _, e = name.rpartition(".")
+        if e.isdigit() and base + ".weight" in self.weights:
+            return self.weights[base + ".weight"][int(e)]
+        raise KeyError(f"no linear named {name!r} in this model")
+
     @property
     def output_weight(self) -> np.ndarray:
         """float32[vocab, hidden]: the LM head, the embedding itself when tied."""

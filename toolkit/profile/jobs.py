@@ -73,3 +73,45 @@ def run_sparsity_job(model: Model, ids, out_dir, tokens=16384, window=512, eps=0
             summary["predictor"] = rep.summary()
     write_outputs(st, out_dir, summary, SPARSITY_KINDS)
     return summary
+
+
+def run_experts_job(model: Model, ids, heldout_ids, out_dir, tokens=32768, window=256, heldout_tokens=8192,
+                    capacities=None, preload_n=None, cache_bits=4, bit_widths=False, bits_windows=4,
+                    tolerances=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5), progress=True) -> dict:
+    """EdgeMoE's measurements on one MoE model: co-activation profile of `tokens` of `ids`, preload
+    predictor hit rates and expert-buffer policies on `heldout_tokens` of `heldout_ids`, and, with
+    `bit_widths`, the per-expert INT2 sensitivity and width selections (on the first windows of `ids`)."""
+    from ..quant.expert_bits import ExpertBitsStudy, expert_nbytes
+    from .expert_cache import sweep
+    from .expert_figures import cache_figure
+    from .experts import CoActivationStats, record_routing, require_moe
+
+    require_moe(model)
+    windows(ids, window, tokens)
+    windows(heldout_ids, window, heldout_tokens)
+    c = model.config
+    st = run(model, ids, CoActivationStats.for_model(model), window=window, max_tokens=tokens, progress=progress,
+             desc="co-activation")
+    held = record_routing(model, heldout_ids, window, heldout_tokens, progress=progress)
+    summary = st.summary(held)
+    total = c.n_layers * c.n_experts
+    caps = sorted({max(c.n_experts_used, int(round(f * total))) for f in (0.125, 0.25, 0.375, 0.5, 0.75)}
+                  if capacities is None else {int(x) for x in capacities})
+    eb = expert_nbytes(c, cache_bits)
+    rows = sweep(held, caps, st.a["freq"], st.predictor(2), preload_n=preload_n, expert_bytes=eb, progress=progress)
+    summary["cache"] = {"expert_bytes": eb, "expert_bits": cache_bits, "capacities": caps, "rows": rows}
+    out = Path(out_dir)
+    write_outputs(st, out, summary, ("frequency", "paths", "conditional"))
+    write_html(st.figure("predictor", heldout=held), out / "coactivation_predictor.html")
+    write_html(cache_figure(rows, eb, f"{model.name}, {held.tokens:,} held-out tokens, experts at INT{cache_bits} "
+                            f"({eb / 1e3:.0f} kB each)"), out / "cache_policies.html")
+    held.save(out / "routing_heldout.npz")
+    if bit_widths:
+        study = ExpertBitsStudy(model, ids, window=window, max_windows=bits_windows, progress=progress)
+        study.measure_sensitivity()
+        sels = study.curve(tolerances)
+        summary["bit_widths"] = {**study.summary(), "selections": [s.to_dict() for s in sels]}
+        write_html(study.figure("sensitivity"), out / "bits_sensitivity.html")
+        write_html(study.figure("tolerance", sels), out / "bits_tolerance.html")
+        (out / "summary.json").write_text(json.dumps(summary, indent=1, default=_num) + "\n")
+    return summary

@@ -18,15 +18,14 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
-from ..errors import ManifestError, StatsMismatchError, UnknownSchemeError
-from ..forward import forward
+from ..errors import ManifestError, StatsMismatchError, UnknownSchemeError, UnsupportedModelError
+from ..forward import forward, linear_names
 from ..models import Model, ModelConfig, Tokenizer
 from ..models.weights import LazyWeights
 from .blobs import BlobStore
-from .schemes import INPUT_POINT, NEEDS_PROFILE, SCHEMES, input_point
+from .schemes import MOE_ONLY, NEEDS_PROFILE, SCHEMES, build_float, input_point
 
 FORMAT, FORMAT_VERSION = "edgeprobe-quantized", 1
-LINEARS = tuple(INPUT_POINT)
 
 
 @dataclass
@@ -102,19 +101,37 @@ class QuantizedModel:
         return cls(scheme=m["scheme"], manifest=m, store=BlobStore.read(folder / "blobs", m["blobs"], verify))
 
 
+def schemes_for(config: ModelConfig) -> list[str]:
+    """The schemes that apply to a model: MoE models lack the activation profile some need, dense
+    models have no experts to give widths to."""
+    skip = NEEDS_PROFILE if config.n_experts else MOE_ONLY
+    return [s for s in SCHEMES if s not in skip]
+
+
 def check_scheme(scheme: str) -> None:
     if scheme not in SCHEMES:
         raise UnknownSchemeError(f"unknown scheme {scheme!r}; choose one of {', '.join(SCHEMES)}")
 
 
 def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, coverage: float = 0.8,
-             alpha: float = 0.5, int8_threshold: float = 6.0) -> QuantizedModel:
+             alpha: float = 0.5, int8_threshold: float = 6.0, expert_bits: dict | None = None) -> QuantizedModel:
     """model -> QuantizedModel under `scheme` (see schemes.SCHEMES).
 
     profile: an OutlierStats of this model (activation clips, hot channels, layer importance, per-channel
     maxima), needed by w8a8, w8a8-shadow and smoothquant; `calibration_profile` makes one.
+    expert_bits: for moe-mixed, {expert linear name ("blk.0.ffn_up_exps.3"): 2 | 4 | 8}, e.g.
+    `select_expert_bits(...).bits`; experts not named stay at INT4.
+    MoE routers (ffn_gate_inp) stay float in every scheme: they are tiny and pick discrete experts.
     """
     check_scheme(scheme)
+    c = model.config
+    if scheme in MOE_ONLY and not c.n_experts:
+        raise UnsupportedModelError(f"scheme {scheme!r} sets per-expert bit widths; model {model.name!r} is dense "
+                                    "(no experts). Use it with an MoE model such as 'tiny-moe'")
+    if scheme in NEEDS_PROFILE and c.n_experts:
+        raise UnsupportedModelError(f"scheme {scheme!r} needs activation statistics at every linear's input, which "
+                                    "the outlier profiler does not collect inside experts yet; for MoE models use "
+                                    "float, llm-int8, q4_0, q4_0-tile or moe-mixed")
     if scheme in NEEDS_PROFILE:
         if profile is None:
             raise ValueError(f"scheme {scheme!r} needs an outlier profile of the model for its activation scales; "
@@ -122,23 +139,31 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
         if profile.model_sha256 != model.sha256:
             raise StatsMismatchError(f"the profile belongs to model {profile.model_name} "
                                      f"({profile.model_sha256[:12]}), not {model.name} ({model.sha256[:12]})")
-    c = model.config
-    names = [f"blk.{i}.{op}" for i in range(c.n_layers) for op in LINEARS]
+    names = linear_names(c)
     ctx = {"alpha": alpha, "int8_threshold": int8_threshold}
+    if scheme == "moe-mixed":
+        experts = [n for n in names if "_exps." in n]
+        bad = sorted(set(expert_bits or {}) - set(experts))
+        if bad:
+            raise ValueError(f"expert_bits names {bad[:3]} are not expert linears of this model "
+                             f"(e.g. {experts[0]!r})")
+        ctx["expert_bits"] = {n: 4 for n in experts} | dict(expert_bits or {})
     if profile is not None:
         ctx.update(clips=profile.params["clips"], hot=profile.hot_channels(coverage),
                    pruned_layers=set(profile.pruned_layers(prune_rate)), act_max=profile.smoothquant_scales())
         if scheme == "smoothquant":
             w_max = {}
             for n in names:
-                col = np.abs(model.weights[n + ".weight"]).max(axis=0)
+                col = np.abs(model.linear_weight(n)).max(axis=0)
                 p = input_point(n)
                 w_max[p] = np.maximum(w_max.get(p, 0), col)
             ctx["w_max"] = w_max
     store = BlobStore()
     build = SCHEMES[scheme][0]
-    linears = {n: build(n, np.asarray(model.weights[n + ".weight"], np.float32), ctx, store) for n in names}
-    linear_weights = {f"{n}.weight" for n in names}
+    linears = {n: (build_float if n.endswith(("ffn_gate_inp", "ffn_gate_inp_shexp")) else build)(
+        n, np.asarray(model.linear_weight(n), np.float32), ctx, store) for n in names}
+    # an expert linear's tensor is its stacked ffn_*_exps tensor: "blk.0.ffn_up_exps.3" -> "blk.0.ffn_up_exps.weight"
+    linear_weights = {f"{n.rpartition('.')[0] if '_exps.' in n else n}.weight" for n in names}
     tensors = {n: store.put(np.asarray(model.weights[n], np.float32), "float")
                for n in model.weights if n not in linear_weights}
     tok = store.put(np.frombuffer(json.dumps(model.tokenizer.to_json()).encode(), np.uint8), "tokenizer")
@@ -147,6 +172,7 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
         "model": {"name": model.name, "sha256": model.sha256}, "config": dataclasses.asdict(c),
         "tokenizer": tok, "tensors": tensors, "linears": linears, "blobs": store.meta,
         "params": {"prune_rate": prune_rate, "coverage": coverage, "alpha": alpha, "int8_threshold": int8_threshold,
+                   "expert_bits": ctx.get("expert_bits"),
                    "profile": None if profile is None else {"tokens": profile.tokens,
                                                              "percentile": profile.params["percentile"]}},
     }

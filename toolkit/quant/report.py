@@ -10,8 +10,7 @@ from ..evaluate import window_nll
 from ..forward import forward
 from ..models import Model
 from ..profile.runner import windows
-from .qmodel import quantize
-from .schemes import SCHEMES
+from .qmodel import quantize, schemes_for
 
 
 def accuracy_table(model: Model, ids, profile, schemes=None, window: int = 512, max_windows: int | None = 8,
@@ -20,7 +19,7 @@ def accuracy_table(model: Model, ids, profile, schemes=None, window: int = 512, 
 
     All schemes see the same windows of `ids`; top-1 agreement is over every scored position.
     """
-    schemes = list(schemes or SCHEMES)
+    schemes = list(schemes or schemes_for(model.config))
     chunks = windows(ids, window)[:max_windows] if max_windows else windows(ids, window)
     float_top1 = [forward(model, c).argmax(-1) for c in chunks]
     rows = []

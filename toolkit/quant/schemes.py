@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeprobe_kernels.int8_gemm import gemm_s8s32, quantize_per_tensor
+from edgeprobe_kernels.intn import dequantize_channels, quantize_channels
 from edgeprobe_kernels.lut import GROUP, lut16_dequant
 from edgeprobe_kernels.shadow import extract_outliers, shadow_gemm
 from edgeprobe_kernels.tiles import TILE, dequantize_tiles, padded, quantize_tiles
@@ -184,6 +185,22 @@ def run_q4_0_tile(rec, store, qm):
     return lambda x: x.astype(np.float16).astype(np.float32) @ w.T
 
 
+# ---- moe-mixed: per-expert INT2/4/8 widths, per-channel linear quantization (EdgeMoE §3.2) ----------
+
+def build_moe_mixed(name, w, ctx, store) -> dict:
+    """Experts at the width ctx["expert_bits"][name] chose (INT2/4/8); every other linear at INT8."""
+    bits = int(ctx["expert_bits"].get(name, ctx.get("other_bits", 8)))
+    codes, scales = quantize_channels(w, bits)
+    return {"kind": "moe-mixed", "shape": list(w.shape), "bits": bits, "codes": store.put(codes, "weight"),
+            "scales": store.put(scales, "weight-scales")}
+
+
+def run_moe_mixed(rec, store, qm):
+    N, K = rec["shape"]
+    w = dequantize_channels(store.get(rec["codes"]), store.get(rec["scales"]), rec["bits"], K)
+    return lambda x: x @ w.T
+
+
 # Scheme names are a contract (CLI, manifests): add, never rename.
 SCHEMES = {
     "float": (build_float, run_float),
@@ -193,5 +210,7 @@ SCHEMES = {
     "llm-int8": (build_llm_int8, run_llm_int8),
     "q4_0": (build_q4_0, run_q4_0),
     "q4_0-tile": (build_q4_0_tile, run_q4_0_tile),
+    "moe-mixed": (build_moe_mixed, run_moe_mixed),
 }
 NEEDS_PROFILE = {"w8a8", "w8a8-shadow", "smoothquant"}
+MOE_ONLY = {"moe-mixed"}

@@ -109,14 +109,15 @@ def test_save_load_round_trip_and_damage(smollm, quantized, ids, tmp_path):
 
 def test_padding_recorded_for_shapes_that_do_not_tile():
     from edgeprobe.quant.blobs import BlobStore
-    from edgeprobe.quant.schemes import build_q4_0_tile, run_q4_0_tile
+    from edgeprobe.quant.schemes import build_q4_0_tile
+    from edgeprobe_kernels.linear_records import run_q4_0_tile
 
     w = np.random.default_rng(1).standard_normal((50, 70)).astype(np.float32)
     store = BlobStore()
     rec = build_q4_0_tile("blk.0.ffn_up", w, {}, store)
     assert rec["padding"] is True and rec["padded"] == [96, 64]
     x = np.random.default_rng(2).standard_normal((3, 70)).astype(np.float32)
-    y = run_q4_0_tile(rec, store, None)(x)
+    y = run_q4_0_tile(rec, store.get, {})(x)
     assert y.shape == (3, 50) and np.abs(y - x @ w.T).max() < 0.2 * np.abs(x @ w.T).max()
 
 

@@ -20,6 +20,9 @@ from typing import Callable, Mapping, Union
 
 import numpy as np
 
+from edgeprobe_kernels.llama_ops import apply_rope, attention, rms_norm, swiglu_act
+from edgeprobe_kernels.llama_ops import rope_tables as _rope_tables
+
 from .errors import TokenRangeError
 from .models import Model, ModelConfig
 
@@ -83,52 +86,9 @@ class KVCache:
         return 2 * c.n_layers * self.batch * c.n_kv_heads * self.length * c.head_dim * 4
 
 
-def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """x: float32[N, C], w: float32[C] -> x / rms(x) * w (RMSNorm, Zhang & Sennrich 2019)."""
-    ms = np.einsum("nc,nc->n", x, x) / x.shape[1]
-    return x * (1.0 / np.sqrt(ms + eps))[:, None].astype(np.float32) * w
-
-
 def rope_tables(config: ModelConfig, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: float32[length, head_dim/2] for positions start..start+length-1 (RoFormer eq. 34)."""
-    d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    ang = np.arange(start, start + length, dtype=np.float64)[:, None] * inv_freq[None, :]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x: float32[B, T, heads, head_dim], rotating adjacent pairs (2i, 2i+1) — the GGUF layout."""
-    B, T, H, d = x.shape
-    xp = x.reshape(B, T, H, d // 2, 2)
-    x0, x1 = xp[..., 0], xp[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    out = np.empty_like(xp)
-    out[..., 0] = x0 * c - x1 * s
-    out[..., 1] = x0 * s + x1 * c
-    return out.reshape(B, T, H, d)
-
-
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
-    """Causal grouped-query attention.
-
-    q: float32[B, T, n_heads, d] at positions start..start+T-1; k, v: float32[B, n_kv, S, d] with
-    S = start + T. Query head h reads KV head h // (n_heads / n_kv). Returns float32[B*T, n_heads*d].
-    """
-    B, T, H, d = q.shape
-    KV, S = k.shape[1], k.shape[2]
-    G = H // KV
-    # The G query heads of a KV head share its keys: one GEMM of M = G*T rows per KV head.
-    qg = q.transpose(0, 2, 1, 3).reshape(B, KV, G * T, d) * np.float32(1.0 / np.sqrt(d))
-    scores = np.matmul(qg, k.swapaxes(-1, -2))  # [B, KV, G*T, S]
-    if T > 1:
-        mask = np.where(np.arange(S)[None, :] > (start + np.arange(T))[:, None], -np.inf, 0.0).astype(np.float32)
-        scores.reshape(B, KV, G, T, S)[...] += mask
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores, v)  # [B, KV, G*T, d]
-    return out.reshape(B, H, T, d).transpose(0, 2, 1, 3).reshape(B * T, H * d)
+    """cos, sin: float32[length, head_dim/2] for positions start..start+length-1."""
+    return _rope_tables(config.head_dim, config.rope_theta, start, length)
 
 
 def float_linear(model: Model) -> LinearFn:
@@ -160,9 +120,7 @@ def linear_names(config: ModelConfig) -> list[str]:
 
 def dense_ffn(model: Model, i: int, x: np.ndarray, hooks: Hooks, linear: LinearFn) -> np.ndarray:
     """SwiGLU FFN (Shazeer 2020): down(silu(gate(x)) * up(x)); x: float32[N, hidden]."""
-    g = linear(f"blk.{i}.ffn_gate", x)
-    u = linear(f"blk.{i}.ffn_up", x)
-    act = g / (1.0 + np.exp(-g)) * u
+    act = swiglu_act(linear(f"blk.{i}.ffn_gate", x), linear(f"blk.{i}.ffn_up", x))
     act = _hook(hooks, f"blk.{i}.ffn_act", act)
     return linear(f"blk.{i}.ffn_down", act)
 
@@ -206,8 +164,7 @@ def _router_hook(hooks: Hooks, name: str, logits: np.ndarray, k: int, norm: bool
 
 def swiglu(linear: LinearFn, prefix: str, suffix: str, x: np.ndarray) -> np.ndarray:
     """down(silu(gate(x)) * up(x)) through linears named f"{prefix}ffn_gate{suffix}" etc."""
-    g = linear(f"{prefix}ffn_gate{suffix}", x)
-    act = g / (1.0 + np.exp(-g)) * linear(f"{prefix}ffn_up{suffix}", x)
+    act = swiglu_act(linear(f"{prefix}ffn_gate{suffix}", x), linear(f"{prefix}ffn_up{suffix}", x))
     return linear(f"{prefix}ffn_down{suffix}", act)
 
 

@@ -57,7 +57,7 @@ class QuantizedModel:
         run = self._runners.get(name)
         if run is None:
             rec = self.manifest["linears"][name]
-            run = self._runners[name] = SCHEMES[rec["kind"]][1](rec, self.store, self)
+            run = self._runners[name] = SCHEMES[rec["kind"]][1](rec, self.store.get, self.counters)
         return run(x)
 
     def forward(self, tokens, **kw) -> np.ndarray:

@@ -1,18 +1,18 @@
 """Quantization schemes of the five papers: how each linear is stored and what it computes.
 
 A scheme has a `build(name, W, ctx, store) -> record` (weights -> blobs + a JSON record for the
-manifest) and a `runner(record, store, qm) -> linear(x)` that computes y = x @ W^T the way the device
-would. Records and blobs are all a device agent needs; the host simulation runs the same kernels.
+manifest); the matching runner in `edgeprobe_kernels.linear_records` computes y = x @ W^T the way the
+device would. Records and blobs are all a device agent needs; the host simulation runs the same kernels.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from edgeprobe_kernels.int8_gemm import gemm_s8s32, quantize_per_tensor
-from edgeprobe_kernels.intn import dequantize_channels, quantize_channels
-from edgeprobe_kernels.lut import GROUP, lut16_dequant
-from edgeprobe_kernels.shadow import extract_outliers, shadow_gemm
-from edgeprobe_kernels.tiles import TILE, dequantize_tiles, padded, quantize_tiles
+from edgeprobe_kernels.int8_gemm import quantize_per_tensor
+from edgeprobe_kernels.intn import quantize_channels
+from edgeprobe_kernels.linear_records import RUNNERS
+from edgeprobe_kernels.lut import GROUP
+from edgeprobe_kernels.tiles import TILE, padded, quantize_tiles
 
 from .blobs import BlobStore
 
@@ -37,9 +37,6 @@ def build_float(name, w, ctx, store: BlobStore) -> dict:
     return {"kind": "float", "shape": list(w.shape), "w": store.put(w.astype(np.float32), "weight")}
 
 
-def run_float(rec, store, qm):
-    w = store.get(rec["w"])
-    return lambda x: x @ w.T
 
 
 # ---- w8a8: per-tensor int8 weights and activations (no outlier handling) --------------------------
@@ -51,9 +48,6 @@ def build_w8a8(name, w, ctx, store) -> dict:
             "scale_w": sw, "scale_a": clip / 127.0}
 
 
-def run_w8a8(rec, store, qm):
-    wt, sa, sw = store.get(rec["wt"]), rec["scale_a"], rec["scale_w"]
-    return lambda x: gemm_s8s32(quantize_per_tensor(x, sa), wt).astype(np.float32) * np.float32(sa * sw)
 
 
 # ---- w8a8-shadow: mllm-NPU eq. 1 -------------------------------------------------------------------
@@ -76,24 +70,6 @@ def build_shadow(name, w, ctx, store) -> dict:
     return rec
 
 
-def run_shadow(rec, store, qm):
-    base = run_w8a8(rec, store, qm)
-    if not rec["shadow"]:
-        return base  # pruned layer: outliers are clipped, no CPU work
-    clip, slot = rec["clip"], store.get(rec["slot"])
-    hot, cold = store.get(rec["hot"]), store.get(rec["cold"])
-
-    def linear(x):
-        y = base(x)
-        rows, cols, vals = extract_outliers(x, clip)
-        if len(rows):
-            shadow_gemm(rows, cols, vals, slot, hot, cold, y)
-            cold_ch = np.unique(cols[slot[cols] < 0])
-            qm.counters["outliers"] += len(rows)
-            qm.counters["cold_rows_read"] += len(cold_ch)
-            qm.counters["cold_bytes_read"] += int(len(cold_ch) * cold.shape[1] * cold.itemsize)
-        return y
-    return linear
 
 
 # ---- smoothquant: per-channel smoothing s_j = max|X_j|^a / max|W_j|^(1-a), then per-tensor W8A8 ----
@@ -111,10 +87,6 @@ def build_smoothquant(name, w, ctx, store) -> dict:
             "smooth": store.put(s, "smooth-scales"), "scale_w": sw, "scale_a": clip / 127.0, "alpha": a}
 
 
-def run_smoothquant(rec, store, qm):
-    inner = run_w8a8(rec, store, qm)
-    s = store.get(rec["smooth"])
-    return lambda x: inner(x / s)
 
 
 # ---- llm-int8: outlier feature columns (|x| > 6) in float, the rest int8 vector-wise ---------------
@@ -126,21 +98,6 @@ def build_llm_int8(name, w, ctx, store) -> dict:
             "scale_w_rows": store.put(sw, "weight-scales"), "threshold": ctx["int8_threshold"]}
 
 
-def run_llm_int8(rec, store, qm):
-    wt, sw, thr = store.get(rec["wt"]), store.get(rec["scale_w_rows"]), rec["threshold"]
-
-    def linear(x):
-        cols = np.nonzero((np.abs(x) > thr).any(axis=0))[0]
-        xi = x.copy()
-        xi[:, cols] = 0.0
-        sx = np.maximum(np.abs(xi).max(axis=1), 1e-12) / 127.0
-        xq = np.clip(np.rint(xi / sx[:, None]), -127, 127).astype(np.int8)
-        y = gemm_s8s32(xq, wt).astype(np.float32) * sx[:, None].astype(np.float32) * sw[None, :]
-        if len(cols):  # LLM.int8(): the outlier columns in 16-bit with the dequantized weights
-            y += x[:, cols] @ (wt[cols].astype(np.float32) * sw[None, :])
-            qm.counters["outlier_columns"] += len(cols)
-        return y
-    return linear
 
 
 # ---- q4_0: ggml Q4_0 groups of 32 along K, W4A16 ---------------------------------------------------
@@ -156,19 +113,8 @@ def build_q4_0(name, w, ctx, store) -> dict:
     return {"kind": "q4_0", "shape": [N, K], "padded_k": Kp, "blocks": store.put(blocks, "weight")}
 
 
-def q4_0_dequant(blocks: np.ndarray, N: int, Kp: int) -> np.ndarray:
-    """ggml Q4_0 blocks (2-byte FP16 d, 16 bytes: value j low nibble, j+16 high) -> float16[N, Kp] via vlut16."""
-    b = blocks.reshape(-1, 18)
-    d = np.ascontiguousarray(b[:, :2]).view("<f2").reshape(-1)
-    nib = b[:, 2:]
-    q = np.concatenate([nib & 0x0F, nib >> 4], axis=1)
-    return lut16_dequant(q, d).reshape(N, Kp)
 
 
-def run_q4_0(rec, store, qm):
-    N, K = rec["shape"]
-    w = q4_0_dequant(store.get(rec["blocks"]), N, rec["padded_k"])[:, :K].astype(np.float32)
-    return lambda x: x.astype(np.float16).astype(np.float32) @ w.T  # A16: FP16 activations
 
 
 # ---- q4_0-tile: HMX tile layout, then tile-group Q4_0 (NPU test-time scaling §5.1) -----------------
@@ -179,10 +125,6 @@ def build_q4_0_tile(name, w, ctx, store) -> dict:
             "padding": padded(K) != K or padded(N) != N, "blocks": store.put(quantize_tiles(w), "weight")}
 
 
-def run_q4_0_tile(rec, store, qm):
-    N, K = rec["shape"]
-    w = dequantize_tiles(store.get(rec["blocks"]), N, K).astype(np.float32)
-    return lambda x: x.astype(np.float16).astype(np.float32) @ w.T
 
 
 # ---- moe-mixed: per-expert INT2/4/8 widths, per-channel linear quantization (EdgeMoE §3.2) ----------
@@ -195,22 +137,18 @@ def build_moe_mixed(name, w, ctx, store) -> dict:
             "scales": store.put(scales, "weight-scales")}
 
 
-def run_moe_mixed(rec, store, qm):
-    N, K = rec["shape"]
-    w = dequantize_channels(store.get(rec["codes"]), store.get(rec["scales"]), rec["bits"], K)
-    return lambda x: x @ w.T
 
 
 # Scheme names are a contract (CLI, manifests): add, never rename.
 SCHEMES = {
-    "float": (build_float, run_float),
-    "w8a8": (build_w8a8, run_w8a8),
-    "w8a8-shadow": (build_shadow, run_shadow),
-    "smoothquant": (build_smoothquant, run_smoothquant),
-    "llm-int8": (build_llm_int8, run_llm_int8),
-    "q4_0": (build_q4_0, run_q4_0),
-    "q4_0-tile": (build_q4_0_tile, run_q4_0_tile),
-    "moe-mixed": (build_moe_mixed, run_moe_mixed),
+    "float": (build_float, RUNNERS["float"]),
+    "w8a8": (build_w8a8, RUNNERS["w8a8"]),
+    "w8a8-shadow": (build_shadow, RUNNERS["w8a8-shadow"]),
+    "smoothquant": (build_smoothquant, RUNNERS["smoothquant"]),
+    "llm-int8": (build_llm_int8, RUNNERS["llm-int8"]),
+    "q4_0": (build_q4_0, RUNNERS["q4_0"]),
+    "q4_0-tile": (build_q4_0_tile, RUNNERS["q4_0-tile"]),
+    "moe-mixed": (build_moe_mixed, RUNNERS["moe-mixed"]),
 }
 NEEDS_PROFILE = {"w8a8", "w8a8-shadow", "smoothquant"}
 MOE_ONLY = {"moe-mixed"}

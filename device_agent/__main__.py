@@ -1,0 +1,45 @@
+"""python -m edgeprobe_agent --bind tcp://127.0.0.1:5555 --store DIR [--memory-budget MB] [--curve-keys DIR]"""
+import os
+
+# A lane stands for one processor: kernels run single-threaded so concurrent lanes do not oversubscribe cores.
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="edgeprobe_agent", description="edgeprobe device agent (ZeroMQ ROUTER)")
+    ap.add_argument("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint; port * picks a free one")
+    ap.add_argument("--store", default=str(Path.home() / ".cache" / "edgeprobe" / "agent-store"),
+                    help="blob store directory (the device's flash)")
+    ap.add_argument("--memory-budget", type=float, default=None, help="MB of blobs kept resident (default: all)")
+    ap.add_argument("--curve-keys", help="folder with server.key_secret (zmq.auth); required off loopback")
+    args = ap.parse_args(argv)
+    from .server import Agent
+
+    secret = public = None
+    if args.curve_keys:
+        import zmq.auth
+
+        public, secret = zmq.auth.load_certificate(str(Path(args.curve_keys) / "server.key_secret"))
+    try:
+        agent = Agent(args.bind, args.store, None if args.memory_budget is None else int(args.memory_budget * 1e6),
+                      curve_secret=secret, curve_public=public)
+    except Exception as e:
+        print(f"edgeprobe-agent: error: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, lambda *a: setattr(agent, "_stop", True))
+    print(f"edgeprobe-agent listening on {agent.url}", flush=True)
+    try:
+        agent.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Run a Plan — a DAG of named ops over lanes — with one worker thread per lane, and trace every op.
+
+A plan (pure data, msgpack-able):
+    {"ops": [{"name": str, "kind": op kind (ops.OPS), "lane": "cpu" | "npu" | "gpu",
+              "inputs": [{"blob": sha256} | {"op": name} | {"input": key}, ...],
+              "deps": [names that must finish first, besides the ops named in inputs],
+              "attrs": {...}, "layer": int, "chunk": int}, ...],
+     "lane_order": {lane: [names in the order that lane runs them]},   # default: plan order
+     "outputs": [names]}
+Lanes stand for processors: each runs its ops one at a time, in its order; ops on different lanes
+overlap wherever dependencies allow (kernels release the GIL). Ops on `npu` run NPU-semantics
+kernels on this CPU and are marked emulated in their trace events.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .ops import OPS, OpError, flops
+from .store import now_us
+
+LANES = ("cpu", "npu", "gpu")
+EMULATED_LANES = {"npu"}  # a phone's NPU cannot run here: its kernels run on the CPU, labelled so
+
+
+class PlanError(ValueError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Cancelled(Exception):
+    pass
+
+
+@dataclass
+class Plan:
+    ops: dict            # name -> op dict
+    order: list          # names in plan order
+    lane_order: dict     # lane -> [names]
+    outputs: list
+    parents: dict        # name -> set of names it waits for
+
+
+def validate(plan, has_blob, lanes=LANES) -> Plan:
+    """Check a plan fully before running anything: kinds, lanes, references, blobs, cycles, lane orders."""
+    if not isinstance(plan, dict) or not isinstance(plan.get("ops"), list) or not plan["ops"]:
+        raise PlanError("bad_plan", "a plan is a map with a non-empty list 'ops'")
+    ops, order = {}, []
+    for i, op in enumerate(plan["ops"]):
+        if not isinstance(op, dict) or not isinstance(op.get("name"), str):
+            raise PlanError("bad_plan", f"op #{i} needs a string 'name'")
+        name = op["name"]
+        if name in ops:
+            raise PlanError("bad_plan", f"op name {name!r} is used twice")
+        if op.get("kind") not in OPS:
+            raise PlanError("unknown_op", f"op {name!r} has unknown kind {str(op.get('kind'))[:40]!r}; "
+                                          f"this agent runs {', '.join(sorted(OPS))}")
+        if op.get("lane") not in lanes:
+            raise PlanError("unknown_lane", f"op {name!r} asks for lane {str(op.get('lane'))[:20]!r}; this agent "
+                                            f"has lanes {', '.join(lanes)}")
+        if not isinstance(op.get("inputs", []), list) or not isinstance(op.get("deps", []), list) \
+                or not isinstance(op.get("attrs", {}), dict):
+            raise PlanError("bad_plan", f"op {name!r}: inputs and deps must be lists, attrs a map")
+        ops[name] = op
+        order.append(name)
+    parents = {}
+    for name in order:
+        op, ps = ops[name], set()
+        for ref in op.get("inputs", []):
+            if not isinstance(ref, dict) or len(ref) != 1:
+                raise PlanError("bad_plan", f"op {name!r}: input {str(ref)[:60]} must be one of "
+                                            "{'blob': sha}, {'op': name}, {'input': key}")
+            (k, v), = ref.items()
+            if k == "op":
+                if v not in ops:
+                    raise PlanError("unknown_ref", f"op {name!r} reads the output of {str(v)[:40]!r}, which is not in the plan")
+                ps.add(v)
+            elif k == "blob":
+                if not has_blob(v):
+                    raise PlanError("missing_blob", f"op {name!r} needs blob {str(v)[:16]}, which the agent does not hold; "
+                                                    "upload it (has_blobs / put_blob) first")
+            elif k != "input":
+                raise PlanError("bad_plan", f"op {name!r}: unknown input reference {k!r}")
+        for d in op.get("deps", []):
+            if d not in ops:
+                raise PlanError("unknown_ref", f"op {name!r} depends on {str(d)[:40]!r}, which is not in the plan")
+            ps.add(d)
+        parents[name] = ps
+    lane_order = plan.get("lane_order") or {}
+    if not isinstance(lane_order, dict):
+        raise PlanError("bad_plan", "lane_order must map lanes to lists of op names")
+    lo = {lane: [n for n in order if ops[n]["lane"] == lane] for lane in lanes}
+    for lane, names in lane_order.items():
+        if lane not in lanes or not isinstance(names, list) or sorted(map(str, names)) != sorted(lo[lane]):
+            raise PlanError("bad_plan", f"lane_order[{str(lane)[:20]!r}] must list exactly the ops on that lane")
+        lo[lane] = list(names)
+    # a lane runs its ops in order, so "previous op on the lane" is an edge too; a cycle means deadlock
+    edges = {n: set(parents[n]) for n in order}
+    for names in lo.values():
+        for a, b in zip(names, names[1:]):
+            edges[b].add(a)
+    _check_acyclic(edges)
+    outputs = plan.get("outputs") or [order[-1]]
+    if not isinstance(outputs, list) or any(o not in ops for o in outputs):
+        raise PlanError("unknown_ref", "outputs must name ops of the plan")
+    return Plan(ops, order, lo, outputs, parents)
+
+
+def _check_acyclic(edges: dict) -> None:
+    state = {}
+    for start in edges:
+        if state.get(start):
+            continue
+        stack = [(start, iter(edges[start]))]
+        state[start] = 1
+        while stack:
+            node, it = stack[-1]
+            nxt = next(it, None)
+            if nxt is None:
+                state[node] = 2
+                stack.pop()
+            elif state.get(nxt) == 1:
+                raise PlanError("cycle", f"the plan has a dependency cycle (through {nxt!r}), counting each lane's "
+                                         "order; it would deadlock")
+            elif not state.get(nxt):
+                state[nxt] = 1
+                stack.append((nxt, iter(edges[nxt])))
+
+
+@dataclass
+class Context:
+    get: object                      # sha -> array
+    counters: dict = field(default_factory=dict)
+    runners: dict = field(default_factory=dict)
+
+
+def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | None = None,
+            on_op=None) -> tuple[dict, list]:
+    """Run `plan` with one thread per lane. Returns ({output name: array}, trace events).
+
+    on_op(event) is called after each op (progress). Raises OpError / PlanError / Cancelled.
+    """
+    cancel = cancel or threading.Event()
+    done = {n: threading.Event() for n in plan.order}
+    results: dict = {}
+    events: list = []
+    failure: list = []
+    lock = threading.Lock()
+
+    def resolve(ref):
+        (k, v), = ref.items()
+        if k == "op":
+            return results[v]
+        if k == "blob":
+            return ctx.get(v)
+        if v not in inputs:
+            raise OpError("missing_input", f"the plan reads run input {str(v)[:40]!r}, which the run did not send")
+        return inputs[v]
+
+    def lane_worker(lane, names):
+        try:
+            for name in names:
+                op = plan.ops[name]
+                for p in plan.parents[name]:
+                    while not done[p].wait(0.05):
+                        if cancel.is_set() or failure:
+                            raise Cancelled()
+                if cancel.is_set() or failure:
+                    raise Cancelled()
+                args = [resolve(r) for r in op.get("inputs", [])]
+                t0 = now_us()
+                try:
+                    out = OPS[op["kind"]](args, op.get("attrs", {}), ctx)
+                except (OpError, Cancelled):
+                    raise
+                except Exception as e:  # a kernel failing on bad shapes must not kill the agent
+                    raise OpError("op_failed", f"op {name!r} ({op['kind']}) failed: {type(e).__name__}: {e}") from None
+                t1 = now_us()
+                ev = {"name": name, "kind": op["kind"], "lane": lane, "start_us": t0, "end_us": t1,
+                      "layer": op.get("layer", -1), "chunk": op.get("chunk", 0),
+                      "bytes_in": int(sum(a.nbytes for a in args if isinstance(a, np.ndarray))),
+                      "bytes_out": int(out.nbytes), "flops": int(flops(op["kind"], args, out, op.get("attrs", {}))),
+                      "emulated": lane in EMULATED_LANES, "deps": sorted(plan.parents[name]),
+                      "shape": list(out.shape)}
+                with lock:
+                    results[name] = out
+                    events.append(ev)
+                done[name].set()
+                if on_op:
+                    on_op(ev)
+        except BaseException as e:
+            with lock:
+                failure.append(e)
+
+    threads = [threading.Thread(target=lane_worker, args=(lane, names), name=f"lane-{lane}", daemon=True)
+               for lane, names in plan.lane_order.items() if names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failure:
+        real = [f for f in failure if not isinstance(f, Cancelled)]
+        raise (real[0] if real else Cancelled())
+    return {n: results[n] for n in plan.outputs}, sorted(events, key=lambda e: e["start_us"])

@@ -1,0 +1,107 @@
+"""The op registry the executor runs: op kind -> fn(inputs, attrs, ctx) -> float32 array, plus its FLOPs.
+
+Ops compute with `edgeprobe_kernels` (the same functions the host's forward pass and quantization
+simulation use), so a plan run here matches the host. `ctx.get(sha)` reads a blob (resident or from
+flash); `ctx.counters` collects kernel events (outliers, cold shadow rows read).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from edgeprobe_kernels.linear_records import RUNNERS, run_w8a8, shadow_delta
+from edgeprobe_kernels.llama_ops import apply_rope, attention, rms_norm, rope_tables, swiglu_act
+
+
+class OpError(ValueError):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def _arr(x, name: str, ndim: int | None = None) -> np.ndarray:
+    if not isinstance(x, np.ndarray):
+        raise OpError("bad_input", f"{name} must be an array")
+    if ndim is not None and x.ndim != ndim:
+        raise OpError("bad_input", f"{name} must have {ndim} dimensions, got shape {x.shape}")
+    return x
+
+
+def op_embed(inp, attrs, ctx):
+    tokens, table = _arr(inp[0], "tokens", 1), _arr(inp[1], "table", 2)
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
+        raise OpError("bad_input", f"token ids outside [0, {table.shape[0]})")
+    return np.asarray(table[tokens.astype(np.int64)], np.float32)
+
+
+def op_rms_norm(inp, attrs, ctx):
+    return rms_norm(_arr(inp[0], "x", 2), _arr(inp[1], "w", 1), float(attrs["eps"]))
+
+
+def _runner(ctx, rec, part):
+    key = (part, tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
+    fn = ctx.runners.get(key)
+    if fn is None:
+        kind = rec.get("kind")
+        if part == "int8":
+            fn = run_w8a8(rec, ctx.get, ctx.counters)
+        elif part == "shadow":
+            fn = shadow_delta(rec, ctx.get, ctx.counters)
+        elif kind in RUNNERS:
+            fn = RUNNERS[kind](rec, ctx.get, ctx.counters)
+        else:
+            raise OpError("unknown_record", f"linear record kind {kind!r} is unknown to this agent")
+        ctx.runners[key] = fn
+    return fn
+
+
+def op_linear(inp, attrs, ctx):
+    """attrs: rec (a manifest record), part: "all" | "int8" (the int8 GEMM of w8a8-shadow) | "shadow"."""
+    return _runner(ctx, attrs["rec"], attrs.get("part", "all"))(_arr(inp[0], "x", 2))
+
+
+def op_rope(inp, attrs, ctx):
+    x = _arr(inp[0], "x", 2)
+    h, d = int(attrs["heads"]), int(attrs["head_dim"])
+    cos, sin = rope_tables(d, float(attrs["theta"]), int(attrs.get("start", 0)), x.shape[0])
+    return apply_rope(x.reshape(1, x.shape[0], h, d), cos, sin).reshape(x.shape[0], h * d)
+
+
+def op_attention(inp, attrs, ctx):
+    q, k, v = (_arr(a, n, 2) for a, n in zip(inp, "qkv"))
+    H, KV, d = int(attrs["n_heads"]), int(attrs["n_kv_heads"]), int(attrs["head_dim"])
+    T = q.shape[0]
+    kk = k.reshape(1, T, KV, d).transpose(0, 2, 1, 3)
+    vv = v.reshape(1, T, KV, d).transpose(0, 2, 1, 3)
+    return attention(q.reshape(1, T, H, d), kk, vv, int(attrs.get("start", 0)))
+
+
+def op_add(inp, attrs, ctx):
+    out = _arr(inp[0], "a").copy()
+    for b in inp[1:]:
+        out += _arr(b, "b")
+    return out
+
+
+def op_swiglu(inp, attrs, ctx):
+    return swiglu_act(_arr(inp[0], "gate", 2), _arr(inp[1], "up", 2))
+
+
+def op_lm_head(inp, attrs, ctx):
+    x, w = _arr(inp[0], "x", 2), _arr(inp[1], "w", 2)
+    return (x[-1:] if attrs.get("last_only", True) else x) @ w.T
+
+
+def flops(kind: str, inp, out, attrs) -> int:
+    """Multiply-adds x2 of the op (0 for data movement)."""
+    if kind == "linear" and attrs.get("part") != "shadow":
+        return 2 * inp[0].shape[0] * inp[0].shape[1] * out.shape[1]
+    if kind == "lm_head":
+        return 2 * out.shape[0] * inp[0].shape[1] * out.shape[1]
+    if kind == "attention":
+        T, H, d = inp[0].shape[0], int(attrs["n_heads"]), int(attrs["head_dim"])
+        return 2 * 2 * H * T * T * d // 2  # causal: half the score matrix
+    return int(out.size)
+
+
+OPS = {"embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
+       "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head}

@@ -1,0 +1,269 @@
+"""The agent's ZeroMQ ROUTER loop: one final reply per request, heartbeats, runs on a worker thread.
+
+The loop never dies on a message: anything malformed gets an error reply naming the problem and the
+agent keeps serving. Runs execute on a worker thread (lanes inside are threads too), so hello,
+heartbeat, stats and cancel are answered while a run is in flight. See docs/protocol.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from . import __version__
+from .executor import LANES, Context, PlanError, execute, validate, Cancelled
+from .ops import OpError
+from .protocol import (HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, PROTOCOL_VERSION, ProtocolError, check_request,
+                       error_reply, pack, unpack)
+from .store import FlashStore, StoreError, check_sha, now_us
+
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def is_loopback(url: str) -> bool:
+    if url.startswith(("ipc://", "inproc://")):
+        return True
+    host = url.split("://", 1)[-1].rsplit(":", 1)[0]
+    return host in LOOPBACK
+
+
+def opencl_devices() -> list[dict]:
+    try:
+        import pyopencl as cl
+    except ImportError:
+        return []
+    try:
+        return [{"platform": p.name, "device": d.name, "fp16": "cl_khr_fp16" in d.extensions,
+                 "compute_units": d.max_compute_units} for p in cl.get_platforms() for d in p.get_devices()]
+    except Exception:  # no ICD installed: no GPU lane
+        return []
+
+
+def _memory_bytes() -> int | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass
+class _Run:
+    rid: int
+    ident: bytes
+    cancel: threading.Event = field(default_factory=threading.Event)
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class Agent:
+    def __init__(self, bind: str, store_dir, memory_budget: int | None = None, curve_secret: bytes | None = None,
+                 curve_public: bytes | None = None):
+        if not is_loopback(bind) and not curve_secret:
+            raise ValueError(f"refusing to bind {bind}: outside loopback the agent needs CURVE keys "
+                             "(--curve-keys DIR made with zmq.auth.create_certificates); or bind tcp://127.0.0.1:PORT")
+        self.flash_events: list = []
+        self.store = FlashStore(store_dir, memory_budget, on_read=self._on_read)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if curve_secret:
+            self.sock.curve_secretkey, self.sock.curve_publickey, self.sock.curve_server = curve_secret, curve_public, True
+        self.sock.bind(bind)
+        self.url = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.outbox: queue.Queue = queue.Queue()
+        self.models: dict = {}
+        self.plans: dict = {}
+        self.runs: dict[int, _Run] = {}
+        self.served = 0
+        self.errors = 0
+        self.lanes = [l for l in LANES if l != "gpu" or opencl_devices()]
+        self._stop = False
+
+    def _on_read(self, ev):
+        self.flash_events.append(ev)
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        last_hb = time.monotonic()
+        while not self._stop:
+            for _ in dict(poller.poll(int(HEARTBEAT_S * 1000 / 5))):
+                frames = self.sock.recv_multipart(copy=False)
+                self._handle(frames)
+            self._flush_outbox()
+            now = time.monotonic()
+            if now - last_hb >= HEARTBEAT_S:
+                last_hb = now
+                for r in list(self.runs.values()):
+                    self._send(r.ident, {"id": r.rid, "final": False, "event": "heartbeat", "clock_us": now_us()})
+                    if now - r.last_seen > HEARTBEAT_TIMEOUT_S:
+                        r.cancel.set()  # the client went silent: stop its work
+        self._flush_outbox()
+        self.sock.close(0)
+
+    def _send(self, ident: bytes, header: dict, arrays=()) -> None:
+        self.sock.send_multipart([ident] + pack(header, arrays), copy=False)
+
+    def _flush_outbox(self) -> None:
+        while True:
+            try:
+                ident, header, arrays = self.outbox.get_nowait()
+            except queue.Empty:
+                return
+            self._send(ident, header, arrays)
+
+    def _handle(self, frames) -> None:
+        ident = bytes(frames[0])
+        rid = -1
+        try:
+            header, arrays = unpack([f.buffer for f in frames[1:]])
+            rid = header.get("id", -1)
+            rid, op = check_request(header)
+            for r in self.runs.values():
+                if r.ident == ident:
+                    r.last_seen = time.monotonic()
+            reply = getattr(self, f"do_{op}")(ident, rid, header, arrays)
+            self.served += 1
+            if reply is not None:
+                hdr, out = reply if isinstance(reply, tuple) else (reply, ())
+                self._send(ident, {"id": rid, "final": True, "ok": True, **hdr}, out)
+        except (ProtocolError, StoreError, PlanError, OpError) as e:
+            self.errors += 1
+            self._send(ident, error_reply(rid, e.code, str(e)))
+        except Exception as e:  # the agent survives anything a message can provoke
+            self.errors += 1
+            self._send(ident, error_reply(rid, "internal", f"{type(e).__name__}: {e}"))
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def do_hello(self, ident, rid, h, arrays):
+        import numba
+
+        return {"agent_version": __version__, "protocol": PROTOCOL_VERSION, "lanes": self.lanes,
+                "emulated_lanes": ["npu"], "cpu": platform.processor() or platform.machine(),
+                "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
+                "memory_bytes": _memory_bytes(), "opencl": opencl_devices(), "clock_us": now_us(),
+                "numpy": np.__version__, "numba": numba.__version__, "store": self.store.stats()}
+
+    def do_heartbeat(self, ident, rid, h, arrays):
+        return {"clock_us": now_us()}
+
+    def do_stats(self, ident, rid, h, arrays):
+        return {"store": self.store.stats(), "served": self.served, "errors": self.errors, "models": len(self.models),
+                "plans": len(self.plans), "runs_in_flight": len(self.runs)}
+
+    def do_bye(self, ident, rid, h, arrays):
+        if h.get("shutdown"):
+            self._stop = True
+        return {}
+
+    def do_has_blobs(self, ident, rid, h, arrays):
+        ids = h.get("ids")
+        if not isinstance(ids, list):
+            raise ProtocolError("bad_request", "has_blobs needs 'ids', a list of sha256 strings")
+        have, partial = [], {}
+        for s in ids:
+            check_sha(s)
+            if self.store.has(s):
+                have.append(s)
+            else:
+                chunks = self.store.partial_chunks(s)
+                if chunks:
+                    partial[s] = chunks
+        return {"have": have, "partial": partial}
+
+    def do_put_blob(self, ident, rid, h, arrays):
+        need = {"sha": str, "dtype": str, "shape": list, "nbytes": int, "chunk": int, "n_chunks": int,
+                "chunk_bytes": int, "chunk_sha": str}
+        for k, t in need.items():
+            if not isinstance(h.get(k), t):
+                raise ProtocolError("bad_request", f"put_blob needs {k!r} ({t.__name__})")
+        if len(arrays) != 1 or arrays[0].dtype != np.uint8:
+            raise ProtocolError("bad_request", "put_blob carries exactly one uint8 frame: the chunk's bytes")
+        if h["chunk_bytes"] <= 0:
+            raise ProtocolError("bad_request", "chunk_bytes must be positive")
+        try:
+            np.dtype(h["dtype"])
+        except TypeError:
+            raise ProtocolError("bad_request", f"unknown dtype {h['dtype'][:20]!r}") from None
+        complete = self.store.put_chunk(h["sha"], h["dtype"], h["shape"], h["nbytes"], h["chunk"], h["n_chunks"],
+                                        h["chunk_bytes"], h["chunk_sha"], arrays[0])
+        return {"chunk": h["chunk"], "complete": complete}
+
+    def do_load_model(self, ident, rid, h, arrays):
+        m = h.get("manifest")
+        if not isinstance(m, dict) or not isinstance(m.get("blobs"), dict):
+            raise ProtocolError("bad_request", "load_model needs 'manifest', a quantized model manifest with 'blobs'")
+        missing = [s for s in m["blobs"] if not self.store.has(check_sha(s))]
+        if missing:
+            raise StoreError("missing_blob", f"{len(missing)} blobs of this model are not uploaded (e.g. {missing[0][:12]}); "
+                                             "upload them first")
+        model_id = hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()[:16]
+        self.models[model_id] = m
+        return {"model_id": model_id, "blobs": len(m["blobs"]),
+                "bytes": int(sum(b.get("nbytes", 0) for b in m["blobs"].values()))}
+
+    def do_put_plan(self, ident, rid, h, arrays):
+        plan = validate(h.get("plan"), self.store.has, self.lanes)
+        plan_id = hashlib.sha256(json.dumps(h.get("plan"), sort_keys=True, default=str).encode()).hexdigest()[:16]
+        self.plans[plan_id] = plan
+        return {"plan_id": plan_id, "ops": len(plan.order), "lanes": {k: len(v) for k, v in plan.lane_order.items()}}
+
+    def do_cancel(self, ident, rid, h, arrays):
+        target = h.get("target")
+        r = self.runs.get((ident, target))
+        if r is None:
+            raise ProtocolError("unknown_target", f"no run with id {target!r} in flight for this client")
+        r.cancel.set()
+        return {"cancelled": target}
+
+    def do_run(self, ident, rid, h, arrays):
+        plan = self.plans.get(h.get("plan_id"))
+        if plan is None:
+            raise ProtocolError("unknown_plan", f"no plan {str(h.get('plan_id'))[:20]!r}; send it with put_plan first")
+        names = h.get("inputs", [])
+        if not isinstance(names, list) or len(names) != len(arrays) or not all(isinstance(n, str) for n in names):
+            raise ProtocolError("bad_request", "run needs 'inputs': one name per attached frame")
+        if (ident, rid) in self.runs:
+            raise ProtocolError("bad_id", f"request id {rid} is already running")
+        run = self.runs[(ident, rid)] = _Run(rid, ident)
+        inputs = {n: np.array(a) for n, a in zip(names, arrays)}  # own the bytes: frames are recycled
+        threading.Thread(target=self._run_worker, args=(run, plan, inputs), daemon=True, name=f"run-{rid}").start()
+        return None  # the worker sends the final reply
+
+    def _run_worker(self, run: _Run, plan, inputs) -> None:
+        total = len(plan.order)
+        state = {"done": 0, "last": 0.0}
+        self.flash_events.clear()
+
+        def on_op(ev):
+            state["done"] += 1
+            t = time.monotonic()
+            if t - state["last"] > 0.2 or state["done"] == total:
+                state["last"] = t
+                self.outbox.put((run.ident, {"id": run.rid, "final": False, "event": "progress",
+                                             "done": state["done"], "total": total}, ()))
+        try:
+            ctx = Context(get=self.store.get)
+            t0 = now_us()
+            outs, events = execute(plan, inputs, ctx, run.cancel, on_op)
+            t1 = now_us()
+            hdr = {"id": run.rid, "final": True, "ok": True, "outputs": list(outs), "events": events + list(self.flash_events),
+                   "counters": {k: int(v) for k, v in ctx.counters.items()}, "start_us": t0, "end_us": t1}
+            self.outbox.put((run.ident, hdr, [np.ascontiguousarray(a) for a in outs.values()]))
+        except Cancelled:
+            self.outbox.put((run.ident, error_reply(run.rid, "cancelled", "the run was cancelled"), ()))
+        except (OpError, PlanError, StoreError) as e:
+            self.outbox.put((run.ident, error_reply(run.rid, e.code, str(e)), ()))
+        except Exception as e:
+            self.outbox.put((run.ident, error_reply(run.rid, "internal", f"{type(e).__name__}: {e}"), ()))
+        finally:
+            self.runs.pop((run.ident, run.rid), None)

@@ -1,0 +1,119 @@
+"""Runners of quantized-linear records: manifest record + blobs -> linear(x), as the device computes it.
+
+A record is the JSON a scheme's builder (`edgeprobe.quant.schemes`) writes into a QuantizedModel's
+manifest; its blobs are raw arrays named by sha256. The host simulation and the device agent run the
+same functions from here, so they compute the same thing. Each `run_<kind>(rec, get, counters)`
+takes `get(sha) -> array` and a counters dict (events such as outliers and cold rows read), and
+returns linear(x: float32[M, K]) -> float32[M, N].
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .int8_gemm import gemm_s8s32, quantize_per_tensor
+from .intn import dequantize_channels
+from .lut import lut16_dequant
+from .shadow import extract_outliers, shadow_gemm
+from .tiles import dequantize_tiles
+
+
+def run_float(rec, get, counters):
+    w = get(rec["w"])
+    return lambda x: x @ w.T
+
+
+def run_w8a8(rec, get, counters):
+    wt, sa, sw = get(rec["wt"]), rec["scale_a"], rec["scale_w"]
+    return lambda x: gemm_s8s32(quantize_per_tensor(x, sa), wt).astype(np.float32) * np.float32(sa * sw)
+
+
+def run_shadow(rec, get, counters):
+    """mllm-NPU eq. 1: the int8 GEMM plus the float shadow GEMM of the outliers (x - clip(x))."""
+    base, delta = run_w8a8(rec, get, counters), shadow_delta(rec, get, counters)
+    if not rec["shadow"]:
+        return base  # pruned layer: outliers are clipped, no CPU work
+    return lambda x: base(x) + delta(x)
+
+
+def run_smoothquant(rec, get, counters):
+    inner = run_w8a8(rec, get, counters)
+    s = get(rec["smooth"])
+    return lambda x: inner(x / s)
+
+
+def run_llm_int8(rec, get, counters):
+    wt, sw, thr = get(rec["wt"]), get(rec["scale_w_rows"]), rec["threshold"]
+
+    def linear(x):
+        cols = np.nonzero((np.abs(x) > thr).any(axis=0))[0]
+        xi = x.copy()
+        xi[:, cols] = 0.0
+        sx = np.maximum(np.abs(xi).max(axis=1), 1e-12) / 127.0
+        xq = np.clip(np.rint(xi / sx[:, None]), -127, 127).astype(np.int8)
+        y = gemm_s8s32(xq, wt).astype(np.float32) * sx[:, None].astype(np.float32) * sw[None, :]
+        if len(cols):  # LLM.int8(): the outlier columns in 16-bit with the dequantized weights
+            y += x[:, cols] @ (wt[cols].astype(np.float32) * sw[None, :])
+            counters["outlier_columns"] = counters.get("outlier_columns", 0) + len(cols)
+        return y
+    return linear
+
+
+def q4_0_dequant(blocks: np.ndarray, N: int, Kp: int) -> np.ndarray:
+    """ggml Q4_0 blocks (2-byte FP16 d, 16 bytes: value j low nibble, j+16 high) -> float16[N, Kp] via vlut16."""
+    b = blocks.reshape(-1, 18)
+    d = np.ascontiguousarray(b[:, :2]).view("<f2").reshape(-1)
+    nib = b[:, 2:]
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=1)
+    return lut16_dequant(q, d).reshape(N, Kp)
+
+
+def run_q4_0(rec, get, counters):
+    N, K = rec["shape"]
+    w = q4_0_dequant(get(rec["blocks"]), N, rec["padded_k"])[:, :K].astype(np.float32)
+    return lambda x: x.astype(np.float16).astype(np.float32) @ w.T  # A16: FP16 activations
+
+
+def run_q4_0_tile(rec, get, counters):
+    N, K = rec["shape"]
+    w = dequantize_tiles(get(rec["blocks"]), N, K).astype(np.float32)
+    return lambda x: x.astype(np.float16).astype(np.float32) @ w.T
+
+
+def run_moe_mixed(rec, get, counters):
+    N, K = rec["shape"]
+    w = dequantize_channels(get(rec["codes"]), get(rec["scales"]), rec["bits"], K)
+    return lambda x: x @ w.T
+
+
+def shadow_delta(rec, get, counters):
+    """The float half of mllm-NPU eq. 1 alone: x -> (x - clip(x)) @ W^T from the shadow rows, so it
+    can run on another lane than the int8 GEMM (zeros for a pruned layer)."""
+    N = rec["shape"][0]
+    if not rec["shadow"]:
+        return lambda x: np.zeros((x.shape[0], N), np.float32)
+    clip, slot = rec["clip"], get(rec["slot"])
+    hot, cold = get(rec["hot"]), get(rec["cold"])
+
+    def delta(x):
+        y = np.zeros((x.shape[0], N), np.float32)
+        rows, cols, vals = extract_outliers(x, clip)
+        if len(rows):
+            shadow_gemm(rows, cols, vals, slot, hot, cold, y)
+            cold_ch = np.unique(cols[slot[cols] < 0])
+            counters["outliers"] = counters.get("outliers", 0) + len(rows)
+            counters["cold_rows_read"] = counters.get("cold_rows_read", 0) + len(cold_ch)
+            counters["cold_bytes_read"] = counters.get("cold_bytes_read", 0) + int(len(cold_ch) * cold.shape[1] * cold.itemsize)
+        return y
+    return delta
+
+
+RUNNERS = {
+    "float": run_float,
+    "w8a8": run_w8a8,
+    "w8a8-shadow": run_shadow,
+    "smoothquant": run_smoothquant,
+    "llm-int8": run_llm_int8,
+    "q4_0": run_q4_0,
+    "q4_0-tile": run_q4_0_tile,
+    "moe-mixed": run_moe_mixed,
+}

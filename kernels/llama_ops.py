@@ -1,0 +1,61 @@
+"""Transformer primitives shared by the host's forward pass and the device agent (numpy, float32).
+
+The host (`edgeprobe.forward`) and the agent's cpu lane run these same functions, so a plan executed
+on the agent computes what the host simulates.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x: float32[N, C], w: float32[C] -> x / rms(x) * w (RMSNorm, Zhang & Sennrich 2019)."""
+    ms = np.einsum("nc,nc->n", x, x) / x.shape[1]
+    return x * (1.0 / np.sqrt(ms + eps))[:, None].astype(np.float32) * w
+
+
+def rope_tables(head_dim: int, theta: float, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: float32[length, head_dim/2] for positions start..start+length-1 (RoFormer eq. 34)."""
+    d = head_dim
+    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    ang = np.arange(start, start + length, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """x: float32[B, T, heads, head_dim], rotating adjacent pairs (2i, 2i+1) — the GGUF layout."""
+    B, T, H, d = x.shape
+    xp = x.reshape(B, T, H, d // 2, 2)
+    x0, x1 = xp[..., 0], xp[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = np.empty_like(xp)
+    out[..., 0] = x0 * c - x1 * s
+    out[..., 1] = x0 * s + x1 * c
+    return out.reshape(B, T, H, d)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """Causal grouped-query attention.
+
+    q: float32[B, T, n_heads, d] at positions start..start+T-1; k, v: float32[B, n_kv, S, d] with
+    S = start + T. Query head h reads KV head h // (n_heads / n_kv). Returns float32[B*T, n_heads*d].
+    """
+    B, T, H, d = q.shape
+    KV, S = k.shape[1], k.shape[2]
+    G = H // KV
+    # The G query heads of a KV head share its keys: one GEMM of M = G*T rows per KV head.
+    qg = q.transpose(0, 2, 1, 3).reshape(B, KV, G * T, d) * np.float32(1.0 / np.sqrt(d))
+    scores = np.matmul(qg, k.swapaxes(-1, -2))  # [B, KV, G*T, S]
+    if T > 1:
+        mask = np.where(np.arange(S)[None, :] > (start + np.arange(T))[:, None], -np.inf, 0.0).astype(np.float32)
+        scores.reshape(B, KV, G, T, S)[...] += mask
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, v)  # [B, KV, G*T, d]
+    return out.reshape(B, H, T, d).transpose(0, 2, 1, 3).reshape(B * T, H * d)
+
+
+def swiglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """silu(g) * u: the input of an FFN's down projection (Shazeer 2020)."""
+    return g / (1.0 + np.exp(-g)) * u

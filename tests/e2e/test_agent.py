@@ -1,0 +1,230 @@
+"""The device agent as a real process on a real ZeroMQ socket: upload, plans, runs, traces, and every way a
+message, a connection or the agent itself can go wrong."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from edgeprobe.device import AgentLostError, Device, DeviceError
+from edgeprobe.plan import prefill_plan
+from edgeprobe.trace import Trace, cosine
+from edgeprobe_agent.protocol import PROTOCOL_VERSION, pack, unpack
+
+
+@pytest.fixture(scope="module")
+def qm(smollm):
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.quant import calibration_profile, quantize
+
+    prof = calibration_profile(smollm, smollm.tokenizer.encode(read_corpus("train")), tokens=512, window=256,
+                               progress=False)
+    return quantize(smollm, "w8a8-shadow", prof)
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory):
+    d = Device.local(store=tmp_path_factory.mktemp("store"))
+    yield d
+    d.close()
+
+
+def test_hello_reports_the_device(dev):
+    h = dev.info
+    assert h["protocol"] == PROTOCOL_VERSION and h["agent_version"]
+    assert {"cpu", "npu"} <= set(h["lanes"]) and h["emulated_lanes"] == ["npu"]
+    assert h["cores"] >= 1 and h["memory_bytes"] > 0 and isinstance(h["opencl"], list)
+    assert abs(dev.clock_offset_us) < 1e13
+
+
+def test_prefill_on_the_agent_matches_the_host_and_traces_both_lanes(dev, qm, heldout_ids, tmp_path):
+    toks = heldout_ids[:48]
+    res = dev.prefill(qm, toks, progress=False)
+    host = qm.forward(toks)[-1]
+    assert res.logits.shape == (1, qm.model.config.vocab_size)
+    assert cosine(res.logits[0], host) >= 0.999
+    m = res.trace.metrics()
+    assert m["lanes"]["npu"]["ops"] == 7 * 30 and m["lanes"]["npu"]["emulated"] and not m["lanes"]["cpu"]["emulated"]
+    assert 0 < m["lanes"]["npu"]["busy_pct"] <= 100 and m["makespan_ms"] > 0
+    # lanes really overlap: some cpu op runs while an npu op runs
+    ev = res.trace.events
+    npu = [(e["start_us"], e["end_us"]) for e in ev if e["lane"] == "npu"]
+    cpu = [(e["start_us"], e["end_us"]) for e in ev if e["lane"] == "cpu"]
+    assert any(a < d and c < b for a, b in npu for c, d in cpu)
+    path = res.trace.to_chrome_json(tmp_path / "trace.json")
+    doc = json.loads(path.read_text())
+    names = {e["args"]["name"] for e in doc["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert "npu (emulated on CPU)" in names
+    assert any(e["ph"] == "s" for e in doc["traceEvents"]) and any(e["ph"] == "X" for e in doc["traceEvents"])
+    assert res.trace.figure().data
+    again = dev.prefill(qm, toks, progress=False)  # nothing to upload the second time
+    assert np.array_equal(again.logits, res.logits)
+    Trace.load(res.trace.save(tmp_path / "t.json"))
+
+
+def _raw(dev):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(dev.url)
+    return s
+
+
+def _ask(sock, frames, timeout_ms=5000):
+    sock.send_multipart(frames)
+    assert sock.poll(timeout_ms), "the agent did not answer"
+    return unpack(sock.recv_multipart())
+
+
+def test_a_thousand_malformed_messages_each_get_an_error_and_the_agent_lives(dev):
+    rng = np.random.default_rng(1234)
+    sock = _raw(dev)
+    good = {"v": PROTOCOL_VERSION, "id": 1, "op": "hello"}
+    kinds = 0
+    for i in range(1000):
+        k = i % 10
+        if k == 0:
+            frames = [rng.bytes(int(rng.integers(0, 200)))]
+        elif k == 1:
+            frames = [msgpack.packb([1, 2, 3])]
+        elif k == 2:
+            frames = [msgpack.packb({**good, "id": "x"})]
+        elif k == 3:
+            frames = [msgpack.packb({**good, "v": 99})]
+        elif k == 4:
+            frames = [msgpack.packb({**good, "op": rng.bytes(8).hex()})]
+        elif k == 5:
+            frames = [msgpack.packb({**good, "op": "put_blob", "sha": "0" * 64})]
+        elif k == 6:
+            frames = [msgpack.packb({**good, "op": "put_plan", "plan": {"ops": [{"name": "a", "kind": "nope"}]}})]
+        elif k == 7:
+            frames = [msgpack.packb({**good, "frames": [{"dtype": "float32", "shape": [4]}]}), b"abc"]
+        elif k == 8:
+            frames = [msgpack.packb({**good, "op": "has_blobs", "ids": [rng.bytes(4).hex()]})]
+        else:
+            frames = [msgpack.packb({**good, "op": "run", "plan_id": "missing"})]
+        h, _ = _ask(sock, frames)
+        assert h["final"] and h["ok"] is False and h["error"]["code"] and h["error"]["message"]
+        kinds += 1
+    h, _ = _ask(sock, pack(good))
+    assert h["ok"] and h["protocol"] == PROTOCOL_VERSION
+    assert dev.stats()["errors"] >= 1000
+    sock.close(0)
+
+
+def test_bad_plans_get_error_replies(dev, qm):
+    plan = prefill_plan(qm.manifest, 8)
+    bad_blob = json.loads(json.dumps(plan))
+    bad_blob["ops"][0]["inputs"][1] = {"blob": "f" * 64}
+    with pytest.raises(DeviceError, match="missing_blob"):
+        dev.put_plan(bad_blob)
+    unknown = {"ops": [{"name": "a", "kind": "fft", "lane": "cpu", "inputs": []}]}
+    with pytest.raises(DeviceError, match="unknown_op"):
+        dev.put_plan(unknown)
+    cycle = {"ops": [{"name": "a", "kind": "add", "lane": "cpu", "inputs": [{"op": "b"}]},
+                     {"name": "b", "kind": "add", "lane": "cpu", "inputs": [{"op": "a"}]}]}
+    with pytest.raises(DeviceError, match="cycle"):
+        dev.put_plan(cycle)
+    lane_deadlock = {"ops": [{"name": "a", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}]},
+                             {"name": "b", "kind": "add", "lane": "cpu", "inputs": [{"op": "a"}]}],
+                     "lane_order": {"cpu": ["b", "a"]}}
+    with pytest.raises(DeviceError, match="cycle"):
+        dev.put_plan(lane_deadlock)
+    with pytest.raises(DeviceError, match="unknown_lane"):
+        dev.put_plan({"ops": [{"name": "a", "kind": "add", "lane": "dsp", "inputs": []}]})
+    ok = dev.put_plan({"ops": [{"name": "a", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}, {"input": "x"}]}]})
+    r = dev.run(ok, {"x": np.ones((2, 3), np.float32)})
+    assert np.array_equal(r.logits, np.full((2, 3), 2, np.float32))
+    with pytest.raises(DeviceError, match="missing_input"):
+        dev.run(ok, {"y": np.ones(2, np.float32)})
+    assert dev.hello()["protocol"] == PROTOCOL_VERSION
+
+
+def test_upload_cut_midway_resumes_with_missing_chunks_only(tmp_path):
+    rng = np.random.default_rng(0)
+    blob = rng.standard_normal(300_000).astype(np.float32)  # 1.2 MB: 5 chunks of 256 kB
+    raw = blob.tobytes()
+    sha = hashlib.sha256(raw).hexdigest()
+    cb = 256 * 1024
+    n = -(-len(raw) // cb)
+    with Device.local(store=tmp_path / "s") as dev:
+        for i in (0, 2, 3):  # the connection "dies" after three chunks
+            piece = np.frombuffer(raw[i * cb:(i + 1) * cb], np.uint8)
+            dev.request("put_blob", [piece], sha=sha, dtype="float32", shape=[300_000], nbytes=len(raw), chunk=i,
+                        n_chunks=n, chunk_bytes=cb, chunk_sha=hashlib.sha256(piece).hexdigest())
+        bad = np.frombuffer(raw[cb:2 * cb], np.uint8)
+        with pytest.raises(DeviceError, match="chunk_checksum"):
+            dev.request("put_blob", [bad], sha=sha, dtype="float32", shape=[300_000], nbytes=len(raw), chunk=1,
+                        n_chunks=n, chunk_bytes=cb, chunk_sha="0" * 64)
+    assert not (tmp_path / "s" / "blobs" / sha).exists()  # no blob under its name until it is whole
+    with Device.local(store=tmp_path / "s") as dev:  # a new agent process, the same flash
+        h, _ = dev.request("has_blobs", ids=[sha])
+        assert h["have"] == [] and h["partial"][sha] == [0, 2, 3]
+
+        class OneBlob:  # the smallest QuantizedModel-like object upload() needs
+            manifest = {"blobs": {sha: {"nbytes": len(raw)}}}
+
+            class store:
+                get = staticmethod(lambda s: blob)
+        sent = dev.upload(OneBlob, progress=False, chunk_bytes=cb)
+        assert sent == len(raw) - 3 * cb  # chunks 1 and 4 only
+        assert dev.request("has_blobs", ids=[sha])[0]["have"] == [sha]
+    stored = np.fromfile(tmp_path / "s" / "blobs" / sha, np.float32)
+    assert np.array_equal(stored, blob)
+
+
+def test_a_killed_agent_makes_the_client_raise_not_hang(tmp_path):
+    dev = Device.local(store=tmp_path / "k")
+    plan = {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
+                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]} for i in range(20000)]}
+    pid = dev.put_plan(plan)
+    rid = dev.send("run", [np.ones((256, 256), np.float32)], plan_id=pid, inputs=["x"])
+    time.sleep(0.3)
+    proc, dev.process = dev.process, None  # as for a remote agent: only the heartbeat can tell
+    os.kill(proc.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(AgentLostError, match="heartbeat"):
+        dev.wait(rid)
+    assert time.monotonic() - t0 < 10
+    proc.wait(timeout=5)
+    dev.sock.close(0)
+
+
+def test_cancel_stops_a_run(dev):
+    plan = {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
+                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]} for i in range(50000)]}
+    pid = dev.put_plan(plan)
+    rid = dev.send("run", [np.ones((64, 64), np.float32)], plan_id=pid, inputs=["x"])
+    time.sleep(0.2)
+    dev.request("cancel", target=rid)
+    with pytest.raises(DeviceError, match="cancelled"):
+        dev.wait(rid)
+
+
+def test_binding_off_loopback_needs_curve_keys(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://0.0.0.0:0", "--store", str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "CURVE" in r.stderr
+    import zmq.auth
+
+    keys = tmp_path / "keys"
+    keys.mkdir()
+    pub_file, _ = zmq.auth.create_certificates(str(keys), "server")
+    server_public, _ = zmq.auth.load_certificate(pub_file)
+    p = subprocess.Popen([sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://0.0.0.0:*", "--store",
+                          str(tmp_path / "st"), "--curve-keys", str(keys)], stdout=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        port = line.strip().rsplit(":", 1)[1]
+        dev = Device.connect(f"tcp://127.0.0.1:{port}", curve_server_key=server_public)
+        assert dev.info["protocol"] == PROTOCOL_VERSION
+        dev.close(shutdown=True)
+        p.wait(timeout=10)
+    finally:
+        p.kill()

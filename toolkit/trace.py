@@ -1,0 +1,137 @@
+"""Execution traces: per-op events from the device agent, as Perfetto JSON, a dataframe, metrics and a timeline.
+
+An event: {name, kind, lane, layer, chunk, start_us, end_us (agent clock, or host clock once aligned),
+bytes_in, bytes_out, flops, emulated, deps, shape}. Lanes are processors (cpu, npu, gpu) plus `io`
+for reads from flash. Events of emulated lanes (a phone NPU's kernels run on this CPU) say so.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+LANE_ORDER = ("npu", "gpu", "cpu", "io")
+LANE_LABEL = {"npu": "npu (emulated on CPU)", "gpu": "gpu (OpenCL)", "cpu": "cpu", "io": "io (flash reads)"}
+
+
+@dataclass
+class Trace:
+    events: list
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def lanes(self) -> list[str]:
+        seen = {e["lane"] for e in self.events}
+        return [l for l in LANE_ORDER if l in seen] + sorted(seen - set(LANE_ORDER))
+
+    def _t0(self) -> float:
+        return min((e["start_us"] for e in self.events), default=0.0)
+
+    # ---- numbers --------------------------------------------------------------------------------
+    def metrics(self) -> dict:
+        """makespan_ms; per lane: busy % of the makespan, ops, bubbles (idle gaps between its first and
+        last op, count and total ms), emulated or not."""
+        ev = [e for e in self.events if e["lane"] != "io"] or self.events
+        if not ev:
+            return {"makespan_ms": 0.0, "lanes": {}}
+        t0, t1 = min(e["start_us"] for e in ev), max(e["end_us"] for e in ev)
+        span = max(t1 - t0, 1e-9)
+        lanes = {}
+        for lane in self.lanes:
+            iv = sorted((e["start_us"], e["end_us"]) for e in self.events if e["lane"] == lane)
+            busy, gaps, gap_us, end = 0.0, 0, 0.0, None
+            for a, b in iv:
+                if end is not None and a > end:
+                    gaps += 1
+                    gap_us += a - end
+                lo = a if end is None else max(a, end)
+                busy += max(0.0, b - lo)
+                end = b if end is None else max(end, b)
+            lanes[lane] = {"busy_pct": 100.0 * busy / span, "ops": len(iv), "busy_ms": busy / 1e3,
+                           "bubbles": gaps, "bubble_ms": gap_us / 1e3,
+                           "emulated": any(e.get("emulated") for e in self.events if e["lane"] == lane)}
+        return {"makespan_ms": span / 1e3, "lanes": lanes,
+                "flops": int(sum(e.get("flops", 0) for e in ev)),
+                "flash_read_bytes": int(sum(e.get("bytes_in", 0) for e in self.events if e["kind"] == "flash_read"))}
+
+    def to_dataframe(self):
+        try:
+            import pandas as pd
+        except ImportError as e:
+            raise ImportError("Trace.to_dataframe needs pandas: pip install 'edgeprobe[notebook]'") from e
+        t0 = self._t0()
+        rows = [{**e, "start_ms": (e["start_us"] - t0) / 1e3, "dur_ms": (e["end_us"] - e["start_us"]) / 1e3}
+                for e in self.events]
+        return pd.DataFrame(rows)
+
+    # ---- files ----------------------------------------------------------------------------------
+    def to_chrome_json(self, path) -> Path:
+        """Chrome trace-event JSON (opens in Perfetto and chrome://tracing): one track per lane with its
+        name, complete events with args, flow arrows for dependencies that cross lanes."""
+        t0 = self._t0()
+        tid = {lane: i + 1 for i, lane in enumerate(self.lanes)}
+        out = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": self.meta.get("title", "edgeprobe agent")}}]
+        for lane, t in tid.items():
+            out.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": LANE_LABEL.get(lane, lane)}})
+            out.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": t, "args": {"sort_index": t}})
+        by_name = {e["name"]: e for e in self.events}
+        flow = 0
+        for e in self.events:
+            args = {k: e[k] for k in ("layer", "chunk", "bytes_in", "bytes_out", "flops", "emulated", "shape") if k in e}
+            out.append({"ph": "X", "name": e["name"], "cat": e["kind"], "pid": 1, "tid": tid[e["lane"]],
+                        "ts": e["start_us"] - t0, "dur": max(e["end_us"] - e["start_us"], 0.001), "args": args})
+            for d in e.get("deps", []):
+                src = by_name.get(d)
+                if src is None or src["lane"] == e["lane"]:
+                    continue
+                flow += 1
+                out.append({"ph": "s", "id": flow, "name": "dep", "cat": "dep", "pid": 1, "tid": tid[src["lane"]],
+                            "ts": src["end_us"] - t0 - 0.001})
+                out.append({"ph": "f", "bp": "e", "id": flow, "name": "dep", "cat": "dep", "pid": 1, "tid": tid[e["lane"]],
+                            "ts": e["start_us"] - t0})
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms", "otherData": self.meta}))
+        return path
+
+    def save(self, path) -> Path:
+        Path(path).write_text(json.dumps({"events": self.events, "meta": self.meta}))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path) -> "Trace":
+        d = json.loads(Path(path).read_text())
+        return cls(d["events"], d.get("meta", {}))
+
+    # ---- picture --------------------------------------------------------------------------------
+    def figure(self, title: str | None = None):
+        """Plotly timeline: lanes as rows, ops as bars coloured by kind, hover with shape, bytes and FLOPs."""
+        import plotly.graph_objects as go
+
+        t0 = self._t0()
+        fig = go.Figure()
+        kinds = sorted({e["kind"] for e in self.events})
+        for kind in kinds:
+            ev = [e for e in self.events if e["kind"] == kind]
+            fig.add_bar(
+                y=[LANE_LABEL.get(e["lane"], e["lane"]) for e in ev], x=[(e["end_us"] - e["start_us"]) / 1e3 for e in ev],
+                base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", name=kind,
+                customdata=[[e["name"], str(e.get("shape", "")), e.get("bytes_in", 0) / 1e3, e.get("flops", 0) / 1e6,
+                             "emulated" if e.get("emulated") else ""] for e in ev],
+                hovertemplate="%{customdata[0]} %{customdata[4]}<br>%{base:.2f} ms + %{x:.3f} ms<br>out %{customdata[1]}, "
+                              "in %{customdata[2]:.0f} kB, %{customdata[3]:.1f} MFLOP<extra>" + kind + "</extra>")
+        m = self.metrics()
+        busy = ", ".join(f"{l} {v['busy_pct']:.0f}%" for l, v in m["lanes"].items())
+        fig.update_layout(barmode="overlay", title=(title or self.meta.get("title", "execution trace")) +
+                          f"<br><sup>makespan {m['makespan_ms']:.1f} ms; busy {busy}</sup>",
+                          xaxis_title="time (ms)", yaxis=dict(categoryorder="array",
+                          categoryarray=[LANE_LABEL.get(l, l) for l in reversed(self.lanes)]),
+                          legend=dict(orientation="h", y=-0.2), height=320 + 30 * len(self.lanes))
+        return fig
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-300))

@@ -9,7 +9,9 @@ PYTHON="${PYTHON:-python3}"
 # Debian packages the project needs at run or test time; later issues append to this list.
 # libgomp1: numba's OpenMP threading layer (without it numba falls back to a layer that cannot run
 # parallel kernels from two lanes at once).
-APT_PACKAGES=(libgomp1)
+# openssh-server: the test suite deploys the agent over a real sshd on 127.0.0.1 (Termux's stand-in).
+# pocl-opencl-icd, ocl-icd-libopencl1: OpenCL on this CPU (PoCL) for the agent's gpu lane.
+APT_PACKAGES=(libgomp1 openssh-server pocl-opencl-icd ocl-icd-libopencl1)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

@@ -160,6 +160,95 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def open_device(spec: str, ssh_key=None, known_hosts=None, store=None):
+    """--device local | tcp://HOST:PORT | ssh://USER@HOST[:PORT] -> a connected Device."""
+    from .device import Device
+
+    if spec == "local":
+        return Device.local(store=store)
+    if spec.startswith(("tcp://", "ipc://")):
+        return Device.connect(spec)
+    if spec.startswith("ssh://"):
+        rest = spec[len("ssh://"):]
+        user, _, hostport = rest.rpartition("@")
+        host, _, port = hostport.partition(":")
+        if not user or not host:
+            raise ValueError(f"--device {spec!r}: write ssh://USER@HOST[:PORT]")
+        if not ssh_key:
+            raise ValueError("--device ssh://... needs --ssh-key PATH (the private key the device accepts)")
+        return Device.ssh(host, user, ssh_key, port=int(port or 22), known_hosts=known_hosts)
+    raise ValueError(f"--device {spec!r}: use local, tcp://HOST:PORT or ssh://USER@HOST[:PORT]")
+
+
+def cmd_run(args) -> int:
+    import numpy as np
+
+    from . import models
+    from .corpus import corpus_path, read_text_file
+    from .quant.qmodel import check_scheme
+    from .trace import cosine
+
+    check_scheme(args.scheme)
+    if not (args.device == "local" or args.device.startswith(("tcp://", "ipc://", "ssh://"))):
+        print(f"edgeprobe: error: --device {args.device!r}: use local, tcp://HOST:PORT or ssh://USER@HOST[:PORT]",
+              file=sys.stderr)
+        return 2
+    if args.prompt_len is not None and args.prompt_len < 1:
+        print("edgeprobe: error: --prompt-len must be at least 1", file=sys.stderr)
+        return 2
+    model = models.load(args.model)
+    ids = model.tokenizer.encode(read_text_file(args.prompt_file or corpus_path("heldout")))
+    n = args.prompt_len or min(len(ids), 256)
+    if len(ids) < n:
+        print(f"edgeprobe: error: the prompt has {len(ids)} tokens, fewer than --prompt-len {n}", file=sys.stderr)
+        return 2
+    if n > model.config.context_length:
+        print(f"edgeprobe: error: --prompt-len {n} exceeds the context length {model.config.context_length}", file=sys.stderr)
+        return 2
+    tokens = ids[:n]
+    progress = not args.no_progress
+    qm = _quantized(model, args.scheme, progress)
+    try:
+        dev = open_device(args.device, args.ssh_key, args.known_hosts)
+    except ValueError as e:
+        print(f"edgeprobe: error: {e}", file=sys.stderr)
+        return 2
+    with dev:
+        before = dev.uploaded_bytes
+        res = dev.prefill(qm, tokens, progress=progress)
+        upload = dev.uploaded_bytes - before
+        info = dev.info
+    host = qm.forward(tokens, logits="last")
+    m = res.trace.metrics()
+    if args.trace:
+        res.trace.to_chrome_json(args.trace)
+    out = {"model": args.model, "scheme": args.scheme, "device": args.device, "tokens": int(n),
+           "tok_per_s": n / (m["makespan_ms"] / 1e3), "wall_tok_per_s": n / res.wall_s, "makespan_ms": m["makespan_ms"],
+           "lanes": {k: round(v["busy_pct"], 2) for k, v in m["lanes"].items()},
+           "bubbles": {k: v["bubbles"] for k, v in m["lanes"].items()}, "upload_bytes": int(upload),
+           "logits_cosine_vs_host": cosine(res.logits[-1], np.asarray(host)), "counters": res.counters,
+           "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu")},
+           "trace": args.trace}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        busy = ", ".join(f"{k} {v:.0f}%" for k, v in out["lanes"].items())
+        print(f"prefill {n} tokens on {args.device}: {out['tok_per_s']:.0f} tok/s, makespan {m['makespan_ms']:.1f} ms "
+              f"(busy: {busy}); uploaded {upload / 1e6:.1f} MB; logits cosine vs host {out['logits_cosine_vs_host']:.6f}")
+    return 0
+
+
+def cmd_agent(args) -> int:
+    from edgeprobe_agent.__main__ import main as agent_main
+
+    argv = ["--bind", args.bind, "--store", args.store]
+    if args.memory_budget is not None:
+        argv += ["--memory-budget", str(args.memory_budget)]
+    if args.curve_keys:
+        argv += ["--curve-keys", args.curve_keys]
+    return agent_main(argv)
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -230,6 +319,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bit-widths", action="store_true",
                    help="experts: also measure per-expert INT2 sensitivity and width selections (EdgeMoE §3.2)")
     p.set_defaults(fn=cmd_profile)
+
+    r = sub.add_parser("run", help="run a quantized prefill on a device agent and bring the trace back")
+    r.add_argument("--model", default="smollm2-135m")
+    r.add_argument("--scheme", default="w8a8-shadow")
+    r.add_argument("--prompt-file", help="UTF-8 prompt text (default: the bundled held-out corpus)")
+    r.add_argument("--prompt-len", type=int, default=None, help="tokens of the prompt to prefill (default 256)")
+    r.add_argument("--device", default="local", help="local | tcp://HOST:PORT | ssh://USER@HOST[:PORT]")
+    r.add_argument("--ssh-key", help="private key for --device ssh://")
+    r.add_argument("--known-hosts", help="known_hosts file that must hold the device's host key (ssh)")
+    r.add_argument("--trace", help="write the trace as Chrome/Perfetto JSON here")
+    r.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(fn=cmd_run)
+
+    a = sub.add_parser("agent", help="start a device agent here (same as python -m edgeprobe_agent)")
+    a.add_argument("--bind", default="tcp://127.0.0.1:5555")
+    a.add_argument("--store", default=str(__import__("pathlib").Path.home() / ".cache" / "edgeprobe" / "agent-store"))
+    a.add_argument("--memory-budget", type=float, default=None, help="MB of blobs kept resident")
+    a.add_argument("--curve-keys", help="folder with server.key_secret; required off loopback")
+    a.set_defaults(fn=cmd_agent)
 
     d = sub.add_parser("demo", help="the main job: real model in, numbers out")
     d.add_argument("--model", default="smollm2-135m")

@@ -228,3 +228,19 @@ def test_binding_off_loopback_needs_curve_keys(tmp_path):
         p.wait(timeout=10)
     finally:
         p.kill()
+
+
+def test_run_cli_on_a_local_agent(tmp_path):
+    trace = tmp_path / "trace.json"
+    r = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--model", "smollm2-135m", "--scheme", "w8a8-shadow",
+                        "--prompt-len", "32", "--device", "local", "--trace", str(trace), "--json", "--no-progress"],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "EDGEPROBE_AGENT_STORE": str(tmp_path / "st")})
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["logits_cosine_vs_host"] >= 0.999 and out["tokens"] == 32
+    assert out["tok_per_s"] > 0 and out["makespan_ms"] > 0 and out["upload_bytes"] > 50e6
+    assert set(out["lanes"]) >= {"cpu", "npu"} and all(0 <= v <= 100 for v in out["lanes"].values())
+    assert json.loads(trace.read_text())["traceEvents"]
+    bad = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--device", "udp://x", "--prompt-len", "8"],
+                         capture_output=True, text=True, timeout=900)
+    assert bad.returncode == 2 and "--device" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,100 @@
+"""Deployment over a real OpenSSH server on 127.0.0.1 (standing in for Termux's sshd on a phone)."""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgeprobe.deploy import DeployError
+from edgeprobe.device import Device
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sshd")
+    for name in ("host", "client"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    (d / "authorized_keys").write_text((d / "client.pub").read_text())
+    port = _free_port()
+    home = d / "home"
+    home.mkdir()
+    cfg = d / "sshd_config"
+    cfg.write_text(f"""Port {port}
+ListenAddress 127.0.0.1
+HostKey {d / 'host'}
+PidFile {d / 'sshd.pid'}
+AuthorizedKeysFile {d / 'authorized_keys'}
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+PubkeyAuthentication yes
+PermitRootLogin yes
+UsePAM no
+StrictModes no
+AllowTcpForwarding yes
+Subsystem sftp internal-sftp
+""")
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+    subprocess.run([SSHD, "-t", "-f", str(cfg)], check=True)
+    proc = subprocess.Popen([SSHD, "-D", "-f", str(cfg), "-E", str(d / "sshd.log")])
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    host_pub = (d / "host.pub").read_text().split()
+    (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
+    (d / "wrong_known_hosts").write_text(f"[127.0.0.1]:{port} " + " ".join((d / "client.pub").read_text().split()[:2]) + "\n")
+    yield {"port": port, "key": d / "client", "known_hosts": d / "known_hosts", "dir": d}
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_deploy_run_and_redeploy_over_ssh(sshd, tmp_path):
+    user = os.environ.get("USER") or __import__("getpass").getuser()
+    remote = str(tmp_path / "remote")
+    dev = Device.ssh("127.0.0.1", user, sshd["key"], port=sshd["port"], python=sys.executable,
+                     known_hosts=sshd["known_hosts"], remote_dir=remote, agent_port=_free_port(), progress=False)
+    try:
+        assert dev.info["protocol"] == 1 and "npu" in dev.info["lanes"]
+        assert (Path(remote) / "edgeprobe_agent" / "server.py").exists()
+        pid = dev.put_plan({"ops": [{"name": "a", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}, {"input": "x"}]}]})
+        r = dev.run(pid, {"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
+        assert np.array_equal(r.logits, 2 * np.arange(6, dtype=np.float32).reshape(2, 3))
+    finally:
+        dev.close()
+    # a second deployment copies nothing that has not changed
+    from edgeprobe.deploy import _client, sync_packages
+
+    c = _client("127.0.0.1", user, sshd["key"], sshd["port"], sshd["known_hosts"], None)
+    assert sync_packages(c, remote, progress=False) == 0
+    c.close()
+
+
+def test_unknown_or_wrong_host_key_is_refused(sshd, tmp_path):
+    user = os.environ.get("USER") or __import__("getpass").getuser()
+    empty = tmp_path / "empty_known_hosts"
+    empty.write_text("")
+    with pytest.raises(DeployError, match="known_hosts"):
+        Device.ssh("127.0.0.1", user, sshd["key"], port=sshd["port"], known_hosts=empty, remote_dir=str(tmp_path / "r"))
+    with pytest.raises(DeployError):
+        Device.ssh("127.0.0.1", user, sshd["key"], port=sshd["port"], known_hosts=sshd["dir"] / "wrong_known_hosts",
+                   remote_dir=str(tmp_path / "r"))
+    with pytest.raises(DeployError, match="host key"):
+        Device.ssh("127.0.0.1", user, sshd["key"], port=sshd["port"], host_fingerprint="SHA256:AAAA",
+                   remote_dir=str(tmp_path / "r"))

@@ -1,0 +1,194 @@
+"""Deploy the device agent over SSH (a phone's Termux sshd, a dev board) and tunnel its port.
+
+paramiko connects with the device's host key checked against known_hosts or an explicit SHA256
+fingerprint — an unknown key is refused, never accepted silently. The agent and kernel packages are
+copied over SFTP (only files whose sha256 changed, with a progress bar), the agent is started
+detached (setsid + nohup, `;` before the background command so the channel does not hang), bound to
+the device's loopback, and a local port is forwarded to it through the SSH connection: ZeroMQ
+then runs over the tunnel.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import select
+import shlex
+import socket
+import threading
+import time
+from pathlib import Path
+
+from .errors import EdgeprobeError
+
+PACKAGES = {"edgeprobe_agent": Path(__file__).resolve().parent.parent / "device_agent",
+            "edgeprobe_kernels": Path(__file__).resolve().parent.parent / "kernels"}
+
+
+class DeployError(EdgeprobeError, RuntimeError):
+    """The SSH deployment failed; the message says at which step and what to check."""
+
+
+def fingerprint(key) -> str:
+    """OpenSSH-style "SHA256:..." fingerprint of a paramiko public key."""
+    return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
+
+
+def _client(host, user, key_path, port, known_hosts, host_fingerprint):
+    import paramiko
+
+    c = paramiko.SSHClient()
+    if host_fingerprint:
+        class _Pinned(paramiko.MissingHostKeyPolicy):
+            def missing_host_key(self, client, hostname, key):
+                if fingerprint(key) != host_fingerprint:
+                    raise DeployError(f"{hostname} presented host key {fingerprint(key)}, not the expected "
+                                      f"{host_fingerprint}; refusing to connect")
+        c.set_missing_host_key_policy(_Pinned())
+    else:
+        c.set_missing_host_key_policy(paramiko.RejectPolicy())
+        kh = Path(known_hosts).expanduser() if known_hosts else Path("~/.ssh/known_hosts").expanduser()
+        if kh.exists():
+            c.load_host_keys(str(kh))
+    try:
+        c.connect(host, port=port, username=user, key_filename=str(key_path), look_for_keys=False,
+                  allow_agent=False, timeout=15)
+    except paramiko.SSHException as e:
+        if "not found in known_hosts" in str(e) or "Server" in str(e) and "not found" in str(e):
+            raise DeployError(f"{host}:{port} is not in known_hosts ({e}); add its key (ssh-keyscan -p {port} {host}) "
+                              "after checking it, or pass host_fingerprint='SHA256:...'") from e
+        raise DeployError(f"ssh to {user}@{host}:{port} failed: {e}") from e
+    except OSError as e:
+        raise DeployError(f"cannot reach {host}:{port} ({e}); is sshd running (Termux: `sshd`)?") from e
+    return c
+
+
+def _run(c, cmd: str, timeout: float = 60) -> str:
+    _, out, err = c.exec_command(cmd, timeout=timeout)
+    status = out.channel.recv_exit_status()
+    text = out.read().decode(errors="replace")
+    if status != 0:
+        raise DeployError(f"remote command failed ({status}): {cmd}\n{err.read().decode(errors='replace')[-500:]}")
+    return text
+
+
+def sync_packages(c, remote_dir: str, progress: bool = True) -> int:
+    """Copy the agent and kernel packages to remote_dir over SFTP, only files whose sha256 changed.
+    Returns the bytes sent."""
+    from tqdm.auto import tqdm
+
+    sftp = c.open_sftp()
+    manifest_path = f"{remote_dir}/.edgeprobe-files.json"
+    try:
+        with sftp.open(manifest_path) as f:
+            remote = json.loads(f.read())
+    except (IOError, ValueError):
+        remote = {}
+    local = {}
+    for pkg, folder in PACKAGES.items():
+        for p in sorted(folder.glob("*.py")) + sorted(folder.glob("*.cl")):
+            local[f"{pkg}/{p.name}"] = (p, hashlib.sha256(p.read_bytes()).hexdigest())
+    todo = [(rel, p) for rel, (p, h) in local.items() if remote.get(rel) != h]
+    for d in [remote_dir] + [f"{remote_dir}/{pkg}" for pkg in PACKAGES]:
+        try:
+            sftp.stat(d)
+        except IOError:
+            sftp.mkdir(d)
+    total = sum(p.stat().st_size for _, p in todo)
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="deploy", disable=not progress or not todo, leave=False)
+    for rel, p in todo:
+        sftp.put(str(p), f"{remote_dir}/{rel}")
+        bar.update(p.stat().st_size)
+    bar.close()
+    with sftp.open(manifest_path, "w") as f:
+        f.write(json.dumps({rel: h for rel, (_, h) in local.items()}))
+    sftp.close()
+    return total
+
+
+class Tunnel:
+    """A local TCP port forwarded to the device's loopback port through the SSH transport."""
+
+    def __init__(self, client, remote_dir: str, agent_port: int):
+        self.client, self.remote_dir, self.agent_port = client, remote_dir, agent_port
+        self.server = socket.socket()
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(4)
+        self.local_url = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True, name="ssh-tunnel").start()
+
+    def _accept(self):
+        while not self._stop:
+            try:
+                r, _, _ = select.select([self.server], [], [], 0.2)
+                if not r:
+                    continue
+                sock, addr = self.server.accept()
+            except (OSError, ValueError):
+                return  # the tunnel was closed
+
+            try:
+                chan = self.client.get_transport().open_channel("direct-tcpip", ("127.0.0.1", self.agent_port), addr)
+            except Exception:
+                sock.close()
+                continue
+            threading.Thread(target=self._pump, args=(sock, chan), daemon=True).start()
+
+    def _pump(self, sock, chan):
+        try:
+            while not self._stop:
+                r, _, _ = select.select([sock, chan], [], [], 0.2)
+                if sock in r:
+                    data = sock.recv(1 << 20)
+                    if not data:
+                        break
+                    chan.sendall(data)
+                if chan in r:
+                    data = chan.recv(1 << 20)
+                    if not data:
+                        break
+                    sock.sendall(data)
+        except OSError:
+            pass
+        finally:
+            chan.close()
+            sock.close()
+
+    def close(self, stop_agent: bool = True) -> None:
+        self._stop = True
+        if stop_agent:
+            try:
+                _run(self.client, f"cd {shlex.quote(self.remote_dir)}; kill $(cat agent.pid) 2>/dev/null; true", 15)
+            except Exception:
+                pass
+        self.server.close()
+        self.client.close()
+
+
+def deploy_ssh(host: str, user: str, key_path, port: int = 22, python: str = "python3", known_hosts=None,
+               host_fingerprint: str | None = None, remote_dir: str = "edgeprobe-agent", agent_port: int = 5555,
+               progress: bool = True, start_timeout_s: float = 60.0) -> Tunnel:
+    """Connect, sync the packages, (re)start the agent on the device's loopback, open the tunnel."""
+    c = _client(host, user, key_path, port, known_hosts, host_fingerprint)
+    rd = remote_dir
+    sync_packages(c, rd, progress)
+    q = shlex.quote
+    # a previous agent of ours on this port is stopped first; `;` (not &&) before the detached start
+    start = (f"cd {q(rd)}; kill $(cat agent.pid 2>/dev/null) 2>/dev/null; sleep 0.2; "
+             f"PYTHONPATH=. setsid nohup {q(python)} -m edgeprobe_agent --bind tcp://127.0.0.1:{agent_port} "
+             f"--store store > agent.log 2>&1 < /dev/null & echo $! > agent.pid")
+    _run(c, start, 30)
+    deadline = time.monotonic() + start_timeout_s
+    log = ""
+    while time.monotonic() < deadline:
+        log = _run(c, f"cat {q(rd)}/agent.log 2>/dev/null; true", 15)
+        if "listening on" in log:
+            return Tunnel(c, rd, agent_port)
+        if "error" in log.lower() or "Traceback" in log:
+            break
+        time.sleep(0.3)
+    c.close()
+    raise DeployError(f"the agent did not start on {host}: {log[-800:] or 'no output'}; the device needs Python with "
+                      "numpy, numba, pyzmq and msgpack (Termux: pkg install python numpy; pip install numba pyzmq msgpack)")

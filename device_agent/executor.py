@@ -14,7 +14,7 @@ kernels on this CPU and are marked emulated in their trace events.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -135,6 +135,7 @@ class Context:
     get: object                      # sha -> array
     counters: dict = field(default_factory=dict)
     runners: dict = field(default_factory=dict)
+    lane: str = "cpu"                # which processor the op runs on (ops pick their kernels by it)
 
 
 def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | None = None,
@@ -161,6 +162,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
         return inputs[v]
 
     def lane_worker(lane, names):
+        lane_ctx = replace(ctx, lane=lane)  # shares counters and runner caches
         try:
             for name in names:
                 op = plan.ops[name]
@@ -173,7 +175,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                 args = [resolve(r) for r in op.get("inputs", [])]
                 t0 = now_us()
                 try:
-                    out = OPS[op["kind"]](args, op.get("attrs", {}), ctx)
+                    out = OPS[op["kind"]](args, op.get("attrs", {}), lane_ctx)
                 except (OpError, Cancelled):
                     raise
                 except Exception as e:  # a kernel failing on bad shapes must not kill the agent

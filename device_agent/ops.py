@@ -55,8 +55,41 @@ def _runner(ctx, rec, part):
 
 
 def op_linear(inp, attrs, ctx):
-    """attrs: rec (a manifest record), part: "all" | "int8" (the int8 GEMM of w8a8-shadow) | "shadow"."""
-    return _runner(ctx, attrs["rec"], attrs.get("part", "all"))(_arr(inp[0], "x", 2))
+    """attrs: rec (a manifest record), part: "all" | "int8" (the int8 GEMM of w8a8-shadow) | "shadow".
+    On the gpu lane the GEMM runs as an OpenCL kernel (kernels/opencl_gemm.py)."""
+    x = _arr(inp[0], "x", 2)
+    if ctx.lane == "gpu":
+        return _gpu_linear(attrs["rec"], attrs.get("part", "all"), x, ctx)
+    return _runner(ctx, attrs["rec"], attrs.get("part", "all"))(x)
+
+
+def _gpu_linear(rec, part, x, ctx):
+    from edgeprobe_kernels.int8_gemm import quantize_per_tensor
+    from edgeprobe_kernels.linear_records import q4_0_dequant
+    from edgeprobe_kernels.opencl_gemm import shared
+    from edgeprobe_kernels.tiles import dequantize_tiles
+
+    g, kind = shared(), rec.get("kind")
+    N, K = rec["shape"]
+    if kind == "float":
+        return g.gemm_f32(x, ctx.get(rec["w"]), key=rec["w"])
+    if kind in ("w8a8", "w8a8-shadow") and part in ("all", "int8") and not (kind == "w8a8-shadow" and part == "all"):
+        sa = rec["scale_a"]
+        wt = ctx.get(rec["wt"])  # int8[K, N]
+        c = g.gemm_s8s32(quantize_per_tensor(x, sa), wt.T, key=rec["wt"])
+        return c.astype(np.float32) * np.float32(sa * rec["scale_w"])
+    if kind in ("q4_0", "q4_0-tile"):  # W4A16: dequantize to FP16 once, half storage on the device
+        key = rec["blocks"]
+        if kind == "q4_0":
+            make = lambda: q4_0_dequant(ctx.get(key), N, rec["padded_k"])[:, :K]
+        else:
+            make = lambda: dequantize_tiles(ctx.get(key), N, K)
+        w16 = ctx.runners.get(("f16", key))
+        if w16 is None:
+            w16 = ctx.runners[("f16", key)] = np.ascontiguousarray(make(), dtype=np.float16)
+        return g.gemm_f16w(x.astype(np.float16).astype(np.float32), w16, key=key)
+    raise OpError("no_gpu_kernel", f"linear record kind {kind!r} (part {part}) has no OpenCL kernel; "
+                                   "put it on the cpu or npu lane")
 
 
 def op_rope(inp, attrs, ctx):

@@ -82,6 +82,10 @@ class Agent:
         self.models: dict = {}
         self.plans: dict = {}
         self.runs: dict[int, _Run] = {}
+        # compiled linear runners (dequantized weights, OpenCL buffers) live across runs; counters too,
+        # and each run reports its own difference
+        self.runners: dict = {}
+        self.counters: dict = {}
         self.served = 0
         self.errors = 0
         self.lanes = [l for l in LANES if l != "gpu" or opencl_devices()]
@@ -252,12 +256,13 @@ class Agent:
                 self.outbox.put((run.ident, {"id": run.rid, "final": False, "event": "progress",
                                              "done": state["done"], "total": total}, ()))
         try:
-            ctx = Context(get=self.store.get)
+            ctx = Context(get=self.store.get, counters=self.counters, runners=self.runners)
+            before = dict(self.counters)
             t0 = now_us()
             outs, events = execute(plan, inputs, ctx, run.cancel, on_op)
             t1 = now_us()
             hdr = {"id": run.rid, "final": True, "ok": True, "outputs": list(outs), "events": events + list(self.flash_events),
-                   "counters": {k: int(v) for k, v in ctx.counters.items()}, "start_us": t0, "end_us": t1}
+                   "counters": {k: int(v - before.get(k, 0)) for k, v in self.counters.items()}, "start_us": t0, "end_us": t1}
             self.outbox.put((run.ident, hdr, [np.ascontiguousarray(a) for a in outs.values()]))
         except Cancelled:
             self.outbox.put((run.ident, error_reply(run.rid, "cancelled", "the run was cancelled"), ()))

@@ -211,14 +211,14 @@ class Device:
                 "clock_offset_us": self.clock_offset_us, "counters": head.get("counters", {})}
         return RunResult(dict(zip(head["outputs"], arrays)), Trace(events, meta), head.get("counters", {}), wall)
 
-    def prefill(self, qm, tokens, progress: bool = True) -> RunResult:
+    def prefill(self, qm, tokens, progress: bool = True, float_lane: str = "cpu") -> RunResult:
         """Upload what is missing, send the prefill plan, run it: logits of the last token + the trace."""
         from .plan import prefill_plan
 
         tokens = np.asarray(tokens, np.int32)
         self.upload(qm, progress=progress)
         self.load_model(qm)
-        plan_id = self.put_plan(prefill_plan(qm.manifest, len(tokens)))
+        plan_id = self.put_plan(prefill_plan(qm.manifest, len(tokens), float_lane=float_lane))
         return self.run(plan_id, {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, {qm.scheme}")
 
     def close(self, shutdown: bool | None = None) -> None:

@@ -10,9 +10,10 @@ from __future__ import annotations
 NPU_KINDS = {"w8a8", "w8a8-shadow", "smoothquant"}  # integer GEMMs a mobile NPU runs
 
 
-def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True) -> dict:
+def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_lane: str = "cpu") -> dict:
     """Plan for prefilling `n_tokens` tokens (run input "tokens": int32[n_tokens]) -> logits of the last
-    token float32[1, vocab] (all tokens with last_only=False)."""
+    token float32[1, vocab] (all tokens with last_only=False). float_lane: where linears that are not
+    integer GEMMs (float, q4_0 W4A16) run: "cpu", or "gpu" (OpenCL, HeteroLLM's GPU side)."""
     c = manifest["config"]
     if c.get("n_experts"):
         raise NotImplementedError("device plans for MoE models arrive with the decode issue; run tiny-moe on the host")
@@ -31,7 +32,7 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True) -> dict:
             a = add(f"{name}.int8", "linear", "npu", [x], layer, rec=rec, part="int8")
             b = add(f"{name}.shadow", "linear", "cpu", [x], layer, rec=rec, part="shadow")
             return add(f"{name}.sum", "add", "cpu", [a, b], layer)
-        return add(name, "linear", "npu" if rec["kind"] in NPU_KINDS else "cpu", [x], layer, rec=rec)
+        return add(name, "linear", "npu" if rec["kind"] in NPU_KINDS else float_lane, [x], layer, rec=rec)
 
     h, hd, eps = c["n_heads"], c["head_dim"], c["rms_eps"]
     x = add("embed", "embed", "cpu", [{"input": "tokens"}, {"blob": T["token_embd.weight"]}])

@@ -244,3 +244,32 @@ def test_run_cli_on_a_local_agent(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--device", "udp://x", "--prompt-len", "8"],
                          capture_output=True, text=True, timeout=900)
     assert bad.returncode == 2 and "--device" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_opencl_gemms_are_exact_where_integer():
+    from edgeprobe_kernels.opencl_gemm import OpenCLGemm
+
+    g = OpenCLGemm()
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((7, 70)).astype(np.float32)
+    w = rng.standard_normal((13, 70)).astype(np.float32)
+    assert np.allclose(g.gemm_f32(x, w), x @ w.T, atol=1e-4)
+    w16 = w.astype(np.float16)
+    assert np.allclose(g.gemm_f16w(x, w16), x @ w16.astype(np.float32).T, atol=1e-4)
+    a = rng.integers(-128, 128, (9, 600), dtype=np.int8)
+    b = rng.integers(-128, 128, (5, 600), dtype=np.int8)
+    assert np.array_equal(g.gemm_s8s32(a, b), a.astype(np.int64) @ b.astype(np.int64).T)
+
+
+def test_gpu_lane_runs_w4a16_linears_in_opencl(dev, smollm, heldout_ids):
+    from edgeprobe.quant import quantize
+
+    assert "gpu" in dev.info["lanes"], "PoCL (Debian pocl-opencl-icd) and pyopencl are installed by make test"
+    qm = quantize(smollm, "q4_0")
+    toks = heldout_ids[:24]
+    res = dev.prefill(qm, toks, progress=False, float_lane="gpu")
+    assert cosine(res.logits[0], qm.forward(toks, logits="last")) >= 0.999
+    m = res.trace.metrics()
+    assert m["lanes"]["gpu"]["ops"] == 7 * 30 and not m["lanes"]["gpu"]["emulated"]
+    df = res.trace.to_dataframe()
+    assert set(df["lane"]) >= {"gpu", "cpu"} and (df["dur_ms"] >= 0).all()

@@ -26,6 +26,7 @@ bench: setup
 	$(BIN)/python bench/forward.py
 	$(BIN)/python bench/profile.py
 	$(BIN)/python bench/quant.py
+	$(BIN)/python bench/agent.py
 
 clean-venv:
 	rm -rf $(VENV)

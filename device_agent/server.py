@@ -54,6 +54,31 @@ def _memory_bytes() -> int | None:
         return None
 
 
+class _Outbox(queue.Queue):
+    """Messages from worker threads to the loop (only the loop touches the socket); each put also
+    writes a byte to a pipe the loop polls, so replies go out at once, not at the next poll timeout."""
+
+    def __init__(self):
+        super().__init__()
+        self.wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self._wake_w, False)
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: the loop is awake anyway
+
+    def clear_wake(self) -> None:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+
 @dataclass
 class _Run:
     rid: int
@@ -78,7 +103,7 @@ class Agent:
             self.sock.curve_secretkey, self.sock.curve_publickey, self.sock.curve_server = curve_secret, curve_public, True
         self.sock.bind(bind)
         self.url = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.outbox: queue.Queue = queue.Queue()
+        self.outbox = _Outbox()
         self.models: dict = {}
         self.plans: dict = {}
         self.runs: dict[int, _Run] = {}
@@ -98,11 +123,14 @@ class Agent:
     def serve_forever(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.outbox.wake_r, zmq.POLLIN)  # replies from worker threads wake the loop at once
         last_hb = time.monotonic()
         while not self._stop:
-            for _ in dict(poller.poll(int(HEARTBEAT_S * 1000 / 5))):
-                frames = self.sock.recv_multipart(copy=False)
-                self._handle(frames)
+            ready = dict(poller.poll(int(HEARTBEAT_S * 1000 / 5)))
+            if ready.get(self.sock):
+                self._handle(self.sock.recv_multipart(copy=False))
+            if ready.get(self.outbox.wake_r):
+                self.outbox.clear_wake()
             self._flush_outbox()
             now = time.monotonic()
             if now - last_hb >= HEARTBEAT_S:
@@ -186,7 +214,7 @@ class Agent:
 
     def do_put_blob(self, ident, rid, h, arrays):
         need = {"sha": str, "dtype": str, "shape": list, "nbytes": int, "chunk": int, "n_chunks": int,
-                "chunk_bytes": int, "chunk_sha": str}
+                "chunk_bytes": int, "chunk_crc32": int}
         for k, t in need.items():
             if not isinstance(h.get(k), t):
                 raise ProtocolError("bad_request", f"put_blob needs {k!r} ({t.__name__})")
@@ -198,9 +226,16 @@ class Agent:
             np.dtype(h["dtype"])
         except TypeError:
             raise ProtocolError("bad_request", f"unknown dtype {h['dtype'][:20]!r}") from None
-        complete = self.store.put_chunk(h["sha"], h["dtype"], h["shape"], h["nbytes"], h["chunk"], h["n_chunks"],
-                                        h["chunk_bytes"], h["chunk_sha"], arrays[0])
-        return {"chunk": h["chunk"], "complete": complete}
+        chunk = h["chunk"]
+
+        def done(result):  # called here, or from the store's worker once the last chunk's blob is finished
+            if isinstance(result, StoreError):
+                self.outbox.put((ident, error_reply(rid, result.code, str(result)), ()))
+            else:
+                self.outbox.put((ident, {"id": rid, "final": True, "ok": True, "chunk": chunk, "complete": bool(result)}, ()))
+        self.store.put_chunk(h["sha"], h["dtype"], h["shape"], h["nbytes"], chunk, h["n_chunks"], h["chunk_bytes"],
+                             h["chunk_crc32"], arrays[0], on_done=done)
+        return None
 
     def do_load_model(self, ident, rid, h, arrays):
         m = h.get("manifest")

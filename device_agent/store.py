@@ -15,7 +15,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import queue
 import threading
+import zlib
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -37,12 +39,13 @@ def check_sha(sha) -> str:
     return sha
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, data: bytes, sync: bool = True) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if sync:
+            os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
@@ -62,6 +65,16 @@ class FlashStore:
         self._resident: OrderedDict[str, np.ndarray] = OrderedDict()
         self._resident_bytes = 0
         self._lock = threading.RLock()
+        # the whole-blob sha256 runs on its own thread (hashlib releases the GIL), overlapping the receipt
+        # and writing of the next chunks; in-order chunks extend a running hash, so no second read
+        self._hashers: dict = {}
+        self._metas: dict = {}      # sha -> sidecar content of uploads in progress (owned by the writer)
+        self._received: dict = {}   # sha -> chunk indices accepted (queued or written)
+        self._write_errors: dict = {}
+        self._write_q: queue.Queue = queue.Queue()
+        self._hash_q: queue.Queue = queue.Queue()
+        threading.Thread(target=self._write_worker, daemon=True, name="blob-writer").start()
+        threading.Thread(target=self._hash_worker, daemon=True, name="blob-sha256").start()
         self.reads = self.read_bytes = 0
 
     # ---- what is here -------------------------------------------------------------------------
@@ -69,6 +82,7 @@ class FlashStore:
         return (self.blob_dir / check_sha(sha)).exists() and (self.blob_dir / f"{sha}.json").exists()
 
     def partial_chunks(self, sha: str) -> list[int]:
+        """Chunks of an unfinished upload already written to flash (what a resumed upload may skip)."""
         meta = self._part_meta(check_sha(sha))
         return sorted(meta["have"]) if meta else []
 
@@ -82,13 +96,98 @@ class FlashStore:
             return None  # a damaged sidecar: the upload starts over
 
     # ---- upload -------------------------------------------------------------------------------
+    def _write_worker(self) -> None:
+        """Chunks are written (and listed in the sidecar) here, then hashed on the next thread: the main
+        loop only checks CRCs, so receiving, writing and hashing overlap."""
+        while True:
+            sha, index, data, offset, done = self._write_q.get()
+            if data is not None and sha not in self._write_errors:
+                try:
+                    fd = os.open(self.part_dir / f"{sha}.part", os.O_WRONLY)
+                    try:
+                        os.pwrite(fd, data, offset)
+                    finally:
+                        os.close(fd)
+                    meta = self._metas[sha]
+                    meta["have"] = sorted(set(meta["have"]) | {index})
+                    # the chunk list is a hint (no fsync): after a crash the whole-blob hash catches any
+                    # chunk it lists but the disk lost, and the upload starts over
+                    _atomic_write(self.part_dir / f"{sha}.json", json.dumps(meta).encode(), sync=False)
+                except OSError as e:
+                    self._write_errors[sha] = str(e)
+            self._hash_q.put((sha, index, data, done))
+
+    def _hash_worker(self) -> None:
+        while True:
+            sha, index, data, done = self._hash_q.get()
+            st = self._hashers.setdefault(sha, {"next": 0, "h": hashlib.sha256(), "ok": True})
+            if data is not None:
+                if st["ok"] and index == st["next"]:
+                    st["h"].update(data)
+                    st["next"] += 1
+                else:
+                    st["ok"] = False  # out of order (a resumed upload): hash the file at the end
+            if done is not None:
+                done()
+
+    def _drain(self, sha: str) -> None:
+        """Wait until every queued chunk of `sha` is written and hashed."""
+        ev = threading.Event()
+        self._write_q.put((sha, -1, None, 0, ev.set))
+        ev.wait()
+
+    def _finalize(self, sha: str, spec: dict, on_done) -> None:
+        """On the hash thread, after the last chunk: verify the sha256, fsync, rename into place."""
+        try:
+            st = self._hashers.pop(sha, None)
+            part = self.part_dir / f"{sha}.part"
+            err = self._write_errors.pop(sha, None)
+            if err:
+                raise StoreError("write_failed", f"writing blob {sha[:12]} to flash failed ({err}); free space and upload again")
+            ok = st and st["ok"] and st["next"] == spec["n_chunks"]
+            digest = st["h"].hexdigest() if ok else _file_sha256(part)
+            if digest != sha:
+                part.unlink(missing_ok=True)
+                (self.part_dir / f"{sha}.json").unlink(missing_ok=True)
+                raise StoreError("blob_checksum", f"blob {sha[:12]} reassembled to sha256 {digest[:12]}; upload it again")
+            fd = os.open(part, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # durable before it gets its real name
+            finally:
+                os.close(fd)
+            _atomic_write(self.blob_dir / f"{sha}.json", json.dumps({"dtype": spec["dtype"], "shape": spec["shape"]}).encode())
+            os.replace(part, self.blob_dir / sha)
+            (self.part_dir / f"{sha}.json").unlink(missing_ok=True)
+            result = True
+        except StoreError as e:
+            result = e
+        except OSError as e:
+            result = StoreError("write_failed", f"finishing blob {sha[:12]} failed ({e}); upload it again")
+        finally:  # no lock here: put_chunk may hold it while it drains this thread
+            self._metas.pop(sha, None)
+            self._received.pop(sha, None)
+        on_done(result)
+
     def put_chunk(self, sha: str, dtype: str, shape: list, nbytes: int, index: int, n_chunks: int,
-                  chunk_bytes: int, chunk_sha: str, data) -> bool:
-        """Write chunk `index` of blob `sha` (checked against `chunk_sha`); True once the blob is complete."""
+                  chunk_bytes: int, chunk_crc32: int, data, on_done=None):
+        """Store chunk `index` of blob `sha` (checked against its CRC-32).
+
+        The result — False (more chunks to come), True (the blob is complete, its sha256 verified and the
+        file renamed into place) or a StoreError — goes to on_done(result), from a worker thread for the
+        last chunk, so the caller keeps receiving while the blob is finished. Without on_done the call
+        blocks and returns the result (raising the error)."""
+        if on_done is None:
+            box, ev = [], threading.Event()
+            self.put_chunk(sha, dtype, shape, nbytes, index, n_chunks, chunk_bytes, chunk_crc32, data,
+                           lambda r: (box.append(r), ev.set()))
+            ev.wait()
+            if isinstance(box[0], Exception):
+                raise box[0]
+            return box[0]
         check_sha(sha)
         data = memoryview(data).cast("B")
-        if hashlib.sha256(data).hexdigest() != chunk_sha:
-            raise StoreError("chunk_checksum", f"chunk {index} of {sha[:12]} does not match its sha256; send it again")
+        if zlib.crc32(data) != chunk_crc32:
+            raise StoreError("chunk_checksum", f"chunk {index} of {sha[:12]} does not match its CRC-32; send it again")
         if np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)) != nbytes:
             raise StoreError("bad_blob", f"blob {sha[:12]}: dtype {dtype} and shape {shape} do not make {nbytes} bytes")
         if not (isinstance(n_chunks, int) and n_chunks == max(1, -(-nbytes // chunk_bytes)) and 0 <= index < n_chunks):
@@ -98,36 +197,29 @@ class FlashStore:
         if len(data) != min(chunk_bytes, nbytes - start) and nbytes:
             raise StoreError("bad_chunk", f"chunk {index} of {sha[:12]} has {len(data)} bytes, expected "
                                           f"{min(chunk_bytes, nbytes - start)}")
+        spec = {"dtype": dtype, "shape": list(shape), "nbytes": nbytes, "n_chunks": n_chunks, "chunk_bytes": chunk_bytes}
         with self._lock:
-            if self.has(sha):
-                return True
-            meta = self._part_meta(sha)
-            spec = {"dtype": dtype, "shape": list(shape), "nbytes": nbytes, "n_chunks": n_chunks, "chunk_bytes": chunk_bytes}
+            if self.has(sha) or (sha in self._received and len(self._received[sha]) >= n_chunks):
+                on_done(True)  # already stored, or being finished: its reply comes with the last chunk
+                return
             part = self.part_dir / f"{sha}.part"
+            meta = self._metas.get(sha)
             if meta is None or any(meta.get(k) != v for k, v in spec.items()):
-                with open(part, "wb") as f:
-                    f.truncate(nbytes)
-                meta = {**spec, "have": []}
-            fd = os.open(part, os.O_WRONLY)
-            try:
-                os.pwrite(fd, data, start)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            have = set(meta["have"]) | {index}
-            meta["have"] = sorted(have)
-            _atomic_write(self.part_dir / f"{sha}.json", json.dumps(meta).encode())
-            if len(have) < n_chunks:
-                return False
-            digest = _file_sha256(part)
-            if digest != sha:
-                part.unlink(missing_ok=True)
-                (self.part_dir / f"{sha}.json").unlink(missing_ok=True)
-                raise StoreError("blob_checksum", f"blob {sha[:12]} reassembled to sha256 {digest[:12]}; upload it again")
-            _atomic_write(self.blob_dir / f"{sha}.json", json.dumps({"dtype": dtype, "shape": list(shape)}).encode())
-            os.replace(part, self.blob_dir / sha)
-            (self.part_dir / f"{sha}.json").unlink(missing_ok=True)
-            return True
+                meta = self._part_meta(sha)
+                if meta is None or any(meta.get(k) != v for k, v in spec.items()):
+                    self._drain(sha)  # nothing of an older attempt may still be in flight
+                    self._hashers.pop(sha, None)
+                    with open(part, "wb") as f:
+                        f.truncate(nbytes)
+                    meta = {**spec, "have": []}
+                self._metas[sha] = meta
+                self._received[sha] = set(meta["have"])
+            self._received[sha].add(index)
+            last = len(self._received[sha]) >= n_chunks
+            self._write_q.put((sha, index, bytes(data), start,
+                               (lambda: self._finalize(sha, spec, on_done)) if last else None))
+        if not last:
+            on_done(False)
 
     # ---- reads --------------------------------------------------------------------------------
     def get(self, sha: str) -> np.ndarray:

@@ -192,3 +192,46 @@ def deploy_ssh(host: str, user: str, key_path, port: int = 22, python: str = "py
     c.close()
     raise DeployError(f"the agent did not start on {host}: {log[-800:] or 'no output'}; the device needs Python with "
                       "numpy, numba, pyzmq and msgpack (Termux: pkg install python numpy; pip install numba pyzmq msgpack)")
+
+
+def start_local_sshd(folder, sshd: str | None = None):
+    """A private OpenSSH server on 127.0.0.1 with its own host and client keys — the stand-in for a
+    phone's Termux sshd in tests and benchmarks (Debian openssh-server).
+
+    Returns (process, info) with info = {port, key (client private key), known_hosts, dir}; stop it with
+    process.terminate().
+    """
+    import shutil
+    import subprocess
+
+    d = Path(folder)
+    d.mkdir(parents=True, exist_ok=True)
+    sshd = sshd or shutil.which("sshd") or "/usr/sbin/sshd"
+    if not Path(sshd).exists():
+        raise DeployError("no sshd: install Debian openssh-server (make test does)")
+    for name in ("host", "client"):
+        if not (d / name).exists():
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
+    (d / "authorized_keys").write_text((d / "client.pub").read_text())
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    cfg = d / "sshd_config"
+    cfg.write_text("\n".join([
+        f"Port {port}", "ListenAddress 127.0.0.1", f"HostKey {d / 'host'}", f"PidFile {d / 'sshd.pid'}",
+        f"AuthorizedKeysFile {d / 'authorized_keys'}", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
+        "PubkeyAuthentication yes", "PermitRootLogin yes", "UsePAM no", "StrictModes no", "AllowTcpForwarding yes",
+        "Subsystem sftp internal-sftp", ""]))
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory must exist
+    subprocess.run([sshd, "-t", "-f", str(cfg)], check=True)
+    proc = subprocess.Popen([sshd, "-D", "-f", str(cfg), "-E", str(d / "sshd.log")])
+    for _ in range(100):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    kind, key = (d / "host.pub").read_text().split()[:2]
+    (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {kind} {key}\n")
+    return proc, {"port": port, "key": d / "client", "known_hosts": d / "known_hosts", "dir": d}

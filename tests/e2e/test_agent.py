@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import msgpack
 import numpy as np
@@ -157,11 +158,11 @@ def test_upload_cut_midway_resumes_with_missing_chunks_only(tmp_path):
         for i in (0, 2, 3):  # the connection "dies" after three chunks
             piece = np.frombuffer(raw[i * cb:(i + 1) * cb], np.uint8)
             dev.request("put_blob", [piece], sha=sha, dtype="float32", shape=[300_000], nbytes=len(raw), chunk=i,
-                        n_chunks=n, chunk_bytes=cb, chunk_sha=hashlib.sha256(piece).hexdigest())
+                        n_chunks=n, chunk_bytes=cb, chunk_crc32=zlib.crc32(piece))
         bad = np.frombuffer(raw[cb:2 * cb], np.uint8)
         with pytest.raises(DeviceError, match="chunk_checksum"):
             dev.request("put_blob", [bad], sha=sha, dtype="float32", shape=[300_000], nbytes=len(raw), chunk=1,
-                        n_chunks=n, chunk_bytes=cb, chunk_sha="0" * 64)
+                        n_chunks=n, chunk_bytes=cb, chunk_crc32=12345)
     assert not (tmp_path / "s" / "blobs" / sha).exists()  # no blob under its name until it is whole
     with Device.local(store=tmp_path / "s") as dev:  # a new agent process, the same flash
         h, _ = dev.request("has_blobs", ids=[sha])
@@ -273,3 +274,27 @@ def test_gpu_lane_runs_w4a16_linears_in_opencl(dev, smollm, heldout_ids):
     assert m["lanes"]["gpu"]["ops"] == 7 * 30 and not m["lanes"]["gpu"]["emulated"]
     df = res.trace.to_dataframe()
     assert set(df["lane"]) >= {"gpu", "cpu"} and (df["dur_ms"] >= 0).all()
+
+
+def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
+    from edgeprobe_agent.store import FlashStore
+
+    reads = []
+    st = FlashStore(tmp_path / "f", memory_budget=3000, on_read=reads.append)
+    blobs = [np.full(250, i, np.float32) for i in range(4)]  # 1000 bytes each: 3 fit
+    shas = []
+    for b in blobs:
+        raw = b.tobytes()
+        sha = hashlib.sha256(raw).hexdigest()
+        assert st.put_chunk(sha, "float32", [250], len(raw), 0, 1, 1 << 20, zlib.crc32(raw), raw)
+        shas.append(sha)
+    for s in shas:  # 4 cold reads; the first blob is evicted by the fourth
+        st.get(s)
+    assert len(reads) == 4 and st.stats()["resident_bytes"] == 3000
+    st.get(shas[3])
+    assert len(reads) == 4  # resident: no read
+    assert np.array_equal(st.get(shas[0]), blobs[0]) and len(reads) == 5  # evicted: read from flash again
+    assert all(e["kind"] == "flash_read" and e["bytes_in"] == 1000 and e["end_us"] >= e["start_us"] for e in reads)
+    assert not list((tmp_path / "f" / "blobs").glob(".*tmp"))
+    with pytest.raises(Exception, match="not a lowercase hex sha256"):
+        st.get("../../etc/passwd")

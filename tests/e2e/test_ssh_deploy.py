@@ -1,10 +1,7 @@
 """Deployment over a real OpenSSH server on 127.0.0.1 (standing in for Termux's sshd on a phone)."""
 import os
-import shutil
 import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -12,8 +9,6 @@ import pytest
 
 from edgeprobe.deploy import DeployError
 from edgeprobe.device import Device
-
-SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
 def _free_port() -> int:
@@ -26,41 +21,12 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def sshd(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sshd")
-    for name in ("host", "client"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(d / name)], check=True)
-    (d / "authorized_keys").write_text((d / "client.pub").read_text())
-    port = _free_port()
-    home = d / "home"
-    home.mkdir()
-    cfg = d / "sshd_config"
-    cfg.write_text(f"""Port {port}
-ListenAddress 127.0.0.1
-HostKey {d / 'host'}
-PidFile {d / 'sshd.pid'}
-AuthorizedKeysFile {d / 'authorized_keys'}
-PasswordAuthentication no
-KbdInteractiveAuthentication no
-PubkeyAuthentication yes
-PermitRootLogin yes
-UsePAM no
-StrictModes no
-AllowTcpForwarding yes
-Subsystem sftp internal-sftp
-""")
-    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
-    subprocess.run([SSHD, "-t", "-f", str(cfg)], check=True)
-    proc = subprocess.Popen([SSHD, "-D", "-f", str(cfg), "-E", str(d / "sshd.log")])
-    for _ in range(100):
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            break
-        except OSError:
-            time.sleep(0.1)
-    host_pub = (d / "host.pub").read_text().split()
-    (d / "known_hosts").write_text(f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n")
-    (d / "wrong_known_hosts").write_text(f"[127.0.0.1]:{port} " + " ".join((d / "client.pub").read_text().split()[:2]) + "\n")
-    yield {"port": port, "key": d / "client", "known_hosts": d / "known_hosts", "dir": d}
+    from edgeprobe.deploy import start_local_sshd
+
+    proc, info = start_local_sshd(tmp_path_factory.mktemp("sshd"))
+    d = info["dir"]
+    (d / "wrong_known_hosts").write_text(f"[127.0.0.1]:{info['port']} " + " ".join((d / "client.pub").read_text().split()[:2]) + "\n")
+    yield info
     proc.terminate()
     proc.wait(timeout=10)
 

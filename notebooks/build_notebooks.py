@@ -207,6 +207,83 @@ cells for live numbers):
   too, so bytes per token rise; LFU is worst throughout, since nearly even load makes counts uninformative."""),
 ])
 
+nb5 = new_notebook(metadata=KERNEL, cells=[
+md("""# 05 · Where does the time go when SmolLM2's prefill runs on the device?
+
+**Question.** mllm-NPU runs int8 linears on the phone's NPU and the float work — attention, norms, the
+shadow-outlier GEMMs — on the CPU, overlapping the two (§3.3); HeteroLLM gives W4A16 matmuls to the GPU.
+On a real agent process, with real lanes: how busy is each processor, where are the bubbles, and does the
+device compute what the host simulates?
+
+**Honest setup.** The agent here runs on this machine: the `npu` lane executes the NPU-semantics int8
+kernels on the CPU (every event is marked *emulated*), the `gpu` lane runs OpenCL kernels on PoCL (a CPU
+OpenCL driver), and both share two cores. The *shape* of the timeline — what waits for what — is real; the
+*speeds* are not a phone's. `edgeprobe run --device ssh://...` gives the same picture from a real phone."""),
+code("""import os
+import numpy as np
+from edgeprobe import models, Device
+from edgeprobe.corpus import read_corpus
+from edgeprobe.quant import quantize, calibration_profile
+from edgeprobe.trace import cosine
+
+N = int(os.environ.get("EDGEPROBE_NB_PROMPT", 256))         # the test suite runs this notebook small
+CALIB = int(os.environ.get("EDGEPROBE_NB_CALIB", 4096))
+model = models.load("smollm2-135m")
+prompt = model.tokenizer.encode(read_corpus("heldout"))[:N]
+qm = quantize(model, "w8a8-shadow", calibration_profile(model, model.tokenizer.encode(read_corpus("train")),
+                                                         tokens=CALIB, window=min(512, CALIB)))
+dev = Device.local()
+print({k: dev.info[k] for k in ("agent_version", "lanes", "emulated_lanes", "cores")}, "OpenCL:", dev.info["opencl"])
+dev.prefill(qm, prompt)                       # first run: upload what the agent lacks, JIT, first reads from flash
+res = dev.prefill(qm, prompt)                 # the run we look at
+host = qm.forward(prompt, logits="last")
+print(f"prefill {N} tokens: makespan {res.trace.metrics()['makespan_ms']:.0f} ms; "
+      f"logits cosine vs the host's simulation {cosine(res.logits[0], host):.6f}")"""),
+md("## The timeline: int8 linears on the (emulated) NPU, float work on the CPU"),
+code("""res.trace.figure(f"SmolLM2-135M w8a8-shadow prefill, {N} tokens, layer-by-layer plan")"""),
+code("""m = res.trace.metrics()
+for lane, v in m["lanes"].items():
+    print(f"{lane:>4}: busy {v['busy_pct']:5.1f}%  ops {v['ops']:4d}  bubbles {v['bubbles']:4d} ({v['bubble_ms']:.0f} ms)"
+          + ("  [emulated]" if v["emulated"] else ""))
+print("paper (mllm-NPU §3.4): a naive in-order schedule leaves the NPU idle while the CPU works; "
+      "out-of-order chunk scheduling (next issue) is what fills the bubbles")"""),
+md("## Which ops take the time"),
+code("""import plotly.express as px
+df = res.trace.to_dataframe()
+by = df.groupby(["lane", "kind"], as_index=False)["dur_ms"].sum().sort_values("dur_ms", ascending=False)
+px.bar(by, x="kind", y="dur_ms", color="lane", title="Time per op kind and lane (ms, summed over ops)")"""),
+code("""print(by.to_string(index=False))
+print(f"outliers handled by the shadow GEMMs: {res.counters.get('outliers', 0)}; cold shadow rows read from flash: "
+      f"{res.counters.get('cold_rows_read', 0)} ({res.counters.get('cold_bytes_read', 0) / 1e3:.0f} kB)")"""),
+md("""## HeteroLLM's GPU side: W4A16 linears in OpenCL
+
+The same prompt under `q4_0` (4-bit weights, FP16 activations), its linears on the `gpu` lane. PoCL has no
+`cl_khr_fp16`: weights are stored as half and read with `vload_half4`, arithmetic is FP32."""),
+code("""q4 = quantize(model, "q4_0")
+dev.prefill(q4, prompt, float_lane="gpu")
+gpu = dev.prefill(q4, prompt, float_lane="gpu")
+print(f"cosine vs host: {cosine(gpu.logits[0], q4.forward(prompt, logits='last')):.6f}")
+gpu.trace.figure(f"SmolLM2-135M q4_0 prefill, {N} tokens, linears on the gpu lane (OpenCL on PoCL)")"""),
+code("""path = res.trace.to_chrome_json("out/trace_w8a8_shadow.json")
+print(f"wrote {path}: open it in https://ui.perfetto.dev or chrome://tracing (one track per lane, arrows for dependencies)")
+dev.close()"""),
+md("""## What we found
+
+Measured with a 256-token prompt on this 2-core machine (rerun the cells for live numbers):
+
+- **The device computes what the host simulates**: the agent's last-token logits match the host's simulation of
+  `w8a8-shadow` with cosine 1.000000 — the same kernels run on both sides (`edgeprobe_kernels`).
+- **The emulated NPU lane is the bottleneck** (busy 91% of a 3.6 s makespan, 3.3 s of it in 210 int8 linears)
+  while the CPU lane is busy 9%: single-threaded int8 GEMMs on a CPU are slower than float BLAS, and the
+  layer-by-layer plan serializes each layer's attention behind its Q/K/V projections. On a phone the NPU would be 10–50× faster and the picture would flip
+  — the CPU's float work would be the critical path, mllm-NPU's motivation for out-of-order scheduling.
+- **Lanes really overlap**: the shadow-outlier GEMMs of Q/K/V (660 outliers, 61 cold rows = 164 kB read from
+  flash) run on the CPU while the NPU lane runs the next projection; the bubbles per lane (209 on the NPU,
+  294 ms in all) are the dependency waits a scheduler can fill.
+- **The GPU lane** (OpenCL on PoCL) runs W4A16 linears with half-stored weights; on this CPU OpenCL driver it
+  is slower than the CPU lane's BLAS, which is expected: the lane exists to measure a phone's Adreno."""),
+])
+
 nb3 = new_notebook(metadata=KERNEL, cells=[
 md("""# 03 · How sparse are SmolLM2's FFNs, and what would flash streaming cost?
 
@@ -376,3 +453,4 @@ nbf.write(nb1, HERE / "01_outliers.ipynb")
 nbf.write(nb2, HERE / "02_experts.ipynb")
 nbf.write(nb3, HERE / "03_sparsity.ipynb")
 nbf.write(nb4, HERE / "04_quantization.ipynb")
+nbf.write(nb5, HERE / "05_device_timeline.ipynb")

@@ -8,10 +8,13 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-@pytest.mark.parametrize("name", ["01_outliers.ipynb", "02_experts.ipynb", "03_sparsity.ipynb", "04_quantization.ipynb"])
+@pytest.mark.parametrize("name", ["01_outliers.ipynb", "02_experts.ipynb", "03_sparsity.ipynb", "04_quantization.ipynb",
+                                  "05_device_timeline.ipynb"])
 def test_notebook_executes_and_draws(name, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEPROBE_NB_TOKENS", "1024")
-    for k, v in {"EDGEPROBE_NB_WINDOW": "64", "EDGEPROBE_NB_WINDOWS": "2", "EDGEPROBE_NB_CALIB": "256"}.items():
+    monkeypatch.setenv("EDGEPROBE_AGENT_STORE", str(tmp_path / "agent-store"))
+    for k, v in {"EDGEPROBE_NB_WINDOW": "64", "EDGEPROBE_NB_WINDOWS": "2", "EDGEPROBE_NB_CALIB": "256",
+                 "EDGEPROBE_NB_PROMPT": "32"}.items():
         monkeypatch.setenv(k, v)
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()

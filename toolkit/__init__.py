@@ -6,3 +6,14 @@ forward pass; `edgeprobe.evaluate.perplexity` scores it.
 __version__ = "0.1.0"
 
 from . import errors  # noqa: F401
+
+
+def __getattr__(name):
+    """edgeprobe.Device / edgeprobe.Trace without importing ZeroMQ for every `import edgeprobe`."""
+    if name == "Device":
+        from .device import Device
+        return Device
+    if name == "Trace":
+        from .trace import Trace
+        return Trace
+    raise AttributeError(f"module 'edgeprobe' has no attribute {name!r}")

@@ -114,6 +114,10 @@ class Device:
         last = time.monotonic()
         last_ping = last
         while True:
+            now = time.monotonic()
+            if now - last_ping >= HEARTBEAT_S:  # our side of the heartbeat: the agent cancels runs of silent clients
+                last_ping = now
+                self.send("heartbeat")
             if self.sock.poll(int(HEARTBEAT_S * 1000)):
                 header, arrays = unpack(self.sock.recv_multipart())
                 last = time.monotonic()
@@ -134,9 +138,6 @@ class Device:
             if now - last > timeout:
                 raise AgentLostError(f"the agent at {self.url} sent nothing for {now - last:.1f} s (heartbeat timeout); "
                                      "it was killed or the connection was cut")
-            if now - last_ping >= HEARTBEAT_S:  # our side of the heartbeat: the agent cancels runs of silent clients
-                last_ping = now
-                self.send("heartbeat")
 
     def hello(self) -> dict:
         return self.request("hello")[0]

@@ -298,3 +298,21 @@ def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
     assert not list((tmp_path / "f" / "blobs").glob(".*tmp"))
     with pytest.raises(Exception, match="not a lowercase hex sha256"):
         st.get("../../etc/passwd")
+
+
+def test_a_run_longer_than_the_heartbeat_timeout_completes(dev):
+    from edgeprobe_agent.protocol import HEARTBEAT_TIMEOUT_S
+
+    x = np.ones((1024, 1024), np.float32)  # each add ~1 ms: a chain long enough to outlive the timeout
+    n = 1200
+    plan = {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
+                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}] + [{"input": "x"}] * 8}
+                    for i in range(n)]}
+    pid = dev.put_plan(plan)
+    events = []
+    t0 = time.monotonic()
+    r = dev.run(pid, {"x": x}, on_progress=events.append)
+    took = time.monotonic() - t0
+    assert r.logits[0, 0] == 1 + 8 * n
+    assert any(e["event"] == "progress" for e in events)
+    assert took > HEARTBEAT_TIMEOUT_S, f"the run took {took:.1f} s; make the chain longer so it tests the heartbeat"

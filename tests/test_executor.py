@@ -1,0 +1,38 @@
+"""The agent's executor in-process: the same op registry and lanes, without a socket."""
+
+import numpy as np
+import pytest
+
+from edgeprobe_agent.executor import Context, PlanError, execute, validate
+
+
+def _plan():
+    # two independent chains on two lanes, joined at the end
+    ops = []
+    for lane in ("cpu", "npu"):
+        prev = {"input": "x"}
+        for i in range(3):
+            ops.append({"name": f"{lane}{i}", "kind": "add", "lane": lane, "inputs": [prev, {"input": "x"}]})
+            prev = {"op": f"{lane}{i}"}
+    ops.append({"name": "join", "kind": "add", "lane": "cpu", "inputs": [{"op": "cpu2"}, {"op": "npu2"}]})
+    return {"ops": ops, "outputs": ["join"]}
+
+
+def test_in_process_run_respects_dependencies_and_lanes():
+    plan = validate(_plan(), has_blob=lambda s: False)
+    seen = []
+    out, events = execute(plan, {"x": np.ones((4, 4), np.float32)}, Context(get=None), on_op=seen.append)
+    assert np.array_equal(out["join"], np.full((4, 4), 8, np.float32))
+    by = {e["name"]: e for e in events}
+    assert by["join"]["start_us"] >= max(by["cpu2"]["end_us"], by["npu2"]["end_us"])
+    assert all(by[f"cpu{i}"]["end_us"] <= by[f"cpu{i + 1}"]["start_us"] for i in range(2))
+    assert by["npu0"]["emulated"] and not by["cpu0"]["emulated"] and len(seen) == 7
+
+
+def test_op_failure_is_reported_not_raised_from_a_thread():
+    plan = validate({"ops": [{"name": "e", "kind": "embed", "lane": "cpu", "inputs": [{"input": "t"}, {"input": "w"}]}]},
+                    has_blob=lambda s: False)
+    with pytest.raises(Exception, match="outside"):
+        execute(plan, {"t": np.array([5]), "w": np.zeros((3, 2), np.float32)}, Context(get=None))
+    with pytest.raises(PlanError, match="a plan is a map"):
+        validate([], has_blob=lambda s: False)

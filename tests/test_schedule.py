@@ -1,0 +1,87 @@
+"""Chunk graphs and schedulers (mllm-NPU §3.2, §3.4) on real model configs, with property tests."""
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from edgeprobe.models import ModelConfig
+from edgeprobe.schedule import DeviceProfile, ScheduleError, chunk_graph, device_profile, schedule
+
+QWEN = ModelConfig(arch="llama", n_layers=24, hidden=2048, ffn=5504, n_heads=16, n_kv_heads=16, head_dim=128,
+                   vocab_size=151936, context_length=32768, tie_embeddings=False, name="Qwen1.5-1.8B")
+SD = device_profile("snapdragon-8gen3")
+
+
+def test_chunk_graph_structure_and_dependencies(smollm):
+    g = chunk_graph(smollm.config, 600, 256)
+    assert g.n_chunks == 3 and len(g.subgraphs) == 3 * 30 * 4
+    by = g.by_name()
+    assert set(by["c2.l5.attn"].deps) == {f"c{k}.l5.{s}" for k in range(3) for s in ("qkv", "shadow")}  # eq. 2
+    assert by["c2.l5.qkv"].deps == ["c2.l4.ffn"] and by["c1.l0.qkv"].deps == []                    # eq. 3
+    assert by["c2.l5.attn"].kv_len == 600 and by["c2.l5.attn"].tokens == 88
+    assert not by["c0.l0.attn"].static and by["c0.l0.ffn"].static and by["c0.l0.qkv"].lane == "npu"
+
+
+def test_chunk_shared_graphs_save_memory_in_proportion_to_chunks():
+    one = chunk_graph(QWEN, 256, 256).memory()
+    four = chunk_graph(QWEN, 1024, 256).memory()
+    assert one["saving"] == pytest.approx(0.0, abs=1e-9)  # one chunk: nothing to share
+    assert 0.5 < four["saving"] < 0.75  # weights dominate: close to 1 - 1/4 (paper: up to 75%)
+    assert four["shared_subgraphs"] == 3 * 24 and four["subgraphs_per_chunk"] == 4 * 24
+
+
+def test_ooo_beats_in_order_and_decides_fast():
+    g = chunk_graph(QWEN, 1024, 256)
+    a, b = schedule(g, SD, "in-order"), schedule(g, SD, "ooo")
+    a.check()
+    b.check()
+    assert b.makespan_us < 0.85 * a.makespan_us
+    assert b.decision_us < 20.0 and b.decisions >= len(g.subgraphs)
+    t = b.to_trace()
+    assert t.meta["modelled"] and all(e["modelled"] for e in t.events)
+    assert t.metrics()["makespan_ms"] == pytest.approx(b.makespan_us / 1e3, rel=1e-6)
+
+
+def test_exact_is_a_lower_bound_on_small_instances(smollm):
+    g = chunk_graph(dataclasses.replace(smollm.config, n_layers=1), 768, 256)
+    assert len(g.subgraphs) == 12
+    opt = schedule(g, SD, "exact")
+    opt.check()
+    for s in ("in-order", "ooo"):
+        assert opt.makespan_us <= schedule(g, SD, s).makespan_us + 1e-6
+    with pytest.raises(ScheduleError, match="at most 12"):
+        schedule(chunk_graph(smollm.config, 768, 256), SD, "exact")
+
+
+def test_bad_input_is_named(smollm):
+    with pytest.raises(ScheduleError, match="chunk length"):
+        chunk_graph(smollm.config, 100, 0)
+    with pytest.raises(ScheduleError, match="context length"):
+        chunk_graph(smollm.config, smollm.config.context_length + 1, 256)
+    with pytest.raises(ScheduleError, match="unknown device profile"):
+        device_profile("pixel-42")
+    with pytest.raises(ScheduleError, match="unknown scheduler"):
+        schedule(chunk_graph(smollm.config, 64, 32), SD, "random")
+    with pytest.raises(ScheduleError, match="no lane 'dsp'"):
+        schedule(chunk_graph(smollm.config, 64, 32, lanes={"attn": "dsp"}), SD, "ooo")
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(1, 3), prompt=st.integers(1, 700), chunk=st.sampled_from([32, 64, 128, 256]),
+       npu=st.floats(1.0, 5000.0), cpu=st.floats(1.0, 500.0), sync=st.floats(0.0, 500.0),
+       attn_lane=st.sampled_from(["cpu", "gpu"]))
+def test_every_schedule_respects_dependencies_and_lanes(layers, prompt, chunk, npu, cpu, sync, attn_lane):
+    cfg = ModelConfig(arch="llama", n_layers=layers, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                      vocab_size=100, context_length=1024)
+    prof = DeviceProfile("random", {"npu": {"default": npu}, "cpu": {"default": cpu}, "gpu": {"default": cpu * 3}},
+                         {"npu": 10.0, "cpu": 5.0, "gpu": 8.0}, sync_us=sync)
+    g = chunk_graph(cfg, prompt, chunk, lanes={"attn": attn_lane})
+    results = {s: schedule(g, prof, s) for s in ("in-order", "ooo")}
+    for sc in results.values():
+        sc.check()
+        assert set(sc.slots) == {x.name for x in g.subgraphs}
+    if len(g.subgraphs) <= 8:
+        opt = schedule(g, prof, "exact")
+        opt.check()
+        assert opt.makespan_us <= min(r.makespan_us for r in results.values()) + 1e-6

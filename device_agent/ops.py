@@ -27,7 +27,10 @@ def _arr(x, name: str, ndim: int | None = None) -> np.ndarray:
 
 
 def op_embed(inp, attrs, ctx):
+    """attrs start/length (optional): embed only that slice of the tokens (one chunk of a prompt)."""
     tokens, table = _arr(inp[0], "tokens", 1), _arr(inp[1], "table", 2)
+    if "start" in attrs:
+        tokens = tokens[int(attrs["start"]):int(attrs["start"]) + int(attrs["length"])]
     if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
         raise OpError("bad_input", f"token ids outside [0, {table.shape[0]})")
     return np.asarray(table[tokens.astype(np.int64)], np.float32)
@@ -100,11 +103,18 @@ def op_rope(inp, attrs, ctx):
 
 
 def op_attention(inp, attrs, ctx):
-    q, k, v = (_arr(a, n, 2) for a, n in zip(inp, "qkv"))
+    """inputs q, k, v — or, for chunk i of a chunked prefill, q, k_0..k_i, v_0..v_i (attrs parts = i + 1):
+    the chunk's queries attend to the keys of every chunk so far (mllm-NPU eq. 2), causally from `start`."""
+    parts = int(attrs.get("parts", 1))
+    if len(inp) != 1 + 2 * parts:
+        raise OpError("bad_input", f"attention over {parts} chunks takes {1 + 2 * parts} inputs, got {len(inp)}")
+    q = _arr(inp[0], "q", 2)
+    k = np.concatenate([_arr(a, "k", 2) for a in inp[1:1 + parts]]) if parts > 1 else _arr(inp[1], "k", 2)
+    v = np.concatenate([_arr(a, "v", 2) for a in inp[1 + parts:]]) if parts > 1 else _arr(inp[2], "v", 2)
     H, KV, d = int(attrs["n_heads"]), int(attrs["n_kv_heads"]), int(attrs["head_dim"])
-    T = q.shape[0]
-    kk = k.reshape(1, T, KV, d).transpose(0, 2, 1, 3)
-    vv = v.reshape(1, T, KV, d).transpose(0, 2, 1, 3)
+    T, S = q.shape[0], k.shape[0]
+    kk = k.reshape(1, S, KV, d).transpose(0, 2, 1, 3)
+    vv = v.reshape(1, S, KV, d).transpose(0, 2, 1, 3)
     return attention(q.reshape(1, T, H, d), kk, vv, int(attrs.get("start", 0)))
 
 
@@ -132,7 +142,8 @@ def flops(kind: str, inp, out, attrs) -> int:
         return 2 * out.shape[0] * inp[0].shape[1] * out.shape[1]
     if kind == "attention":
         T, H, d = inp[0].shape[0], int(attrs["n_heads"]), int(attrs["head_dim"])
-        return 2 * 2 * H * T * T * d // 2  # causal: half the score matrix
+        S = sum(a.shape[0] for a in inp[1:1 + int(attrs.get("parts", 1))])
+        return 4 * H * T * S * d  # QK^T and PV over S keys (the causal mask still computes them)
     return int(out.size)
 
 

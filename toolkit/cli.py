@@ -193,6 +193,9 @@ def cmd_run(args) -> int:
         print(f"edgeprobe: error: --device {args.device!r}: use local, tcp://HOST:PORT or ssh://USER@HOST[:PORT]",
               file=sys.stderr)
         return 2
+    if args.scheduler != "layer" and args.chunk < 1:
+        print(f"edgeprobe: error: --chunk must be a positive number of tokens, got {args.chunk}", file=sys.stderr)
+        return 2
     if args.prompt_len is not None and args.prompt_len < 1:
         print("edgeprobe: error: --prompt-len must be at least 1", file=sys.stderr)
         return 2
@@ -215,10 +218,13 @@ def cmd_run(args) -> int:
         return 2
     with dev:
         before = dev.uploaded_bytes
-        res = dev.prefill(qm, tokens, progress=progress)
+        if args.scheduler == "layer":
+            res = dev.prefill(qm, tokens, progress=progress)
+        else:
+            res = dev.prefill_chunked(qm, tokens, chunk=args.chunk, scheduler=args.scheduler, progress=progress)
         upload = dev.uploaded_bytes - before
         info = dev.info
-    host = qm.forward(tokens, logits="last")
+    host = _host_logits(qm, tokens, None if args.scheduler == "layer" else args.chunk)
     m = res.trace.metrics()
     if args.trace:
         res.trace.to_chrome_json(args.trace)
@@ -228,7 +234,9 @@ def cmd_run(args) -> int:
            "bubbles": {k: v["bubbles"] for k, v in m["lanes"].items()}, "upload_bytes": int(upload),
            "logits_cosine_vs_host": cosine(res.logits[-1], np.asarray(host)), "counters": res.counters,
            "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu")},
-           "trace": args.trace}
+           "trace": args.trace, "scheduler": args.scheduler,
+           "chunk": None if args.scheduler == "layer" else args.chunk,
+           "predicted_makespan_ms": res.trace.meta.get("predicted_makespan_ms")}
     if args.json:
         print(json.dumps(out))
     else:
@@ -236,6 +244,19 @@ def cmd_run(args) -> int:
         print(f"prefill {n} tokens on {args.device}: {out['tok_per_s']:.0f} tok/s, makespan {m['makespan_ms']:.1f} ms "
               f"(busy: {busy}); uploaded {upload / 1e6:.1f} MB; logits cosine vs host {out['logits_cosine_vs_host']:.6f}")
     return 0
+
+
+def _host_logits(qm, tokens, chunk):
+    """The host's simulation of what the agent ran: one pass, or chunk by chunk through a KV cache (a
+    quantized model's rounding makes the two differ slightly, so compare like with like)."""
+    from .forward import KVCache, forward
+
+    if not chunk:
+        return qm.forward(tokens, logits="last")
+    cache = KVCache(qm.model.config)
+    for i in range(0, len(tokens), chunk):
+        out = forward(qm.model, tokens[i:i + chunk], cache=cache, linear=qm.linear, logits="last")
+    return out
 
 
 def cmd_agent(args) -> int:
@@ -326,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt-file", help="UTF-8 prompt text (default: the bundled held-out corpus)")
     r.add_argument("--prompt-len", type=int, default=None, help="tokens of the prompt to prefill (default 256)")
     r.add_argument("--device", default="local", help="local | tcp://HOST:PORT | ssh://USER@HOST[:PORT]")
+    r.add_argument("--scheduler", default="layer", choices=["layer", "in-order", "ooo"],
+                   help="layer: one layer-by-layer pass; in-order / ooo: chunked prefill scheduled by mllm-NPU §3.4")
+    r.add_argument("--chunk", type=int, default=256, help="chunk length for --scheduler in-order|ooo (default 256)")
     r.add_argument("--ssh-key", help="private key for --device ssh://")
     r.add_argument("--known-hosts", help="known_hosts file that must hold the device's host key (ssh)")
     r.add_argument("--trace", help="write the trace as Chrome/Perfetto JSON here")

@@ -46,6 +46,7 @@ class RunResult:
     trace: Trace
     counters: dict = field(default_factory=dict)
     wall_s: float = 0.0
+    schedule: object = None  # the Schedule a chunked prefill was laid out by (its predicted times)
 
     @property
     def logits(self) -> np.ndarray:
@@ -221,6 +222,29 @@ class Device:
         self.load_model(qm)
         plan_id = self.put_plan(prefill_plan(qm.manifest, len(tokens), float_lane=float_lane))
         return self.run(plan_id, {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, {qm.scheme}")
+
+    def prefill_chunked(self, qm, tokens, chunk: int = 256, scheduler: str = "ooo",
+                        profile: str = "this-host-emulated", progress: bool = True) -> RunResult:
+        """Chunked prefill (mllm-NPU §3.2) laid out by a scheduler (§3.4) over the modelled `profile`."""
+        from .models import ModelConfig
+        from .plan import chunked_prefill_plan
+        from .schedule import chunk_graph, device_profile, schedule
+
+        tokens = np.asarray(tokens, np.int32)
+        sched = schedule(chunk_graph(ModelConfig(**qm.manifest["config"]), len(tokens), chunk),
+                         device_profile(profile), scheduler)
+        lacking = {g.lane for g in sched.graph.subgraphs} - set(self.info.get("lanes", []))
+        if lacking:
+            from .schedule import ScheduleError
+            raise ScheduleError(f"the schedule puts work on lanes {sorted(lacking)} that this agent lacks "
+                                f"(it has {self.info.get('lanes')})")
+        self.upload(qm, progress=progress)
+        self.load_model(qm)
+        plan_id = self.put_plan(chunked_prefill_plan(qm.manifest, sched))
+        res = self.run(plan_id, {"tokens": tokens}, title=f"chunked prefill {len(tokens)} tokens / {chunk}, {scheduler}")
+        res.trace.meta["predicted_makespan_ms"] = sched.makespan_us / 1e3
+        res.schedule = sched
+        return res
 
     def close(self, shutdown: bool | None = None) -> None:
         """Say bye (and stop the agent if this Device started it)."""

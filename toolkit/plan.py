@@ -57,3 +57,89 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
     head = T.get("output.weight", T["token_embd.weight"])
     add("lm_head", "lm_head", "cpu", [n, {"blob": head}], last_only=last_only)
     return {"ops": ops, "outputs": ["lm_head"], "meta": {"kind": "prefill", "tokens": n_tokens, "scheme": manifest["scheme"]}}
+
+
+def chunked_prefill_plan(manifest: dict, sched) -> dict:
+    """The agent plan of a chunked prefill (mllm-NPU §3.2) laid out by a Schedule (§3.4).
+
+    Each subgraph of the schedule's ChunkGraph becomes a few ops on the subgraph's lane:
+      qkv     attn_norm + int8 Q/K/V GEMMs                      (npu)
+      shadow  its own attn_norm + the shadow-outlier GEMMs of Q/K/V (cpu; recomputing the norm keeps its only
+              dependency the previous layer, as in the graph)
+      attn    int8 + shadow sums, RoPE at the chunk's offset, attention over the keys of chunks 0..i (cpu)
+      ffn     output projection, residual, ffn_norm, FFN, residual (npu; the shadow outliers of these
+              linears run fused with their int8 GEMM on that lane — a simplification of mllm-NPU)
+    Each lane runs its ops in the order the schedule starts their subgraphs. Run input: "tokens".
+    """
+    g = sched.graph
+    c = manifest["config"]
+    T, L = manifest["tensors"], manifest["linears"]
+    h, kvh, hd, eps, theta = c["n_heads"], c["n_kv_heads"], c["head_dim"], c["rms_eps"], c["rope_theta"]
+    chunk = g.chunk_len
+    ops_by_sub: dict[str, list] = {}
+
+    def add(sub, name, kind, lane, inputs, layer, chunk_i, **attrs):
+        ops_by_sub.setdefault(sub, []).append({"name": name, "kind": kind, "lane": lane, "inputs": inputs, "deps": [],
+                                               "attrs": attrs, "layer": layer, "chunk": chunk_i})
+        return {"op": name}
+
+    resid: dict = {}  # (chunk, layer) -> residual stream entering the layer
+    subs = g.by_name()
+    for i in range(g.n_chunks):
+        n_tok = subs[f"c{i}.l0.qkv"].tokens
+        first = f"c{i}.l0.qkv"
+        resid[(i, 0)] = add(first, f"c{i}.embed", "embed", subs[first].lane,
+                            [{"input": "tokens"}, {"blob": T["token_embd.weight"]}], 0, i, start=i * chunk, length=n_tok)
+    for l in range(c["n_layers"]):
+        for i in range(g.n_chunks):
+            p, x = f"c{i}.l{l}", resid[(i, l)]
+            qkv, sh, at, ff = (subs[f"{p}.{s}"] for s in ("qkv", "shadow", "attn", "ffn"))
+            n = add(qkv.name, f"{p}.attn_norm", "rms_norm", qkv.lane, [x, {"blob": T[f"blk.{l}.attn_norm.weight"]}], l, i, eps=eps)
+            parts = {}
+            for proj in ("attn_q", "attn_k", "attn_v"):
+                rec = L[f"blk.{l}.{proj}"]
+                shadowed = rec["kind"] == "w8a8-shadow" and rec.get("shadow")
+                parts[proj] = [add(qkv.name, f"{p}.{proj}", "linear", qkv.lane, [n], l, i, rec=rec,
+                                   part="int8" if shadowed else "all")]
+                if shadowed:
+                    ns = add(sh.name, f"{p}.shadow_norm", "rms_norm", sh.lane, [x, {"blob": T[f"blk.{l}.attn_norm.weight"]}],
+                             l, i, eps=eps) if f"{p}.shadow_norm" not in [o["name"] for o in ops_by_sub.get(sh.name, [])] \
+                        else {"op": f"{p}.shadow_norm"}
+                    parts[proj].append(add(sh.name, f"{p}.{proj}.shadow", "linear", sh.lane, [ns], l, i, rec=rec, part="shadow"))
+            qkv_out = {}
+            for proj, ins in parts.items():
+                qkv_out[proj] = add(at.name, f"{p}.{proj}.sum", "add", at.lane, ins, l, i) if len(ins) > 1 else ins[0]
+            q = add(at.name, f"{p}.rope_q", "rope", at.lane, [qkv_out["attn_q"]], l, i, heads=h, head_dim=hd, theta=theta,
+                    start=i * chunk)
+            k = add(at.name, f"{p}.rope_k", "rope", at.lane, [qkv_out["attn_k"]], l, i, heads=kvh, head_dim=hd, theta=theta,
+                    start=i * chunk)
+            resid[("k", i, l)], resid[("v", i, l)] = k, qkv_out["attn_v"]
+            ks = [resid[("k", j, l)] for j in range(i + 1)]
+            vs = [resid[("v", j, l)] for j in range(i + 1)]
+            a = add(at.name, f"{p}.attention", "attention", at.lane, [q] + ks + vs, l, i, n_heads=h, n_kv_heads=kvh,
+                    head_dim=hd, start=i * chunk, parts=i + 1)
+            o = add(ff.name, f"{p}.attn_output", "linear", ff.lane, [a], l, i, rec=L[f"blk.{l}.attn_output"])
+            x = add(ff.name, f"{p}.attn_residual", "add", ff.lane, [x, o], l, i)
+            n2 = add(ff.name, f"{p}.ffn_norm", "rms_norm", ff.lane, [x, {"blob": T[f"blk.{l}.ffn_norm.weight"]}], l, i, eps=eps)
+            gt = add(ff.name, f"{p}.ffn_gate", "linear", ff.lane, [n2], l, i, rec=L[f"blk.{l}.ffn_gate"])
+            up = add(ff.name, f"{p}.ffn_up", "linear", ff.lane, [n2], l, i, rec=L[f"blk.{l}.ffn_up"])
+            act = add(ff.name, f"{p}.swiglu", "swiglu", ff.lane, [gt, up], l, i)
+            dn = add(ff.name, f"{p}.ffn_down", "linear", ff.lane, [act], l, i, rec=L[f"blk.{l}.ffn_down"])
+            resid[(i, l + 1)] = add(ff.name, f"{p}.ffn_residual", "add", ff.lane, [x, dn], l, i)
+    last = g.n_chunks - 1
+    tail_sub = f"c{last}.l{c['n_layers'] - 1}.ffn"
+    lane = subs[tail_sub].lane
+    n = add(tail_sub, "output_norm", "rms_norm", lane, [resid[(last, c["n_layers"])], {"blob": T["output_norm.weight"]}],
+            -1, last, eps=eps)
+    add(tail_sub, "lm_head", "lm_head", lane, [n, {"blob": T.get("output.weight", T["token_embd.weight"])}], -1, last,
+        last_only=True)
+    # plan order: subgraphs by scheduled start; each lane runs its ops in that order
+    order = sorted(sched.slots, key=lambda s: (sched.slots[s][1], s))
+    ops, lane_order = [], {}
+    for sub in order:
+        for op in ops_by_sub.get(sub, []):
+            ops.append(op)
+            lane_order.setdefault(op["lane"], []).append(op["name"])
+    return {"ops": ops, "lane_order": lane_order, "outputs": ["lm_head"],
+            "meta": {"kind": "chunked-prefill", "tokens": g.prompt_len, "chunk": chunk, "scheduler": sched.scheduler,
+                     "profile": sched.profile.name}}

@@ -316,3 +316,27 @@ def test_a_run_longer_than_the_heartbeat_timeout_completes(dev):
     assert r.logits[0, 0] == 1 + 8 * n
     assert any(e["event"] == "progress" for e in events)
     assert took > HEARTBEAT_TIMEOUT_S, f"the run took {took:.1f} s; make the chain longer so it tests the heartbeat"
+
+
+def test_chunked_prefill_in_order_and_out_of_order_on_the_agent(dev, qm, heldout_ids):
+    from edgeprobe.cli import _host_logits
+
+    toks = heldout_ids[:96].astype(np.int32)
+    host = _host_logits(qm, toks, 32)
+    runs = {s: dev.prefill_chunked(qm, toks, chunk=32, scheduler=s, progress=False) for s in ("in-order", "ooo")}
+    for s, r in runs.items():
+        assert cosine(r.logits[0], host) >= 0.999, s
+        assert {e["chunk"] for e in r.trace.events if e["lane"] != "io"} == {0, 1, 2}
+        assert r.schedule.scheduler == s and r.trace.meta["predicted_makespan_ms"] > 0
+    assert np.array_equal(runs["in-order"].logits, runs["ooo"].logits)  # same ops, another order
+    # the agent ran each lane in the order the schedule chose
+    def runs_of(seq):  # consecutive duplicates collapsed
+        return [x for k, x in enumerate(seq) if k == 0 or x != seq[k - 1]]
+
+    for s, r in runs.items():
+        ran = [(e["chunk"], e["layer"]) for e in sorted(r.trace.events, key=lambda e: e["start_us"])
+               if e["lane"] == "npu" and e["layer"] >= 0]
+        g = r.schedule.graph.by_name()
+        planned = [(g[n].chunk, g[n].layer) for n in sorted(r.schedule.slots, key=lambda n: r.schedule.slots[n][1])
+                   if r.schedule.slots[n][0] == "npu"]
+        assert runs_of(ran) == runs_of(planned), s

@@ -186,7 +186,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                       "bytes_in": int(sum(a.nbytes for a in args if isinstance(a, np.ndarray))),
                       "bytes_out": int(out.nbytes), "flops": int(flops(op["kind"], args, out, op.get("attrs", {}))),
                       "emulated": lane in EMULATED_LANES, "deps": sorted(plan.parents[name]),
-                      "shape": list(out.shape)}
+                      "shape": list(out.shape), "group": op.get("group", name)}
                 with lock:
                     results[name] = out
                     events.append(ev)

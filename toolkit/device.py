@@ -227,12 +227,12 @@ class Device:
                         profile: str = "this-host-emulated", progress: bool = True) -> RunResult:
         """Chunked prefill (mllm-NPU §3.2) laid out by a scheduler (§3.4) over the modelled `profile`."""
         from .models import ModelConfig
-        from .plan import chunked_prefill_plan
+        from .plan import chunked_prefill_plan, shadow_layers
         from .schedule import chunk_graph, device_profile, schedule
 
         tokens = np.asarray(tokens, np.int32)
-        sched = schedule(chunk_graph(ModelConfig(**qm.manifest["config"]), len(tokens), chunk),
-                         device_profile(profile), scheduler)
+        graph = chunk_graph(ModelConfig(**qm.manifest["config"]), len(tokens), chunk, shadow=shadow_layers(qm.manifest))
+        sched = schedule(graph, device_profile(profile), scheduler)
         lacking = {g.lane for g in sched.graph.subgraphs} - set(self.info.get("lanes", []))
         if lacking:
             from .schedule import ScheduleError

@@ -59,6 +59,14 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
     return {"ops": ops, "outputs": ["lm_head"], "meta": {"kind": "prefill", "tokens": n_tokens, "scheme": manifest["scheme"]}}
 
 
+def shadow_layers(manifest: dict) -> list[int]:
+    """Layers whose Q/K/V linears keep shadow outliers (w8a8-shadow, not pruned)."""
+    c = manifest["config"]
+    return [l for l in range(c["n_layers"])
+            if any(manifest["linears"][f"blk.{l}.{p}"].get("kind") == "w8a8-shadow" and manifest["linears"][f"blk.{l}.{p}"].get("shadow")
+                   for p in ("attn_q", "attn_k", "attn_v"))]
+
+
 def chunked_prefill_plan(manifest: dict, sched) -> dict:
     """The agent plan of a chunked prefill (mllm-NPU §3.2) laid out by a Schedule (§3.4).
 
@@ -80,7 +88,7 @@ def chunked_prefill_plan(manifest: dict, sched) -> dict:
 
     def add(sub, name, kind, lane, inputs, layer, chunk_i, **attrs):
         ops_by_sub.setdefault(sub, []).append({"name": name, "kind": kind, "lane": lane, "inputs": inputs, "deps": [],
-                                               "attrs": attrs, "layer": layer, "chunk": chunk_i})
+                                               "attrs": attrs, "layer": layer, "chunk": chunk_i, "group": sub})
         return {"op": name}
 
     resid: dict = {}  # (chunk, layer) -> residual stream entering the layer
@@ -93,12 +101,16 @@ def chunked_prefill_plan(manifest: dict, sched) -> dict:
     for l in range(c["n_layers"]):
         for i in range(g.n_chunks):
             p, x = f"c{i}.l{l}", resid[(i, l)]
-            qkv, sh, at, ff = (subs[f"{p}.{s}"] for s in ("qkv", "shadow", "attn", "ffn"))
+            qkv, at, ff = (subs[f"{p}.{s}"] for s in ("qkv", "attn", "ffn"))
+            sh = subs.get(f"{p}.shadow")
             n = add(qkv.name, f"{p}.attn_norm", "rms_norm", qkv.lane, [x, {"blob": T[f"blk.{l}.attn_norm.weight"]}], l, i, eps=eps)
             parts = {}
             for proj in ("attn_q", "attn_k", "attn_v"):
                 rec = L[f"blk.{l}.{proj}"]
                 shadowed = rec["kind"] == "w8a8-shadow" and rec.get("shadow")
+                if shadowed and sh is None:
+                    raise ValueError(f"layer {l} keeps shadow outliers but the chunk graph has no shadow subgraph for it; "
+                                     "build the graph with shadow=shadow_layers(manifest)")
                 parts[proj] = [add(qkv.name, f"{p}.{proj}", "linear", qkv.lane, [n], l, i, rec=rec,
                                    part="int8" if shadowed else "all")]
                 if shadowed:

@@ -105,6 +105,48 @@ class Trace:
         d = json.loads(Path(path).read_text())
         return cls(d["events"], d.get("meta", {}))
 
+    def groups(self) -> dict:
+        """name -> (lane, start_us, end_us) per op group (a scheduled subgraph), or per op when ungrouped."""
+        out: dict = {}
+        for e in self.events:
+            if e["lane"] == "io":
+                continue
+            g = e.get("group", e["name"])
+            lane, s, t = out.get(g, (e["lane"], e["start_us"], e["end_us"]))
+            out[g] = (lane, min(s, e["start_us"]), max(t, e["end_us"]))
+        return out
+
+    def compare(self, other: "Trace", title: str | None = None):
+        """Lay `other` (e.g. a predicted trace) over this one (e.g. measured), matched by op group.
+
+        Returns (figure, rows): rows give each matched group's measured and predicted duration (ms) and the
+        relative prediction error; the figure draws both timelines, lane by lane, one above the other.
+        """
+        import plotly.graph_objects as go
+
+        mine, theirs = self.groups(), other.groups()
+        t0a = min((v[1] for v in mine.values()), default=0.0)
+        t0b = min((v[1] for v in theirs.values()), default=0.0)
+        rows = []
+        for name in sorted(set(mine) & set(theirs), key=lambda n: mine[n][1]):
+            a, b = mine[name], theirs[name]
+            da, db = (a[2] - a[1]) / 1e3, (b[2] - b[1]) / 1e3
+            rows.append({"group": name, "lane": a[0], "measured_ms": da, "predicted_ms": db,
+                         "error": (db - da) / da if da > 0 else float("nan")})
+        fig = go.Figure()
+        for label, groups, t0, opacity in ((self.meta.get("title", "measured"), mine, t0a, 0.9),
+                                           (other.meta.get("title", "predicted"), theirs, t0b, 0.5)):
+            names = list(groups)
+            fig.add_bar(y=[f"{groups[n][0]} · {'measured' if groups is mine else 'predicted'}" for n in names],
+                        x=[(groups[n][2] - groups[n][1]) / 1e3 for n in names],
+                        base=[(groups[n][1] - t0) / 1e3 for n in names], orientation="h", name=label, opacity=opacity,
+                        customdata=names, hovertemplate="%{customdata}<br>%{base:.1f} ms + %{x:.2f} ms<extra></extra>")
+        errs = np.array([r["error"] for r in rows if np.isfinite(r["error"])])
+        sub = (f"{len(rows)} matched groups; median |error| {100 * np.median(np.abs(errs)):.0f}%" if len(errs) else "no matched groups")
+        fig.update_layout(barmode="overlay", title=(title or "measured vs predicted") + f"<br><sup>{sub}</sup>",
+                          xaxis_title="time (ms)", height=360, legend=dict(orientation="h", y=-0.25))
+        return fig, rows
+
     # ---- picture --------------------------------------------------------------------------------
     def figure(self, title: str | None = None):
         """Plotly timeline: lanes as rows, ops as bars coloured by kind, hover with shape, bytes and FLOPs."""

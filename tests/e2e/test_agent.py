@@ -340,3 +340,6 @@ def test_chunked_prefill_in_order_and_out_of_order_on_the_agent(dev, qm, heldout
         planned = [(g[n].chunk, g[n].layer) for n in sorted(r.schedule.slots, key=lambda n: r.schedule.slots[n][1])
                    if r.schedule.slots[n][0] == "npu"]
         assert runs_of(ran) == runs_of(planned), s
+    fig, rows = runs["ooo"].trace.compare(runs["ooo"].schedule.to_trace())
+    assert len(rows) == len(runs["ooo"].schedule.slots) and fig.data
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in rows)

@@ -77,8 +77,10 @@ class ChunkGraph:
 
 
 def chunk_graph(config: ModelConfig, prompt_len: int, chunk_len: int = 256, lanes: dict | None = None,
-                shadow: bool = True) -> ChunkGraph:
-    """The subgraphs of every chunk and layer of a prompt (see module doc). lanes: stage -> lane."""
+                shadow=True) -> ChunkGraph:
+    """The subgraphs of every chunk and layer of a prompt (see module doc). lanes: stage -> lane.
+    shadow: True (every layer has shadow-outlier GEMMs), False (none), or the layers that keep theirs
+    (mllm-NPU prunes the outliers of the 85% least important layers)."""
     if not isinstance(chunk_len, int) or chunk_len < 1:
         raise ScheduleError(f"chunk length must be a positive number of tokens, got {chunk_len!r}")
     if not isinstance(prompt_len, int) or prompt_len < 1:
@@ -92,6 +94,7 @@ def chunk_graph(config: ModelConfig, prompt_len: int, chunk_len: int = 256, lane
     h, d = c.hidden, c.head_dim
     q_out, kv_out = c.n_heads * d, c.n_kv_heads * d
     n_chunks = -(-prompt_len // chunk_len)
+    shadow_layers = set(range(c.n_layers)) if shadow is True else set() if shadow is False else set(shadow)
     subs: list[Subgraph] = []
     for i in range(n_chunks):
         T = min(chunk_len, prompt_len - i * chunk_len)
@@ -104,14 +107,15 @@ def chunk_graph(config: ModelConfig, prompt_len: int, chunk_len: int = 256, lane
                        ("int8_linear", Tp, c.ffn, h)]
             attn_flops = 4 * c.n_heads * T * end * d  # QK^T and PV over `end` keys
             prev_ffn = [f"c{i}.l{l - 1}.ffn"] if l else []
+            has_shadow = l in shadow_layers
             subs.append(Subgraph(f"{p}.qkv", i, l, "qkv", lanes["qkv"], True, T, 0, sum(2 * m * k * n for _, m, k, n in qkv_ops),
                                  h * (q_out + 2 * kv_out), 4 * Tp * (h + q_out + 2 * kv_out), qkv_ops, list(prev_ffn)))
-            if shadow:
+            if has_shadow:
                 subs.append(Subgraph(f"{p}.shadow", i, l, "shadow", lanes["shadow"], True, T, 0,
                                      2 * T * 8 * (q_out + 2 * kv_out),  # a few outlier channels per token (Fig. 10)
                                      4 * 8 * (q_out + 2 * kv_out), 4 * Tp * (q_out + 2 * kv_out),
                                      [("float_sparse", T, 8, q_out + 2 * kv_out)], list(prev_ffn)))
-            attn_deps = [f"c{k}.l{l}.qkv" for k in range(i + 1)] + ([f"c{k}.l{l}.shadow" for k in range(i + 1)] if shadow else [])
+            attn_deps = [f"c{k}.l{l}.qkv" for k in range(i + 1)] + ([f"c{k}.l{l}.shadow" for k in range(i + 1)] if has_shadow else [])
             subs.append(Subgraph(f"{p}.attn", i, l, "attn", lanes["attn"], False, T, end, attn_flops, 0,
                                  4 * (T * q_out + c.n_heads * T * end + T * q_out),
                                  [("attention", T, end, c.n_heads * d)], attn_deps))

@@ -85,3 +85,22 @@ def test_every_schedule_respects_dependencies_and_lanes(layers, prompt, chunk, n
         opt = schedule(g, prof, "exact")
         opt.check()
         assert opt.makespan_us <= min(r.makespan_us for r in results.values()) + 1e-6
+
+
+def test_schedule_cli(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "plan.json"
+    r = subprocess.run([sys.executable, "-m", "edgeprobe", "schedule", "--prompt-len", "600", "--chunk", "256",
+                        "--scheduler", "ooo", "--out", str(out), "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert d["modelled"] and d["subgraphs"] == 3 * 30 * 4 and 0 < d["makespan_vs_in_order"] <= 1.0
+    assert 0 < d["memory"]["saving"] < 1 and d["decision_us"] < 20
+    doc = json.loads(out.read_text())
+    assert len(doc["slots"]) == d["subgraphs"] and "c2.l0.attn" in doc["deps"]
+    bad = subprocess.run([sys.executable, "-m", "edgeprobe", "schedule", "--prompt-len", "600", "--device-profile", "x"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown device profile" in bad.stderr

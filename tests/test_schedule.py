@@ -104,3 +104,29 @@ def test_schedule_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "edgeprobe", "schedule", "--prompt-len", "600", "--device-profile", "x"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "unknown device profile" in bad.stderr
+
+
+def test_heterollm_solver_beats_padding_and_pipe_at_unaligned_lengths(smollm):
+    from edgeprobe.schedule.hetero import (ROW_ALIGN, SEQ_ALIGN, SNAPDRAGON_HETERO as P, candidates, compare_strategies,
+                                           pad_to_prebuilt, pipe_parts, solve)
+
+    assert pad_to_prebuilt(P, 300) == 512 and pad_to_prebuilt(P, 256) == 256 and pad_to_prebuilt(P, 2100) == 3072
+    assert pipe_parts(P, 300) == (256, 32, 32) and pipe_parts(P, 525) == (512, 32)
+    for m, k, n in [(300, 576, 1536), (525, 2048, 5504), (1000, 1536, 576), (7, 64, 64)]:
+        cands = candidates(P, m, k, n)
+        best = solve(P, m, k, n)
+        assert all(best.time_us <= c.time_us for c in cands)
+        for c in cands:
+            if c.strategy == "seq-cut":
+                assert c.npu_rows % SEQ_ALIGN == 0 and 0 < c.npu_rows <= m and sum(c.npu_parts) == c.npu_rows
+            if c.strategy == "row-cut":
+                assert c.npu_cols % ROW_ALIGN == 0 and 0 < c.npu_cols < n
+    for m in (300, 525, 1000):
+        r = compare_strategies(QWEN, m)
+        t = r["total_ms"]
+        assert t["solver"] <= min(t["npu-pad"], t["pipe"], t["gpu"]) + 1e-9
+        assert r["speedup_vs_padding"] > 1.2 and r["modelled"]
+    aligned = compare_strategies(smollm.config, 256)
+    assert aligned["speedup_vs_padding"] == pytest.approx(1.0)  # nothing to gain without padding
+    with pytest.raises(ScheduleError, match="positive"):
+        solve(P, 0, 64, 64)

@@ -1,0 +1,157 @@
+"""HeteroLLM's GPU–NPU tensor partitioning (§4.1, §4.3), on a modelled device: the solver and its baselines.
+
+A prefill matmul x[M, K] @ W[K, N] on a phone SoC. The NPU runs only pre-built static graphs, so its
+time is *stage-shaped*: M is padded to the next pre-built sequence length (or split into several, the
+"pipe"). The GPU runs any shape at a fixed FLOP rate. Strategies for one matmul:
+    gpu        all on the GPU
+    npu-pad    all on the NPU, M padded to the next pre-built length (baseline "padding")
+    pipe       all on the NPU as several pre-built lengths, largest first (baseline "pipe", multi-sequence)
+    seq-cut    the NPU runs a sum of pre-built lengths <= M (multi-sequence cutting when more than one), the
+               GPU the remaining rows, in parallel
+    row-cut    the weight's output columns N split: the NPU's share (aligned) at the padded M, the GPU's at
+               the exact M, in parallel — HeteroLLM's "hybrid" when M is not itself pre-built
+The solver picks, per matmul shape, the strategy and split minimizing max(T_gpu, T_npu) + T_sync.
+
+Alignment: sequence splits are multiples of SEQ_ALIGN = 32 (the paper's); row splits are multiples of
+ROW_ALIGN = 64 — the paper aligns rows to 256, which does not divide SmolLM2's 576-wide projections; 64
+divides every SmolLM2 and Qwen1.5 dimension and is a multiple of HMX's 32-wide tiles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .graph import ScheduleError
+
+SEQ_ALIGN = 32
+ROW_ALIGN = 64
+PREBUILT = (32, 64, 128, 256, 512, 1024)
+
+
+@dataclass(frozen=True)
+class HeteroProfile:
+    """npu_gops: int8 GEMM rate of the NPU on a pre-built graph; gpu_gflops: the GPU's fixed rate;
+    launch_us per kernel; sync_us per GPU-NPU hand-off. Always modelled."""
+
+    name: str
+    npu_gops: float
+    gpu_gflops: float
+    npu_launch_us: float = 50.0
+    gpu_launch_us: float = 30.0
+    sync_us: float = 100.0
+    prebuilt: tuple = PREBUILT
+    source: str = ""
+
+
+# Snapdragon 8 Gen 3 as in cost.SNAPDRAGON_8GEN3 (NPU 2.0 TOP/s effective, GPU 1 TFLOP/s), sync ~100 µs
+# (HeteroLLM §4.2: usleep-based sync granularity 80–100 µs).
+SNAPDRAGON_HETERO = HeteroProfile("snapdragon-8gen3", npu_gops=2000.0, gpu_gflops=1000.0,
+                                  source="modelled: mllm-NPU §3.4 calibration, HeteroLLM §2 and §4.2")
+HETERO_PROFILES = {p.name: p for p in (SNAPDRAGON_HETERO,)}
+
+
+@dataclass(frozen=True)
+class Choice:
+    strategy: str
+    time_us: float
+    npu_rows: int = 0        # sequence rows on the NPU (seq-cut), or M (row-cut)
+    npu_cols: int = 0        # output columns on the NPU (row-cut)
+    npu_parts: tuple = ()    # pre-built lengths the NPU runs
+    padded_rows: int = 0     # rows of padding the NPU computes for nothing
+
+
+def _npu_us(p: HeteroProfile, m: int, k: int, n: int) -> float:
+    return p.npu_launch_us + 2.0 * m * k * n / (p.npu_gops * 1e3)
+
+
+def _gpu_us(p: HeteroProfile, m: int, k: int, n: int) -> float:
+    return 0.0 if m == 0 or n == 0 else p.gpu_launch_us + 2.0 * m * k * n / (p.gpu_gflops * 1e3)
+
+
+def pad_to_prebuilt(p: HeteroProfile, m: int) -> int:
+    for L in p.prebuilt:
+        if L >= m:
+            return L
+    return -(-m // p.prebuilt[-1]) * p.prebuilt[-1]  # beyond the largest graph: several of it
+
+
+def pipe_parts(p: HeteroProfile, m: int) -> tuple:
+    """Pre-built lengths covering m, largest first; the remainder padded to the smallest length >= it."""
+    parts, left = [], m
+    for L in sorted(p.prebuilt, reverse=True):
+        while left >= L:
+            parts.append(L)
+            left -= L
+    if left:
+        parts.append(pad_to_prebuilt(p, left))
+    return tuple(parts)
+
+
+def candidates(p: HeteroProfile, m: int, k: int, n: int) -> list[Choice]:
+    """Every strategy's best variant for one matmul x[m, k] @ W[k, n]."""
+    if m < 1 or k < 1 or n < 1:
+        raise ScheduleError(f"matmul shape must be positive, got M={m}, K={k}, N={n}")
+    out = [Choice("gpu", _gpu_us(p, m, k, n))]
+    mp = pad_to_prebuilt(p, m)
+    npu_pad = sum(_npu_us(p, L, k, n) for L in ([mp] if mp in p.prebuilt else [p.prebuilt[-1]] * (mp // p.prebuilt[-1])))
+    out.append(Choice("npu-pad", npu_pad, m, n, (mp,), mp - m))
+    parts = pipe_parts(p, m)
+    out.append(Choice("pipe", sum(_npu_us(p, L, k, n) for L in parts), m, n, parts, sum(parts) - m))
+    # seq-cut: the NPU takes full pre-built lengths (greedy from the largest) up to m, the GPU the rest
+    best = None
+    full, left = [], m
+    for L in sorted(p.prebuilt, reverse=True):
+        while left >= L:
+            full.append(L)
+            left -= L
+    for j in range(1, len(full) + 1):
+        npu_rows = sum(full[:j])
+        if npu_rows % SEQ_ALIGN:
+            continue
+        t = max(sum(_npu_us(p, L, k, n) for L in full[:j]), _gpu_us(p, m - npu_rows, k, n)) + p.sync_us
+        if best is None or t < best.time_us:
+            best = Choice("seq-cut", t, npu_rows, n, tuple(full[:j]), 0)
+    if best is not None:
+        out.append(best)
+    # row-cut: NPU's column share (aligned) at padded m, GPU's share at exact m
+    best = None
+    for n_npu in range(ROW_ALIGN, n, ROW_ALIGN):
+        t_npu = sum(_npu_us(p, L, k, n_npu) for L in ([mp] if mp in p.prebuilt else [p.prebuilt[-1]] * (mp // p.prebuilt[-1])))
+        t = max(t_npu, _gpu_us(p, m, k, n - n_npu)) + p.sync_us
+        if best is None or t < best.time_us:
+            best = Choice("row-cut", t, m, n_npu, (mp,), mp - m)
+    if best is not None:
+        out.append(best)
+    return out
+
+
+def solve(p: HeteroProfile, m: int, k: int, n: int) -> Choice:
+    """The fastest strategy for one matmul (ties: the simpler strategy, in candidates' order)."""
+    return min(candidates(p, m, k, n), key=lambda c: c.time_us)
+
+
+def model_matmuls(config) -> list[tuple[str, int, int]]:
+    """(name, K, N) of one layer's prefill matmuls (x @ W with W [K, N])."""
+    h, q, kv = config.hidden, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    return [("attn_q", h, q), ("attn_k", h, kv), ("attn_v", h, kv), ("attn_output", q, h),
+            ("ffn_gate", h, config.ffn), ("ffn_up", h, config.ffn), ("ffn_down", config.ffn, h)]
+
+
+def compare_strategies(config, prompt_len: int, p: HeteroProfile = SNAPDRAGON_HETERO) -> dict:
+    """Prefill matmul time (all layers) under the solver and under each fixed strategy, and the solver's
+    choice per matmul — at one prompt length."""
+    if prompt_len < 1:
+        raise ScheduleError(f"prompt length must be positive, got {prompt_len}")
+    totals: dict = {}
+    choices = {}
+    for name, k, n in model_matmuls(config):
+        cands = {c.strategy: c for c in candidates(p, prompt_len, k, n)}
+        best = min(cands.values(), key=lambda c: c.time_us)
+        choices[name] = best
+        for s, c in cands.items():
+            totals[s] = totals.get(s, 0.0) + c.time_us * config.n_layers
+        totals["solver"] = totals.get("solver", 0.0) + best.time_us * config.n_layers
+    return {"prompt_len": prompt_len, "profile": p.name, "modelled": True,
+            "total_ms": {s: t / 1e3 for s, t in totals.items()},
+            "speedup_vs_padding": totals["npu-pad"] / totals["solver"],
+            "speedup_vs_pipe": totals["pipe"] / totals["solver"],
+            "choices": {n: c.__dict__ for n, c in choices.items()}}

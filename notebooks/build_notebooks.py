@@ -284,6 +284,121 @@ Measured with a 256-token prompt on this 2-core machine (rerun the cells for liv
   is slower than the CPU lane's BLAS, which is expected: the lane exists to measure a phone's Adreno."""),
 ])
 
+nb6 = new_notebook(metadata=KERNEL, cells=[
+md("""# 06 · How should a chunked prefill be cut and ordered across processors?
+
+**Question.** mllm-NPU cuts a prompt into fixed chunks so that the NPU's static graphs can be *shared* by all
+chunks (§3.2), then runs subgraphs out of order to fill the bubbles between NPU and CPU (§3.4). HeteroLLM
+instead partitions each matmul between GPU and NPU (§4). How much do these choices buy — predicted on a
+modelled phone, and measured on our agent?
+
+Paper numbers: chunk-shared graphs save **up to 75%** memory (Qwen1.5-1.8B, prompt 1024, chunk 256; 120 of 144
+subgraphs shared); in-order overlap leaves **37% bubbles**, out-of-order execution cuts prefill latency
+**18–44%**; HeteroLLM's solver beats padding by **up to 2.12×** at unaligned lengths and the multi-shape "pipe" by
+**13–30%**. Every modelled number below says *modelled*; the Snapdragon profile is calibrated to mllm-NPU's own
+measurement (Qwen1.5-1.8B, 256 tokens: NPU 315 ms, CPU about half)."""),
+code("""import os
+import dataclasses
+import numpy as np
+import plotly.graph_objects as go
+from edgeprobe import models
+from edgeprobe.models import ModelConfig
+from edgeprobe.schedule import chunk_graph, schedule, device_profile
+from edgeprobe.schedule.hetero import compare_strategies
+
+PROMPT = int(os.environ.get("EDGEPROBE_NB_PROMPT", 1024))   # the test suite runs the agent part small
+QWEN = ModelConfig(arch="llama", n_layers=24, hidden=2048, ffn=5504, n_heads=16, n_kv_heads=16, head_dim=128,
+                   vocab_size=151936, context_length=32768, tie_embeddings=False, name="Qwen1.5-1.8B")
+smollm = models.load("smollm2-135m")
+sd = device_profile("snapdragon-8gen3")
+print(sd.source)"""),
+md("## §3.2 — chunk-shared graphs: memory"),
+code("""rows = []
+for name, cfg in (("Qwen1.5-1.8B", QWEN), ("SmolLM2-135M", smollm.config)):
+    m = chunk_graph(cfg, 1024, 256).memory()
+    rows.append((name, m))
+    print(f"ours ({name}, 1024 / 256): per-chunk graphs {m['chunk_graphs_bytes'] / 1e6:,.0f} MB, chunk-shared "
+          f"{m['chunk_shared_bytes'] / 1e6:,.0f} MB: {100 * m['saving']:.0f}% saved; {m['shared_subgraphs']} of "
+          f"{m['subgraphs_per_chunk']} subgraphs per chunk shared")
+print("paper: up to 75% saved (Qwen1.5-1.8B), 120 of 144 subgraphs shared")
+go.Figure([go.Bar(x=[n for n, _ in rows], y=[m["chunk_graphs_bytes"] / 1e6 for _, m in rows], name="a graph per chunk"),
+           go.Bar(x=[n for n, _ in rows], y=[m["chunk_shared_bytes"] / 1e6 for _, m in rows], name="chunk-shared graphs")]
+          ).update_layout(title="Pre-built graph memory at prompt 1024, chunk 256 (weights + buffers, modelled)",
+                          yaxis_title="MB", barmode="group")"""),
+md("## §3.4 — in-order against out-of-order (modelled Snapdragon 8 Gen 3, Qwen1.5-1.8B)"),
+code("""g = chunk_graph(QWEN, 1024, 256)
+ino, ooo = schedule(g, sd, "in-order"), schedule(g, sd, "ooo")
+print(f"ours (modelled): in-order {ino.makespan_us / 1e3:.0f} ms, out-of-order {ooo.makespan_us / 1e3:.0f} ms = "
+      f"{ooo.makespan_us / ino.makespan_us:.2f}x; NPU busy {ino.busy()['npu']:.0f}% -> {ooo.busy()['npu']:.0f}%; "
+      f"{ooo.decision_us:.1f} µs per decision")
+print("paper: out-of-order cuts prefill latency 18-44% (0.56-0.82x); decisions take microseconds")
+ooo.to_trace().figure("out-of-order schedule, Qwen1.5-1.8B 1024 / 256 (modelled)")"""),
+code("""ino.to_trace().figure("in-order schedule, Qwen1.5-1.8B 1024 / 256 (modelled)")"""),
+md("### How far is the heuristic from the optimum? (small instances, exact branch and bound)"),
+code("""gaps = []
+for prompt in (256, 512, 768):
+    gs = chunk_graph(dataclasses.replace(QWEN, n_layers=1), prompt, 256)
+    opt = schedule(gs, sd, "exact")
+    h = schedule(gs, sd, "ooo")
+    gaps.append((prompt, len(gs.subgraphs), h.makespan_us / opt.makespan_us - 1))
+    print(f"1 layer, prompt {prompt}: {len(gs.subgraphs)} subgraphs, ooo {h.makespan_us / 1e3:.2f} ms vs optimum "
+          f"{opt.makespan_us / 1e3:.2f} ms: gap {100 * gaps[-1][2]:.1f}%")
+print("paper: the heuristic is not compared to an optimum (the problem is NP-hard); ours is, on small instances")"""),
+md("## §4 — HeteroLLM's partition solver at unaligned prompt lengths (modelled)"),
+code("""res = {m: compare_strategies(QWEN, m) for m in (256, 300, 525, 1000)}
+strategies = ["gpu", "npu-pad", "pipe", "seq-cut", "row-cut", "solver"]
+fig = go.Figure([go.Bar(x=[str(m) for m in res], y=[res[m]["total_ms"][s] for m in res], name=s) for s in strategies])
+fig.update_layout(title="Prefill matmul time of Qwen1.5-1.8B by partition strategy (modelled Snapdragon 8 Gen 3)",
+                  xaxis_title="prompt length", yaxis_title="ms (all layers' linears)", barmode="group")
+for m, r in res.items():
+    print(f"ours {m:5d} tokens: solver {r['total_ms']['solver']:.0f} ms; vs padding {r['speedup_vs_padding']:.2f}x, "
+          f"vs pipe {r['speedup_vs_pipe']:.2f}x; per matmul: " + ", ".join(sorted({c['strategy'] for c in r['choices'].values()})))
+print("paper: up to 2.12x over padding at unaligned lengths; 13-30% over pipe")
+fig"""),
+md("## Measured on the agent: in-order against out-of-order (SmolLM2 w8a8-shadow)"),
+code("""from edgeprobe import Device
+from edgeprobe.corpus import read_corpus
+from edgeprobe.quant import quantize, calibration_profile
+CALIB = int(os.environ.get("EDGEPROBE_NB_CALIB", 4096))
+CHUNK = max(16, PROMPT // 4)
+qm = quantize(smollm, "w8a8-shadow", calibration_profile(smollm, smollm.tokenizer.encode(read_corpus("train")),
+                                                         tokens=CALIB, window=min(512, CALIB)))
+toks = smollm.tokenizer.encode(read_corpus("heldout"))[:PROMPT]
+with Device.local() as dev:
+    dev.prefill_chunked(qm, toks, chunk=CHUNK, scheduler="in-order")     # upload, JIT, first reads
+    measured = {s: dev.prefill_chunked(qm, toks, chunk=CHUNK, scheduler=s) for s in ("in-order", "ooo")}
+mk = {s: r.trace.metrics() for s, r in measured.items()}
+print(f"ours (measured, {PROMPT} / {CHUNK}): in-order {mk['in-order']['makespan_ms']:.0f} ms, out-of-order "
+      f"{mk['ooo']['makespan_ms']:.0f} ms = {mk['ooo']['makespan_ms'] / mk['in-order']['makespan_ms']:.2f}x; "
+      f"npu busy {mk['in-order']['lanes']['npu']['busy_pct']:.0f}% -> {mk['ooo']['lanes']['npu']['busy_pct']:.0f}%")
+print("paper: 0.56-0.82x; goal here <= 0.85x at 1024 tokens")
+measured["ooo"].trace.figure("measured: out-of-order chunked prefill on the local agent")"""),
+code("""fig, rows = measured["ooo"].trace.compare(measured["ooo"].schedule.to_trace(), "measured vs predicted (this-host profile)")
+err = np.array([r["error"] for r in rows])
+print(f"{len(rows)} subgraphs: median prediction error {100 * np.median(np.abs(err)):.0f}% (modelled profile, not fitted yet)")
+fig"""),
+md("""## What we found
+
+Measured and modelled in this session (rerun the cells for live numbers):
+
+- **Chunk-shared graphs save 64% of pre-built graph memory** for Qwen1.5-1.8B at 1024 / 256 (paper: up to 75%),
+  48% for SmolLM2 (its attention buffers weigh more against its small weights); 3 of 4 subgraphs per layer are
+  shared, as in the paper (120 of 144).
+- **Out-of-order execution** on the modelled Snapdragon: 0.61× the in-order makespan for Qwen1.5-1.8B at
+  1024 / 256 — inside the paper's 0.56–0.82×; about 1 µs per decision in Python. Against the exact optimum on
+  small instances (one layer, 4 / 8 / 12 subgraphs) the heuristic's gap is 0% / 0% / 1.1%.
+- **Measured on our agent** (SmolLM2 w8a8-shadow, 1024 / 256, three alternating warm runs each): out-of-order
+  0.88× in-order (best of 3; median 0.91×) — short of the 0.85 goal. The NPU lane's idle time falls from ≈1.3 s
+  to ≈0.26 s (busy 90% → 98%), but the emulated NPU (int8 on one CPU core) already carries 90% of the in-order
+  makespan, so filling its bubbles can gain at most ~10%; on a phone the NPU is 10–50× faster and the CPU side
+  is the long pole, where the paper's larger gains come from.
+- **HeteroLLM's solver** (modelled): at 300 / 525 / 1000 tokens it beats padding by 1.88× / 1.94× / 1.47× (paper:
+  up to 2.12×) and the pipe by 1.23× / 1.05× / 1.52× (paper: 13–30%). It picks sequence cutting at 300 and 525
+  and row cutting at 1000; even at the aligned 256 it row-cuts (1.37×), since the GPU adds compute beside the NPU.
+- Not done yet: the measured / fitted cost model (predictions here use hand-set rates, hence large per-subgraph
+  errors) and the solver measured on the agent's gpu + npu lanes."""),
+])
+
 nb3 = new_notebook(metadata=KERNEL, cells=[
 md("""# 03 · How sparse are SmolLM2's FFNs, and what would flash streaming cost?
 
@@ -454,3 +569,4 @@ nbf.write(nb2, HERE / "02_experts.ipynb")
 nbf.write(nb3, HERE / "03_sparsity.ipynb")
 nbf.write(nb4, HERE / "04_quantization.ipynb")
 nbf.write(nb5, HERE / "05_device_timeline.ipynb")
+nbf.write(nb6, HERE / "06_scheduling.ipynb")

@@ -13,16 +13,17 @@ import threading
 
 import numpy as np
 
-SOURCE = r"""
-// y[m, n] = sum_k x[m, k] * w[n, k]; 4 rows of x per work-item, float4 along K (K % 4 == 0)
-__kernel void gemm_f32(__global const float4 *x, __global const float4 *w, __global float *y,
-                       const int M, const int N, const int K4) {
+# y[m, n] = sum_k x[m, k] * w[n, k]; 4 rows of x per work-item, float4 along K (K % 4 == 0).
+# One body, two weight formats: float32 weights, or FP16 weights in half storage read with vload_half4
+# (core OpenCL, no cl_khr_fp16 needed).
+_FLOAT_GEMM = r"""
+__kernel void NAME(__global const float4 *x, __global const WTYPE *w, __global float *y,
+                   const int M, const int N, const int K4) {
     const int n = get_global_id(0), m0 = get_global_id(1) * 4;
     if (n >= N) return;
     float4 a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    __global const float4 *wr = w + (size_t)n * K4;
     for (int k = 0; k < K4; ++k) {
-        const float4 b = wr[k];
+        const float4 b = LOAD_B;
         if (m0 + 0 < M) a0 += x[(size_t)(m0 + 0) * K4 + k] * b;
         if (m0 + 1 < M) a1 += x[(size_t)(m0 + 1) * K4 + k] * b;
         if (m0 + 2 < M) a2 += x[(size_t)(m0 + 2) * K4 + k] * b;
@@ -33,26 +34,11 @@ __kernel void gemm_f32(__global const float4 *x, __global const float4 *w, __glo
     if (m0 + 2 < M) y[(size_t)(m0 + 2) * N + n] = a2.x + a2.y + a2.z + a2.w;
     if (m0 + 3 < M) y[(size_t)(m0 + 3) * N + n] = a3.x + a3.y + a3.z + a3.w;
 }
+"""
 
-// the same with FP16 weights in half storage (vload_half4: core OpenCL, no cl_khr_fp16 needed)
-__kernel void gemm_f16w(__global const float4 *x, __global const half *w, __global float *y,
-                        const int M, const int N, const int K4) {
-    const int n = get_global_id(0), m0 = get_global_id(1) * 4;
-    if (n >= N) return;
-    float4 a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-    for (int k = 0; k < K4; ++k) {
-        const float4 b = vload_half4((size_t)n * K4 + k, w);
-        if (m0 + 0 < M) a0 += x[(size_t)(m0 + 0) * K4 + k] * b;
-        if (m0 + 1 < M) a1 += x[(size_t)(m0 + 1) * K4 + k] * b;
-        if (m0 + 2 < M) a2 += x[(size_t)(m0 + 2) * K4 + k] * b;
-        if (m0 + 3 < M) a3 += x[(size_t)(m0 + 3) * K4 + k] * b;
-    }
-    if (m0 + 0 < M) y[(size_t)(m0 + 0) * N + n] = a0.x + a0.y + a0.z + a0.w;
-    if (m0 + 1 < M) y[(size_t)(m0 + 1) * N + n] = a1.x + a1.y + a1.z + a1.w;
-    if (m0 + 2 < M) y[(size_t)(m0 + 2) * N + n] = a2.x + a2.y + a2.z + a2.w;
-    if (m0 + 3 < M) y[(size_t)(m0 + 3) * N + n] = a3.x + a3.y + a3.z + a3.w;
-}
-
+SOURCE = (_FLOAT_GEMM.replace("NAME", "gemm_f32").replace("WTYPE", "float4").replace("LOAD_B", "w[(size_t)n * K4 + k]")
+          + _FLOAT_GEMM.replace("NAME", "gemm_f16w").replace("WTYPE", "half").replace("LOAD_B", "vload_half4((size_t)n * K4 + k, w)")
+          + r"""
 // c[m, n] = sum_k a[m, k] * w[n, k], int8 x int8 -> int32; char16 widened to short16 (K % 16 == 0)
 __kernel void gemm_s8s32(__global const char16 *a, __global const char16 *w, __global int *c,
                          const int M, const int N, const int K16) {
@@ -78,7 +64,7 @@ __kernel void gemm_s8s32(__global const char16 *a, __global const char16 *w, __g
     t = acc2.lo + acc2.hi; if (m0 + 2 < M) c[(size_t)(m0 + 2) * N + n] = t.x + t.y + t.z + t.w;
     t = acc3.lo + acc3.hi; if (m0 + 3 < M) c[(size_t)(m0 + 3) * N + n] = t.x + t.y + t.z + t.w;
 }
-"""
+""")
 
 
 class OpenCLGemm:

@@ -9,7 +9,7 @@ import pytest
 from edgeprobe.errors import ManifestError, StatsMismatchError, UnknownSchemeError
 from edgeprobe.evaluate import window_nll
 from edgeprobe.forward import forward
-from edgeprobe.quant import SCHEMES, QuantizedModel, calibration_profile, quantize, schemes_for
+from edgeprobe.quant import QuantizedModel, calibration_profile, quantize, schemes_for
 from edgeprobe.quant.schemes import input_point
 
 W = 64

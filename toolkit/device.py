@@ -74,8 +74,8 @@ class Device:
     def local(cls, store: str | Path | None = None, memory_budget_mb: float | None = None,
               startup_timeout_s: float = 60.0) -> "Device":
         """Start `python -m edgeprobe_agent` on a free loopback port; close() stops it."""
-        store = Path(store) if store else Path(os.environ.get("EDGEPROBE_AGENT_STORE", "")) if os.environ.get(
-            "EDGEPROBE_AGENT_STORE") else Path(tempfile.gettempdir()) / f"edgeprobe-agent-store-{os.getuid()}"
+        store = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE")
+                     or Path(tempfile.gettempdir()) / f"edgeprobe-agent-store-{os.getuid()}")
         cmd = [sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(store)]
         if memory_budget_mb is not None:
             cmd += ["--memory-budget", str(memory_budget_mb)]

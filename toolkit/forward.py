@@ -101,6 +101,19 @@ def float_linear(model: Model) -> LinearFn:
     return linear
 
 
+ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # router linears: tiny, and they pick discrete experts
+
+
+def is_router(name: str) -> bool:
+    return name.endswith(ROUTERS)
+
+
+def linear_tensor(name: str) -> str:
+    """The tensor holding a linear: "blk.0.attn_q" -> "blk.0.attn_q.weight"; an expert linear
+    "blk.0.ffn_up_exps.3" -> its stacked "blk.0.ffn_up_exps.weight"."""
+    return f"{name.rpartition('.')[0] if '_exps.' in name else name}.weight"
+
+
 def linear_names(config: ModelConfig) -> list[str]:
     """Every linear the forward pass calls, in execution order (experts one by one, then shared)."""
     out = []

@@ -104,7 +104,7 @@ def chunked_prefill_plan(manifest: dict, sched) -> dict:
             qkv, at, ff = (subs[f"{p}.{s}"] for s in ("qkv", "attn", "ffn"))
             sh = subs.get(f"{p}.shadow")
             n = add(qkv.name, f"{p}.attn_norm", "rms_norm", qkv.lane, [x, {"blob": T[f"blk.{l}.attn_norm.weight"]}], l, i, eps=eps)
-            parts = {}
+            parts, shadow_in = {}, None
             for proj in ("attn_q", "attn_k", "attn_v"):
                 rec = L[f"blk.{l}.{proj}"]
                 shadowed = rec["kind"] == "w8a8-shadow" and rec.get("shadow")
@@ -114,10 +114,11 @@ def chunked_prefill_plan(manifest: dict, sched) -> dict:
                 parts[proj] = [add(qkv.name, f"{p}.{proj}", "linear", qkv.lane, [n], l, i, rec=rec,
                                    part="int8" if shadowed else "all")]
                 if shadowed:
-                    ns = add(sh.name, f"{p}.shadow_norm", "rms_norm", sh.lane, [x, {"blob": T[f"blk.{l}.attn_norm.weight"]}],
-                             l, i, eps=eps) if f"{p}.shadow_norm" not in [o["name"] for o in ops_by_sub.get(sh.name, [])] \
-                        else {"op": f"{p}.shadow_norm"}
-                    parts[proj].append(add(sh.name, f"{p}.{proj}.shadow", "linear", sh.lane, [ns], l, i, rec=rec, part="shadow"))
+                    if shadow_in is None:  # one norm for the Q/K/V shadows of this chunk and layer
+                        shadow_in = add(sh.name, f"{p}.shadow_norm", "rms_norm", sh.lane,
+                                        [x, {"blob": T[f"blk.{l}.attn_norm.weight"]}], l, i, eps=eps)
+                    parts[proj].append(add(sh.name, f"{p}.{proj}.shadow", "linear", sh.lane, [shadow_in], l, i, rec=rec,
+                                           part="shadow"))
             qkv_out = {}
             for proj, ins in parts.items():
                 qkv_out[proj] = add(at.name, f"{p}.{proj}.sum", "add", at.lane, ins, l, i) if len(ins) > 1 else ins[0]

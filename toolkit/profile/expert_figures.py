@@ -128,7 +128,6 @@ def cache_figure(rows: list[dict], expert_bytes: int, title_tail: str = ""):
     """Fig. 13: hit rate and bytes read per token against buffer size, per policy, +/- preloading."""
     from plotly.subplots import make_subplots
 
-    go = _go()
     fig = make_subplots(rows=1, cols=2, subplot_titles=("hit rate", "bytes read from flash per token"))
     colors = {"fifo": "#1f77b4", "lru": "#ff7f0e", "lfu": "#2ca02c", "edgemoe": "#d62728"}
     for pol in dict.fromkeys(r["policy"] for r in rows):

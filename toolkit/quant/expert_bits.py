@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from edgeprobe_kernels.intn import dequantize_channels, packed_bytes, quantize_channels
 
 from ..evaluate import window_nll
-from ..forward import forward, linear_names
+from ..forward import forward, is_router, linear_names, linear_tensor
 from ..models import Model
 from ..profile.experts import require_moe
 from ..profile.runner import windows
@@ -77,8 +77,7 @@ class ExpertBitsStudy:
         names = linear_names(c)
         self.expert_names = [n for n in names if "_exps." in n]
         self.other_names = [n for n in names if "_exps." not in n]
-        self._other = {n: (model.linear_weight(n) if n.endswith(("ffn_gate_inp", "ffn_gate_inp_shexp"))
-                           else self._dequant(n, 8)) for n in self.other_names}
+        self._other = {n: model.linear_weight(n) if is_router(n) else self._dequant(n, 8) for n in self.other_names}
         self.float_loss = self._loss(None)
         self.uniform = {b: self.loss({}, default=b) for b in (2, 4, 8)}
         self.sensitivity: np.ndarray | None = None
@@ -141,8 +140,8 @@ class ExpertBitsStudy:
         total = 0
         for n in self.other_names:
             w = self.model.linear_weight(n)
-            total += w.nbytes if n.endswith(("ffn_gate_inp", "ffn_gate_inp_shexp")) else w.size + 2 * w.shape[0]
-        linear_tensors = {f"{n.rpartition('.')[0] if '_exps.' in n else n}.weight" for n in linear_names(self.model.config)}
+            total += w.nbytes if is_router(n) else w.size + 2 * w.shape[0]
+        linear_tensors = {linear_tensor(n) for n in linear_names(self.model.config)}
         total += sum(self.model.weights[n].nbytes for n in self.model.weights if n not in linear_tensors)
         return total
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import ManifestError, StatsMismatchError, UnknownSchemeError, UnsupportedModelError
-from ..forward import forward, linear_names
+from ..forward import forward, is_router, linear_names, linear_tensor
 from ..models import Model, ModelConfig, Tokenizer
 from ..models.weights import LazyWeights
 from .blobs import BlobStore
@@ -160,10 +160,9 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
             ctx["w_max"] = w_max
     store = BlobStore()
     build = SCHEMES[scheme][0]
-    linears = {n: (build_float if n.endswith(("ffn_gate_inp", "ffn_gate_inp_shexp")) else build)(
+    linears = {n: (build_float if is_router(n) else build)(
         n, np.asarray(model.linear_weight(n), np.float32), ctx, store) for n in names}
-    # an expert linear's tensor is its stacked ffn_*_exps tensor: "blk.0.ffn_up_exps.3" -> "blk.0.ffn_up_exps.weight"
-    linear_weights = {f"{n.rpartition('.')[0] if '_exps.' in n else n}.weight" for n in names}
+    linear_weights = {linear_tensor(n) for n in names}
     tensors = {n: store.put(np.asarray(model.weights[n], np.float32), "float")
                for n in model.weights if n not in linear_weights}
     tok = store.put(np.frombuffer(json.dumps(model.tokenizer.to_json()).encode(), np.uint8), "tokenizer")

@@ -20,18 +20,20 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    from edgeprobe_kernels.int8_gemm import gemm_s8s32
+    from edgeprobe_kernels.int8_gemm import gemm_s8s32, gemm_s8s32_numba
 
     rng = np.random.default_rng(0)
-    print(f"{'M x K x N':>18} {'int8 GOP/s':>11} {'f32 GFLOP/s':>12} {'int8/f32':>9}")
+    print(f"{'M x K x N':>18} {'int8 GOP/s':>11} {'numba GOP/s':>12} {'f32 GFLOP/s':>12} {'int8/f32':>9} {'int8/numba':>11}")
     for M, K, N in SHAPES:
         a = rng.integers(-127, 128, (M, K), dtype=np.int8)
         bt = rng.integers(-127, 128, (K, N), dtype=np.int8)
         af, bf = a.astype(np.float32), bt.astype(np.float32)
         ops = 2 * M * K * N
         ti = best_of(lambda: gemm_s8s32(a, bt), args.repeat, warmup=True)
+        tn = best_of(lambda: gemm_s8s32_numba(a, bt), args.repeat, warmup=True)
         tf = best_of(lambda: af @ bf, args.repeat, warmup=True)
-        print(f"{M:>6} x {K:>4} x {N:>4} {ops / ti / 1e9:11.1f} {ops / tf / 1e9:12.1f} {tf / ti:9.2f}")
+        print(f"{M:>6} x {K:>4} x {N:>4} {ops / ti / 1e9:11.1f} {ops / tn / 1e9:12.1f} {ops / tf / 1e9:12.1f} "
+              f"{tf / ti:9.2f} {tn / ti:11.2f}")
 
     from edgeprobe import models
     from edgeprobe.corpus import read_corpus

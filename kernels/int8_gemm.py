@@ -4,6 +4,11 @@ C[m, n] = sum_k A[m, k] * Bt[k, n] exactly in int32, then y = C * (scale_a * sca
 (mllm-NPU §3.3, eq. 1, int8 part). The weight is stored k-major (Bt int8[K, N], row k = the weights
 every output channel applies to input channel k), the layout an outer-product kernel streams:
 each int8 product fits int16 (|127 * 127| < 2^15) and is accumulated in int32, as vector units do.
+
+Two exact implementations: `gemm_s8s32` (default) runs float32 BLAS on K-blocks of at most EXACT_K rows,
+inside which every partial sum is an integer below 2^24 and so exact in float32, then adds the blocks in
+int32 — 3–4x the numba integer kernel on one core here (bench/quant.py). `gemm_s8s32_numba` is the
+integer-only outer-product kernel, kept to compare against.
 """
 from __future__ import annotations
 
@@ -46,14 +51,35 @@ if numba is not None:
                 c[m0 + r] = acc[r]
 
 
-def gemm_s8s32(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
-    """a: int8[M, K], bt: int8[K, N] -> int32[M, N]; numba 4-row-blocked kernel when available.
+# |sum of EXACT_K products| <= 1024 * 127 * 127 < 2^24: float32 holds every partial sum exactly
+EXACT_K = 1024
 
-    Inputs must lie in [-127, 127] (symmetric quantization never produces -128), so every product
-    fits int16.
-    """
+
+def _check(a, bt):
     if a.dtype != np.int8 or bt.dtype != np.int8 or a.ndim != 2 or bt.ndim != 2 or a.shape[1] != bt.shape[0]:
         raise ValueError(f"gemm_s8s32 needs int8[M, K] and int8[K, N], got {a.dtype}{a.shape} and {bt.dtype}{bt.shape}")
+
+
+def gemm_s8s32(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
+    """a: int8[M, K], bt: int8[K, N] -> int32[M, N], exact: float32 BLAS over K-blocks of <= EXACT_K.
+
+    Inputs must lie in [-127, 127] (symmetric quantization never produces -128).
+    """
+    _check(a, bt)
+    af = a.astype(np.float32)
+    bf = bt.astype(np.float32)
+    K = a.shape[1]
+    if K <= EXACT_K:
+        return (af @ bf).astype(np.int32)
+    c = np.zeros((a.shape[0], bt.shape[1]), np.int32)
+    for k0 in range(0, K, EXACT_K):
+        c += (af[:, k0:k0 + EXACT_K] @ bf[k0:k0 + EXACT_K]).astype(np.int32)
+    return c
+
+
+def gemm_s8s32_numba(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
+    """The integer-only kernel: numba, 4 rows of A per pass, int16 products accumulated in int32."""
+    _check(a, bt)
     if numba is None:
         return gemm_s8s32_ref(a, bt)
     c = np.empty((a.shape[0], bt.shape[1]), np.int32)

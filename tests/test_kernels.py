@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from edgeprobe_kernels.flash_attention import flash_attention_f16, flash_attention_f16_ref
-from edgeprobe_kernels.int8_gemm import gemm_s8s32, gemm_s8s32_ref, quantize_per_tensor
+from edgeprobe_kernels.int8_gemm import EXACT_K, gemm_s8s32, gemm_s8s32_numba, gemm_s8s32_ref, quantize_per_tensor
 from edgeprobe_kernels.lut import exp_lut, exp_lut_max_error, lut16_dequant, lut16_dequant_ref, q4_quantize_groups
 from edgeprobe_kernels.shadow import extract_outliers, shadow_gemm, shadow_gemm_ref
 from edgeprobe_kernels.tiles import (SUPER_BYTES, dequantize_tiles, from_tiles, pack_superblocks, quantize_tiles,
@@ -13,16 +13,20 @@ from edgeprobe_kernels.tiles import (SUPER_BYTES, dequantize_tiles, from_tiles, 
 rng = np.random.default_rng(0)
 
 
-@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (5, 33, 7), (64, 576, 192), (9, 1536, 40)])
-def test_int8_gemm_exact(M, K, N):
+@pytest.mark.parametrize("fn", [gemm_s8s32, gemm_s8s32_numba])
+@pytest.mark.parametrize("M,K,N", [(1, 1, 1), (5, 33, 7), (64, 576, 192), (9, 1536, 40), (3, 3 * EXACT_K + 5, 4)])
+def test_int8_gemm_exact(M, K, N, fn):
     a = rng.integers(-127, 128, (M, K), dtype=np.int8)
     bt = rng.integers(-127, 128, (K, N), dtype=np.int8)
-    a[0] = 127  # extremes: the int16 products and int32 sums must not overflow
+    a[0] = 127  # extremes: int16 products, int32 sums and float32 K-block sums (2^24) must all stay exact
     bt[:, 0] = -127
-    np.testing.assert_array_equal(gemm_s8s32(a, bt), gemm_s8s32_ref(a, bt))
-    assert gemm_s8s32(a, bt)[0, 0] == -127 * 127 * K
+    bt[:, 1:2] = 127
+    np.testing.assert_array_equal(fn(a, bt), gemm_s8s32_ref(a, bt))
+    assert fn(a, bt)[0, 0] == -127 * 127 * K
+    if N > 1:
+        assert fn(a, bt)[0, 1] == 127 * 127 * K
     with pytest.raises(ValueError, match="int8"):
-        gemm_s8s32(a.astype(np.int16), bt)
+        fn(a.astype(np.int16), bt)
 
 
 def test_quantize_per_tensor_symmetric():

@@ -27,6 +27,7 @@ bench: setup
 	$(BIN)/python bench/profile.py
 	$(BIN)/python bench/quant.py
 	$(BIN)/python bench/agent.py
+	$(BIN)/python bench/schedule.py
 
 clean-venv:
 	rm -rf $(VENV)

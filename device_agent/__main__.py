@@ -18,6 +18,8 @@ def main(argv=None) -> int:
                     help="blob store directory (the device's flash)")
     ap.add_argument("--memory-budget", type=float, default=None, help="MB of blobs kept resident (default: all)")
     ap.add_argument("--curve-keys", help="folder with server.key_secret (zmq.auth); required off loopback")
+    ap.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: cpu, npu, and gpu where "
+                                    "OpenCL is found)")
     args = ap.parse_args(argv)
     from .server import Agent
 
@@ -28,7 +30,8 @@ def main(argv=None) -> int:
         public, secret = zmq.auth.load_certificate(str(Path(args.curve_keys) / "server.key_secret"))
     try:
         agent = Agent(args.bind, args.store, None if args.memory_budget is None else int(args.memory_budget * 1e6),
-                      curve_secret=secret, curve_public=public)
+                      curve_secret=secret, curve_public=public,
+                      lanes=None if args.lanes is None else [l for l in args.lanes.split(",") if l])
     except Exception as e:
         print(f"edgeprobe-agent: error: {e}", file=sys.stderr)
         return 2

@@ -40,13 +40,13 @@ def op_rms_norm(inp, attrs, ctx):
     return rms_norm(_arr(inp[0], "x", 2), _arr(inp[1], "w", 1), float(attrs["eps"]))
 
 
-def _runner(ctx, rec, part):
-    key = (part, tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
+def _runner(ctx, rec, part, cols=None):
+    key = (part, cols, tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
     fn = ctx.runners.get(key)
     if fn is None:
         kind = rec.get("kind")
         if part == "int8":
-            fn = run_w8a8(rec, ctx.get, ctx.counters)
+            fn = run_w8a8(rec, ctx.get, ctx.counters, cols)
         elif part == "shadow":
             fn = shadow_delta(rec, ctx.get, ctx.counters)
         elif kind in RUNNERS:
@@ -57,16 +57,53 @@ def _runner(ctx, rec, part):
     return fn
 
 
+def _span(attrs, key, size):
+    v = attrs.get(key)
+    if v is None:
+        return None
+    if not (isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(i, int) for i in v) and 0 <= v[0] < v[1] <= size):
+        raise OpError("bad_attrs", f"linear {key} must be [start, end) within 0..{size}, got {str(v)[:40]}")
+    return tuple(v)
+
+
 def op_linear(inp, attrs, ctx):
     """attrs: rec (a manifest record), part: "all" | "int8" (the int8 GEMM of w8a8-shadow) | "shadow".
+    HeteroLLM partitions (§4.1), int8 part only: rows [a, b) of x (sequence cut), cols [a, b) of the output
+    (row cut), pad_to L (a pre-built NPU graph of L rows: x zero-padded to L, padding computed, then dropped).
     On the gpu lane the GEMM runs as an OpenCL kernel (kernels/opencl_gemm.py)."""
     x = _arr(inp[0], "x", 2)
+    rec, part = attrs["rec"], attrs.get("part", "all")
+    rows, cols = _span(attrs, "rows", x.shape[0]), _span(attrs, "cols", int(rec["shape"][0]))
+    pad = attrs.get("pad_to")
+    if (rows or cols or pad) and part != "int8":
+        raise OpError("bad_attrs", "rows / cols / pad_to split only the int8 GEMM of a linear (part int8)")
+    if rows:
+        x = x[rows[0]:rows[1]]
+    m = x.shape[0]
+    if pad is not None:
+        if not isinstance(pad, int) or pad < m:
+            raise OpError("bad_attrs", f"pad_to must be an int >= the {m} rows it pads, got {str(pad)[:20]}")
+        x = np.concatenate([x, np.zeros((pad - m, x.shape[1]), x.dtype)])
     if ctx.lane == "gpu":
-        return _gpu_linear(attrs["rec"], attrs.get("part", "all"), x, ctx)
-    return _runner(ctx, attrs["rec"], attrs.get("part", "all"))(x)
+        y = _gpu_linear(rec, part, x, ctx, cols)
+    else:
+        y = _runner(ctx, rec, part, cols)(x)
+    return y[:m] if pad is not None else y
 
 
-def _gpu_linear(rec, part, x, ctx):
+def op_concat(inp, attrs, ctx):
+    """Pieces of one linear's output joined back: axis 0 (sequence cut) or 1 (row cut)."""
+    axis = attrs.get("axis", 0)
+    if axis not in (0, 1):
+        raise OpError("bad_attrs", f"concat axis must be 0 or 1, got {str(axis)[:20]}")
+    parts = [_arr(a, "part", 2) for a in inp]
+    if len({p.shape[1 - axis] for p in parts}) != 1:
+        raise OpError("bad_input", f"concat along axis {axis} needs equal sizes on the other axis, got "
+                                   f"{[p.shape for p in parts]}")
+    return np.concatenate(parts, axis=axis)
+
+
+def _gpu_linear(rec, part, x, ctx, cols=None):
     from edgeprobe_kernels.int8_gemm import quantize_per_tensor
     from edgeprobe_kernels.linear_records import q4_0_dequant
     from edgeprobe_kernels.opencl_gemm import shared
@@ -74,12 +111,16 @@ def _gpu_linear(rec, part, x, ctx):
 
     g, kind = shared(), rec.get("kind")
     N, K = rec["shape"]
+    if cols is not None and kind not in ("w8a8", "w8a8-shadow"):
+        raise OpError("bad_attrs", f"cols splits only int8 linears on the gpu lane, not {kind!r}")
     if kind == "float":
         return g.gemm_f32(x, ctx.get(rec["w"]), key=rec["w"])
     if kind in ("w8a8", "w8a8-shadow") and part in ("all", "int8") and not (kind == "w8a8-shadow" and part == "all"):
         sa = rec["scale_a"]
         wt = ctx.get(rec["wt"])  # int8[K, N]
-        c = g.gemm_s8s32(quantize_per_tensor(x, sa), wt.T, key=rec["wt"])
+        if cols is not None:
+            wt = wt[:, cols[0]:cols[1]]
+        c = g.gemm_s8s32(quantize_per_tensor(x, sa), wt.T, key=(rec["wt"], cols))
         return c.astype(np.float32) * np.float32(sa * rec["scale_w"])
     if kind in ("q4_0", "q4_0-tile"):  # W4A16: dequantize to FP16 once, half storage on the device
         key = rec["blocks"]
@@ -137,7 +178,9 @@ def op_lm_head(inp, attrs, ctx):
 def flops(kind: str, inp, out, attrs) -> int:
     """Multiply-adds x2 of the op (0 for data movement)."""
     if kind == "linear" and attrs.get("part") != "shadow":
-        return 2 * inp[0].shape[0] * inp[0].shape[1] * out.shape[1]
+        rows = attrs.get("rows")
+        m = attrs.get("pad_to") or (rows[1] - rows[0] if rows else inp[0].shape[0])  # padded rows are computed too
+        return 2 * m * inp[0].shape[1] * out.shape[1]
     if kind == "lm_head":
         return 2 * out.shape[0] * inp[0].shape[1] * out.shape[1]
     if kind == "attention":
@@ -148,4 +191,4 @@ def flops(kind: str, inp, out, attrs) -> int:
 
 
 OPS = {"embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
-       "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head}
+       "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat}

@@ -89,7 +89,7 @@ class _Run:
 
 class Agent:
     def __init__(self, bind: str, store_dir, memory_budget: int | None = None, curve_secret: bytes | None = None,
-                 curve_public: bytes | None = None):
+                 curve_public: bytes | None = None, lanes=None):
         if not is_loopback(bind) and not curve_secret:
             raise ValueError(f"refusing to bind {bind}: outside loopback the agent needs CURVE keys "
                              "(--curve-keys DIR made with zmq.auth.create_certificates); or bind tcp://127.0.0.1:PORT")
@@ -113,7 +113,11 @@ class Agent:
         self.counters: dict = {}
         self.served = 0
         self.errors = 0
-        self.lanes = [l for l in LANES if l != "gpu" or opencl_devices()]
+        if lanes is not None and (not lanes or set(lanes) - set(LANES)):
+            raise ValueError(f"lanes must be some of {', '.join(LANES)}, got {', '.join(lanes) or 'none'}")
+        if lanes is not None and "gpu" in lanes and not opencl_devices():
+            raise ValueError("the gpu lane needs an OpenCL device and none was found (Debian: pocl-opencl-icd)")
+        self.lanes = [l for l in LANES if (l in lanes if lanes is not None else (l != "gpu" or opencl_devices()))]
         self._stop = False
 
     def _on_read(self, ev):

@@ -22,8 +22,11 @@ def run_float(rec, get, counters):
     return lambda x: x @ w.T
 
 
-def run_w8a8(rec, get, counters):
+def run_w8a8(rec, get, counters, cols=None):
+    """cols (a, b): only output channels a..b-1 (one side of a row-cut split, HeteroLLM §4.1)."""
     wt, sa, sw = get(rec["wt"]), rec["scale_a"], rec["scale_w"]
+    if cols is not None:
+        wt = np.ascontiguousarray(wt[:, cols[0]:cols[1]])
     return lambda x: gemm_s8s32(quantize_per_tensor(x, sa), wt).astype(np.float32) * np.float32(sa * sw)
 
 

@@ -130,3 +130,10 @@ def test_heterollm_solver_beats_padding_and_pipe_at_unaligned_lengths(smollm):
     assert aligned["speedup_vs_padding"] == pytest.approx(1.0)  # nothing to gain without padding
     with pytest.raises(ScheduleError, match="positive"):
         solve(P, 0, 64, 64)
+    # two processors that slow each other down (shared cores or bandwidth) make a split lose: the solver stops cutting
+    import dataclasses
+
+    shared = dataclasses.replace(P, slowdown_npu=3.0, slowdown_gpu=3.0)
+    for m in (300, 525, 1000):
+        assert {c["strategy"] for c in compare_strategies(QWEN, m, shared)["choices"].values()} <= {"gpu", "npu-pad", "pipe"}
+    assert "row-cut" in {c["strategy"] for c in compare_strategies(QWEN, 1000)["choices"].values()}

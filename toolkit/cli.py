@@ -210,21 +210,44 @@ def cmd_run(args) -> int:
         return 2
     tokens = ids[:n]
     progress = not args.no_progress
-    qm = _quantized(model, args.scheme, progress)
     try:
         dev = open_device(args.device, args.ssh_key, args.known_hosts)
     except ValueError as e:
         print(f"edgeprobe: error: {e}", file=sys.stderr)
         return 2
+    need = {"hetero": {"npu", "gpu"}, "in-order": {"npu", "cpu"}, "ooo": {"npu", "cpu"}}.get(args.scheduler, set())
+    lacking = sorted(need - set(dev.info.get("lanes", [])))
+    if lacking:  # before the minutes of quantizing
+        dev.close()
+        print(f"edgeprobe: error: --scheduler {args.scheduler} puts work on lanes {lacking} that this agent lacks (it has "
+              f"{dev.info.get('lanes')}){'; the gpu lane needs OpenCL (Debian pocl-opencl-icd)' if 'gpu' in lacking else ''}",
+              file=sys.stderr)
+        return 2
+    qm = _quantized(model, args.scheme, progress)
+    from .schedule import ScheduleError
+
+    chunked = args.scheduler in ("in-order", "ooo")
+    extra = {}
     with dev:
         before = dev.uploaded_bytes
-        if args.scheduler == "layer":
-            res = dev.prefill(qm, tokens, progress=progress)
-        else:
-            res = dev.prefill_chunked(qm, tokens, chunk=args.chunk, scheduler=args.scheduler, progress=progress)
+        try:
+            if args.scheduler == "layer":
+                res = dev.prefill(qm, tokens, progress=progress)
+            elif args.scheduler == "hetero":
+                hp, _ = dev.measure_linears(qm, progress=progress)  # HeteroLLM's profiler on this agent
+                res = dev.prefill_hetero(qm, tokens, hp, args.partition, progress=progress)
+                extra = {"partition": res.trace.meta["partition"], "hetero_profile": _plain_profile(hp)}
+            else:
+                prof = _device_profile(args.device_profile, args.model, qm, dev, ids, progress)
+                res = dev.prefill_chunked(qm, tokens, chunk=args.chunk, scheduler=args.scheduler, profile=prof,
+                                          progress=progress)
+                extra = {"device_profile": prof.name}
+        except ScheduleError as e:
+            print(f"edgeprobe: error: {e}", file=sys.stderr)
+            return 2
         upload = dev.uploaded_bytes - before
         info = dev.info
-    host = _host_logits(qm, tokens, None if args.scheduler == "layer" else args.chunk)
+    host = _host_logits(qm, tokens, args.chunk if chunked else None)
     m = res.trace.metrics()
     if args.trace:
         res.trace.to_chrome_json(args.trace)
@@ -235,8 +258,8 @@ def cmd_run(args) -> int:
            "logits_cosine_vs_host": cosine(res.logits[-1], np.asarray(host)), "counters": res.counters,
            "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu")},
            "trace": args.trace, "scheduler": args.scheduler,
-           "chunk": None if args.scheduler == "layer" else args.chunk,
-           "predicted_makespan_ms": res.trace.meta.get("predicted_makespan_ms")}
+           "chunk": args.chunk if chunked else None,
+           "predicted_makespan_ms": res.trace.meta.get("predicted_makespan_ms"), **extra}
     if args.json:
         print(json.dumps(out))
     else:
@@ -244,6 +267,41 @@ def cmd_run(args) -> int:
         print(f"prefill {n} tokens on {args.device}: {out['tok_per_s']:.0f} tok/s, makespan {m['makespan_ms']:.1f} ms "
               f"(busy: {busy}); uploaded {upload / 1e6:.1f} MB; logits cosine vs host {out['logits_cosine_vs_host']:.6f}")
     return 0
+
+
+def _plain_profile(p) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in p.__dict__.items()}
+
+
+def _profile_cache(model_name: str, scheme: str):
+    from pathlib import Path
+
+    from .models import default_cache_dir
+
+    return default_cache_dir() / "profiles" / f"{Path(model_name).name}-{scheme}.json"
+
+
+def _device_profile(name: str, model_name: str, qm, dev, tokens, progress: bool, remeasure: bool = False):
+    """--device-profile: a named modelled profile, a measured profile's .json, or measured / measured-real:
+    measured on `dev` (a local agent when None) and cached per model and scheme under the edgeprobe cache."""
+    from .schedule import device_profile
+    from .schedule.measure import MeasuredProfile
+
+    if name not in ("measured", "measured-real"):
+        return device_profile(name)
+    mode = "real" if name == "measured-real" else "predicted"
+    path = _profile_cache(model_name, qm.scheme)
+    if path.exists() and not remeasure:
+        return MeasuredProfile.from_json(path, mode)
+    if dev is None:
+        from .device import Device
+
+        with Device.local() as local:
+            prof = local.measure_profile(qm, tokens, progress=progress)
+    else:
+        prof = dev.measure_profile(qm, tokens, progress=progress)
+    prof.to_json(path)
+    return prof.with_mode(mode)
 
 
 def _host_logits(qm, tokens, chunk):
@@ -261,16 +319,37 @@ def _host_logits(qm, tokens, chunk):
 
 def cmd_schedule(args) -> int:
     from . import models
-    from .schedule import chunk_graph, device_profile, schedule
+    from .schedule import ScheduleError, chunk_graph, schedule
 
     model = models.load(args.model)
-    prof = device_profile(args.device_profile)
-    graph = chunk_graph(model.config, args.prompt_len, args.chunk)
+    shadow = True
+    try:
+        cached = _profile_cache(args.model, "w8a8-shadow")
+        if args.device_profile in ("measured", "measured-real") and cached.exists() and not args.remeasure:
+            from .schedule.measure import MeasuredProfile
+
+            prof = MeasuredProfile.from_json(cached, "real" if args.device_profile == "measured-real" else "predicted")
+            shadow = prof.meta.get("shadow_layers", True)
+        elif args.device_profile in ("measured", "measured-real"):
+            from .corpus import read_corpus
+            from .plan import shadow_layers
+
+            qm = _quantized(model, "w8a8-shadow", not args.no_progress)
+            shadow = shadow_layers(qm.manifest)  # the graph the measured agent runs
+            prof = _device_profile(args.device_profile, args.model, qm, None, model.tokenizer.encode(read_corpus("heldout")),
+                                   not args.no_progress, True)
+        else:
+            prof = _device_profile(args.device_profile, args.model, None, None, None, False)
+    except ScheduleError as e:
+        print(f"edgeprobe: error: {e}", file=sys.stderr)
+        return 2
+    graph = chunk_graph(model.config, args.prompt_len, args.chunk, shadow=shadow)
     sched = schedule(graph, prof, args.scheduler)
     base = schedule(graph, prof, "in-order") if args.scheduler != "in-order" else sched
     mem = graph.memory()
     out = {"model": args.model, "prompt_len": args.prompt_len, "chunk": args.chunk, "scheduler": args.scheduler,
            "device_profile": prof.name, "modelled": prof.modelled, "profile_source": prof.source,
+           "prediction_error": prof.fit_error() if hasattr(prof, "fit_error") else None,
            "subgraphs": len(graph.subgraphs), "makespan_ms": sched.makespan_us / 1e3,
            "makespan_vs_in_order": sched.makespan_us / base.makespan_us,
            "lanes": {k: round(v, 2) for k, v in sched.busy().items()}, "decision_us": sched.decision_us,
@@ -287,7 +366,7 @@ def cmd_schedule(args) -> int:
         print(json.dumps(out))
     else:
         busy = ", ".join(f"{k} {v:.0f}%" for k, v in out["lanes"].items())
-        print(f"{args.scheduler} on {prof.name} (modelled): makespan {out['makespan_ms']:.1f} ms "
+        print(f"{args.scheduler} on {prof.name} ({'modelled' if prof.modelled else 'measured'}): makespan {out['makespan_ms']:.1f} ms "
               f"({out['makespan_vs_in_order']:.2f}x in-order), busy {busy}; {len(graph.subgraphs)} subgraphs, "
               f"{sched.decision_us:.1f} us per decision; chunk-shared graphs save {100 * mem['saving']:.0f}% memory")
     return 0
@@ -301,6 +380,8 @@ def cmd_agent(args) -> int:
         argv += ["--memory-budget", str(args.memory_budget)]
     if args.curve_keys:
         argv += ["--curve-keys", args.curve_keys]
+    if args.lanes:
+        argv += ["--lanes", args.lanes]
     return agent_main(argv)
 
 
@@ -381,9 +462,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt-file", help="UTF-8 prompt text (default: the bundled held-out corpus)")
     r.add_argument("--prompt-len", type=int, default=None, help="tokens of the prompt to prefill (default 256)")
     r.add_argument("--device", default="local", help="local | tcp://HOST:PORT | ssh://USER@HOST[:PORT]")
-    r.add_argument("--scheduler", default="layer", choices=["layer", "in-order", "ooo"],
-                   help="layer: one layer-by-layer pass; in-order / ooo: chunked prefill scheduled by mllm-NPU §3.4")
+    r.add_argument("--scheduler", default="layer", choices=["layer", "in-order", "ooo", "hetero"],
+                   help="layer: one layer-by-layer pass; in-order / ooo: chunked prefill scheduled by mllm-NPU §3.4; "
+                        "hetero: every int8 GEMM partitioned between the gpu and npu lanes by HeteroLLM's solver "
+                        "(rates measured on the agent first)")
     r.add_argument("--chunk", type=int, default=256, help="chunk length for --scheduler in-order|ooo (default 256)")
+    r.add_argument("--device-profile", default="this-host-emulated",
+                   help="cost model the in-order/ooo scheduler plans with: a named profile, measured, measured-real, "
+                        "or a measured profile's .json (default this-host-emulated)")
+    r.add_argument("--partition", default="solver", choices=["solver", "gpu", "npu-pad", "pipe", "seq-cut", "row-cut"],
+                   help="--scheduler hetero: the solver's choice per matmul, or one strategy for all (baselines)")
     r.add_argument("--ssh-key", help="private key for --device ssh://")
     r.add_argument("--known-hosts", help="known_hosts file that must hold the device's host key (ssh)")
     r.add_argument("--trace", help="write the trace as Chrome/Perfetto JSON here")
@@ -391,12 +479,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(fn=cmd_run)
 
-    s = sub.add_parser("schedule", help="chunk a prompt and schedule its subgraphs (mllm-NPU §3.2, §3.4), modelled")
+    s = sub.add_parser("schedule", help="chunk a prompt and schedule its subgraphs (mllm-NPU §3.2, §3.4), predicted")
     s.add_argument("--model", default="smollm2-135m")
     s.add_argument("--prompt-len", type=int, required=True)
     s.add_argument("--chunk", type=int, default=256)
     s.add_argument("--scheduler", default="ooo", choices=["in-order", "ooo", "exact"])
-    s.add_argument("--device-profile", default="snapdragon-8gen3", help="named modelled profile")
+    s.add_argument("--device-profile", default="snapdragon-8gen3",
+                   help="a named modelled profile (snapdragon-8gen3, this-host-emulated); measured (fitted to subgraph "
+                        "times measured on a local agent, HeteroLLM's predicted mode) or measured-real (the measured "
+                        "times themselves where measured); or a measured profile's .json")
+    s.add_argument("--remeasure", action="store_true", help="measure again instead of using the cached measured profile")
+    s.add_argument("--no-progress", action="store_true")
     s.add_argument("--out", help="write the schedule (slots, dependencies, metrics) as JSON here")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_schedule)
@@ -406,6 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--store", default=str(__import__("pathlib").Path.home() / ".cache" / "edgeprobe" / "agent-store"))
     a.add_argument("--memory-budget", type=float, default=None, help="MB of blobs kept resident")
     a.add_argument("--curve-keys", help="folder with server.key_secret; required off loopback")
+    a.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: all this machine has)")
     a.set_defaults(fn=cmd_agent)
 
     d = sub.add_parser("demo", help="the main job: real model in, numbers out")

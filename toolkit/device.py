@@ -72,13 +72,15 @@ class Device:
     # ---- ways to get one ----------------------------------------------------------------------
     @classmethod
     def local(cls, store: str | Path | None = None, memory_budget_mb: float | None = None,
-              startup_timeout_s: float = 60.0) -> "Device":
+              startup_timeout_s: float = 60.0, lanes=None) -> "Device":
         """Start `python -m edgeprobe_agent` on a free loopback port; close() stops it."""
         store = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE")
                      or Path(tempfile.gettempdir()) / f"edgeprobe-agent-store-{os.getuid()}")
         cmd = [sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(store)]
         if memory_budget_mb is not None:
             cmd += ["--memory-budget", str(memory_budget_mb)]
+        if lanes is not None:
+            cmd += ["--lanes", ",".join(lanes)]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         url = _read_listen_line(proc, startup_timeout_s)
         return cls(url, process=proc)
@@ -224,8 +226,9 @@ class Device:
         return self.run(plan_id, {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, {qm.scheme}")
 
     def prefill_chunked(self, qm, tokens, chunk: int = 256, scheduler: str = "ooo",
-                        profile: str = "this-host-emulated", progress: bool = True) -> RunResult:
-        """Chunked prefill (mllm-NPU §3.2) laid out by a scheduler (§3.4) over the modelled `profile`."""
+                        profile="this-host-emulated", progress: bool = True) -> RunResult:
+        """Chunked prefill (mllm-NPU §3.2) laid out by a scheduler (§3.4) over `profile`: a named modelled
+        profile, a measured profile's .json, or a profile object (e.g. from `measure_profile`)."""
         from .models import ModelConfig
         from .plan import chunked_prefill_plan, shadow_layers
         from .schedule import chunk_graph, device_profile, schedule
@@ -245,6 +248,45 @@ class Device:
         res.trace.meta["predicted_makespan_ms"] = sched.makespan_us / 1e3
         res.schedule = sched
         return res
+
+    def measure_linears(self, qm, rows=(32, 64, 128, 256, 512, 1024), progress: bool = True):
+        """HeteroLLM's profiler on this agent: int8 GEMM rates of the npu and gpu lanes and their hand-off,
+        as a HeteroProfile for the partition solver (and the samples). See schedule.measure."""
+        from .schedule.measure import measure_linears
+
+        return measure_linears(self, qm, rows, progress=progress)
+
+    def prefill_hetero(self, qm, tokens, profile, strategy: str = "solver", progress: bool = True) -> RunResult:
+        """Layer-by-layer prefill with every int8 GEMM partitioned between the gpu and npu lanes by HeteroLLM's
+        solver over `profile` (a HeteroProfile; measure one with measure_linears), or by one fixed strategy
+        (gpu, npu-pad, pipe, seq-cut, row-cut) as a baseline."""
+        from .plan import prefill_plan
+        from .models import ModelConfig
+        from .schedule import ScheduleError, choices_for
+
+        tokens = np.asarray(tokens, np.int32)
+        lacking = {"gpu", "npu"} - set(self.info.get("lanes", []))
+        if lacking:
+            raise ScheduleError(f"HeteroLLM partitioning puts work on lanes {sorted(lacking)} that this agent lacks "
+                                f"(it has {self.info.get('lanes')}; the gpu lane needs OpenCL)")
+        choices = choices_for(ModelConfig(**qm.manifest["config"]), len(tokens), profile, strategy)
+        self.upload(qm, progress=progress)
+        self.load_model(qm)
+        try:
+            plan = prefill_plan(qm.manifest, len(tokens), split=choices)
+        except ValueError as e:
+            raise ScheduleError(str(e)) from None
+        res = self.run(self.put_plan(plan), {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, HeteroLLM {strategy}")
+        res.trace.meta["partition"] = {k: c.strategy for k, c in choices.items()}
+        res.trace.meta["predicted_matmul_ms"] = sum(c.time_us for c in choices.values()) * qm.manifest["config"]["n_layers"] / 1e3
+        return res
+
+    def measure_profile(self, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, progress: bool = True):
+        """Subgraph times of `qm` measured on this agent over a grid of chunk lengths: a MeasuredProfile
+        (HeteroLLM's "predicted" mode; `.with_mode("real")` for the measured table). See schedule.measure."""
+        from .schedule.measure import measure_profile
+
+        return measure_profile(self, qm, tokens, chunks, n_chunks, progress)
 
     def close(self, shutdown: bool | None = None) -> None:
         """Say bye (and stop the agent if this Device started it)."""

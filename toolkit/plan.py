@@ -10,10 +10,15 @@ from __future__ import annotations
 NPU_KINDS = {"w8a8", "w8a8-shadow", "smoothquant"}  # integer GEMMs a mobile NPU runs
 
 
-def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_lane: str = "cpu") -> dict:
+def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_lane: str = "cpu",
+                 split: dict | None = None) -> dict:
     """Plan for prefilling `n_tokens` tokens (run input "tokens": int32[n_tokens]) -> logits of the last
     token float32[1, vocab] (all tokens with last_only=False). float_lane: where linears that are not
-    integer GEMMs (float, q4_0 W4A16) run: "cpu", or "gpu" (OpenCL, HeteroLLM's GPU side)."""
+    integer GEMMs (float, q4_0 W4A16) run: "cpu", or "gpu" (OpenCL, HeteroLLM's GPU side).
+
+    split: HeteroLLM partitioning (§4.1): {matmul name ("attn_q", ..., "ffn_down"): schedule.hetero.Choice}
+    runs each int8 GEMM across the `gpu` and `npu` lanes as the solver chose (see _split_linear); shadow
+    outliers of w8a8-shadow stay on `cpu`. Needs int8 records (w8a8, w8a8-shadow)."""
     c = manifest["config"]
     if c.get("n_experts"):
         raise NotImplementedError("device plans for MoE models arrive with the decode issue; run tiny-moe on the host")
@@ -28,6 +33,15 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
 
     def linear(name, x, layer):
         rec = L[name]
+        choice = (split or {}).get(name.rsplit(".", 1)[-1])
+        if choice is not None:
+            if rec["kind"] not in ("w8a8", "w8a8-shadow"):
+                raise ValueError(f"a HeteroLLM split needs int8 linears (w8a8, w8a8-shadow); {name} is {rec['kind']!r}")
+            y = _split_linear(add, name, x, layer, rec, choice, n_tokens)
+            if rec["kind"] == "w8a8-shadow" and rec.get("shadow"):
+                b = add(f"{name}.shadow", "linear", "cpu", [x], layer, rec=rec, part="shadow")
+                return add(f"{name}.sum", "add", "cpu", [y, b], layer)
+            return y
         if rec["kind"] == "w8a8-shadow" and rec.get("shadow"):
             a = add(f"{name}.int8", "linear", "npu", [x], layer, rec=rec, part="int8")
             b = add(f"{name}.shadow", "linear", "cpu", [x], layer, rec=rec, part="shadow")
@@ -57,6 +71,48 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
     head = T.get("output.weight", T["token_embd.weight"])
     add("lm_head", "lm_head", "cpu", [n, {"blob": head}], last_only=last_only)
     return {"ops": ops, "outputs": ["lm_head"], "meta": {"kind": "prefill", "tokens": n_tokens, "scheme": manifest["scheme"]}}
+
+
+def _npu_pieces(start: int, end: int, lengths) -> list:
+    """Rows [start, end) cut into consecutive pieces, one per pre-built NPU length: (a, b, L), b - a <= L."""
+    out, a = [], start
+    for L in lengths:
+        if a >= end:
+            break
+        out.append((a, min(a + L, end), L))
+        a += L
+    if a < end:
+        raise ValueError(f"pre-built lengths {list(lengths)} do not cover rows {start}..{end}")
+    return out
+
+
+def _split_linear(add, name, x, layer, rec, ch, m):
+    """One int8 GEMM as HeteroLLM's solver chose (strategy names of schedule.hetero): the NPU runs only
+    pre-built lengths (pad_to: its rows are padded and computed), the GPU any shape."""
+    N = int(rec["shape"][0])
+    s = ch.strategy
+
+    def npu(rows_a, rows_b, lengths, cols=None, tag="npu"):
+        pieces = _npu_pieces(rows_a, rows_b, lengths)
+        outs = [add(f"{name}.{tag}{j}", "linear", "npu", [x], layer, rec=rec, part="int8", rows=[a, b], pad_to=L,
+                    **({"cols": list(cols)} if cols else {})) for j, (a, b, L) in enumerate(pieces)]
+        return outs[0] if len(outs) == 1 else add(f"{name}.{tag}cat", "concat", "npu", outs, layer, axis=0)
+
+    if s == "gpu":
+        return add(f"{name}.gpu", "linear", "gpu", [x], layer, rec=rec, part="int8")
+    if s in ("npu-pad", "pipe"):
+        return npu(0, m, list(ch.npu_parts))
+    if s == "seq-cut":
+        a = npu(0, ch.npu_rows, list(ch.npu_parts))
+        if ch.npu_rows >= m:
+            return a
+        b = add(f"{name}.gpu", "linear", "gpu", [x], layer, rec=rec, part="int8", rows=[ch.npu_rows, m])
+        return add(f"{name}.cat", "concat", "cpu", [a, b], layer, axis=0)
+    if s == "row-cut":
+        a = npu(0, m, list(ch.npu_parts), cols=(0, ch.npu_cols))
+        b = add(f"{name}.gpu", "linear", "gpu", [x], layer, rec=rec, part="int8", cols=[ch.npu_cols, N])
+        return add(f"{name}.cat", "concat", "cpu", [a, b], layer, axis=1)
+    raise ValueError(f"unknown partition strategy {s!r}")
 
 
 def shadow_layers(manifest: dict) -> list[int]:

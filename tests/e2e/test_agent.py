@@ -343,3 +343,80 @@ def test_chunked_prefill_in_order_and_out_of_order_on_the_agent(dev, qm, heldout
     fig, rows = runs["ooo"].trace.compare(runs["ooo"].schedule.to_trace())
     assert len(rows) == len(runs["ooo"].schedule.slots) and fig.data
     assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in rows)
+
+
+def test_measured_profile_real_and_predicted_modes(dev, qm, heldout_ids, tmp_path):
+    from edgeprobe.schedule import ScheduleError, chunk_graph, schedule
+    from edgeprobe.schedule.measure import MeasuredProfile
+
+    prof = dev.measure_profile(qm, heldout_ids, chunks=(16, 32), n_chunks=2, progress=False)
+    assert set(prof.fits) >= {"npu/qkv", "npu/ffn", "cpu/attn"} and not prof.modelled
+    assert all(a >= 0 and b >= 0 for a, b in prof.fits.values()) and prof.sync_us >= 0
+    g = chunk_graph(qm.model.config, 64, 32, shadow=prof.meta["shadow_layers"])
+    real = prof.with_mode("real")
+    s0 = next(s for s in prof.samples if s["stage"] == "ffn" and s["chunk"] == 32)
+    sub = next(x for x in g.subgraphs if x.stage == "ffn" and x.tokens == s0["tokens"])
+    same = [s["us"] for s in prof.samples if s["stage"] == "ffn" and s["tokens"] == s0["tokens"]]
+    assert real.time_us(sub) == pytest.approx(float(np.median(same)))  # real mode: the measured median
+    a, b = prof.fits["npu/ffn"]
+    assert prof.time_us(sub) == pytest.approx(a + b * sub.flops)  # predicted mode: the fit, for any shape
+    big = chunk_graph(qm.model.config, 512, 128, shadow=prof.meta["shadow_layers"])
+    assert prof.time_us(big.subgraphs[-1]) > prof.time_us(sub)  # a larger chunk is predicted slower
+    err = prof.fit_error()
+    assert set(err) >= {"npu/ffn", "all"} and 0 <= err["all"] < 10
+    sched = schedule(g, prof, "ooo")
+    sched.check()
+    assert not sched.to_trace().meta["modelled"]
+    back = MeasuredProfile.from_json(prof.to_json(tmp_path / "p.json"))
+    assert back.time_us(sub) == pytest.approx(prof.time_us(sub)) and back.meta == prof.meta
+    (tmp_path / "bad.json").write_text("{\"kind\": \"something else\"}")
+    with pytest.raises(ScheduleError, match="not an edgeprobe measured profile"):
+        MeasuredProfile.from_json(tmp_path / "bad.json")
+    with pytest.raises(ScheduleError, match="no samples of stage"):
+        prof.time_us(sub, lane="gpu")
+    res = dev.prefill_chunked(qm, heldout_ids[:64], 32, "ooo", profile=prof, progress=False)
+    assert res.schedule.profile is prof and res.trace.metrics()["makespan_ms"] > 0
+
+
+def test_hetero_partitions_run_on_gpu_and_npu_lanes_with_identical_results(dev, qm, heldout_ids):
+    from edgeprobe.schedule import STRATEGIES, ScheduleError, choices_for
+
+    hp, samples = dev.measure_linears(qm, rows=(32, 64), progress=False)
+    assert hp.npu_gops > 0 and hp.gpu_gflops > 0 and not hp.modelled and hp.slowdown_npu >= 1
+    assert {s["lane"] for s in samples} == {"npu", "gpu"} and all(s["us"] > 0 for s in samples)
+    toks = heldout_ids[:45]  # unaligned: the NPU pads to 64, or runs 32 and leaves 13 rows to the GPU
+    res = {s: dev.prefill_hetero(qm, toks, hp, s, progress=False) for s in STRATEGIES}
+    for s, r in res.items():
+        assert np.array_equal(r.logits, res["npu-pad"].logits), s  # every int8 GEMM is exact: cuts change nothing
+    ev = res["row-cut"].trace.events
+    npu = [e for e in ev if e["kind"] == "linear" and e["lane"] == "npu" and "attn_q" in e["name"]]
+    gpu = [e for e in ev if e["kind"] == "linear" and e["lane"] == "gpu" and "attn_q" in e["name"]]
+    assert npu and gpu and npu[0]["shape"][0] == 45  # padded rows are computed then dropped
+    assert npu[0]["flops"] == 2 * 64 * 576 * npu[0]["shape"][1] and npu[0]["shape"][1] % 64 == 0
+    assert gpu[0]["shape"][1] == 576 - npu[0]["shape"][1]
+    seq = [e for e in res["seq-cut"].trace.events if e["kind"] == "linear" and e["lane"] != "cpu" and "attn_q" in e["name"]]
+    assert sorted(e["shape"][0] for e in seq if e["layer"] == 0) == [13, 32]
+    assert set(res["gpu"].trace.metrics()["lanes"]) >= {"gpu"} and "npu" not in res["gpu"].trace.metrics()["lanes"]
+    assert choices_for(qm.model.config, 45, hp, "pipe")["attn_q"].npu_parts == (32, 32)
+    with pytest.raises(ScheduleError, match="unknown partition strategy"):
+        choices_for(qm.model.config, 45, hp, "diagonal")
+
+
+def test_plans_for_lanes_the_agent_lacks_fail_clearly(tmp_path):
+    from edgeprobe.device import Device
+
+    env = {**os.environ, "EDGEPROBE_AGENT_STORE": str(tmp_path / "st")}
+    with Device.local(store=tmp_path / "st", lanes=["cpu", "npu"]) as d:
+        assert d.info["lanes"] == ["cpu", "npu"]
+        url = d.url
+        for sched in ("hetero",):
+            r = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--prompt-len", "16", "--device", url,
+                                "--scheduler", sched, "--no-progress"], capture_output=True, text=True, timeout=900, env=env)
+            assert r.returncode == 2 and "lacks" in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
+    with Device.local(store=tmp_path / "st", lanes=["cpu"]) as d:
+        r = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--prompt-len", "16", "--chunk", "8", "--device",
+                            d.url, "--scheduler", "ooo", "--no-progress"], capture_output=True, text=True, timeout=900, env=env)
+        assert r.returncode == 2 and "lacks" in r.stderr and "npu" in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
+    bad = subprocess.run([sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store",
+                          str(tmp_path / "st"), "--lanes", "cpu,tpu"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "lanes must be some of" in bad.stderr

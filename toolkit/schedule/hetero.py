@@ -10,7 +10,9 @@ time is *stage-shaped*: M is padded to the next pre-built sequence length (or sp
                GPU the remaining rows, in parallel
     row-cut    the weight's output columns N split: the NPU's share (aligned) at the padded M, the GPU's at
                the exact M, in parallel — HeteroLLM's "hybrid" when M is not itself pre-built
-The solver picks, per matmul shape, the strategy and split minimizing max(T_gpu, T_npu) + T_sync.
+The solver picks, per matmul shape, the strategy and split minimizing max(T_gpu, T_npu) + T_sync, where
+while both run each lane goes slower by its slowdown (HeteroLLM §3 notes the two share memory bandwidth; on
+this host they share the CPU cores too) — 1.0 on the modelled phone, measured on an agent.
 
 Alignment: sequence splits are multiples of SEQ_ALIGN = 32 (the paper's); row splits are multiples of
 ROW_ALIGN = 64 — the paper aligns rows to 256, which does not divide SmolLM2's 576-wide projections; 64
@@ -30,7 +32,8 @@ PREBUILT = (32, 64, 128, 256, 512, 1024)
 @dataclass(frozen=True)
 class HeteroProfile:
     """npu_gops: int8 GEMM rate of the NPU on a pre-built graph; gpu_gflops: the GPU's fixed rate;
-    launch_us per kernel; sync_us per GPU-NPU hand-off. Always modelled."""
+    launch_us per kernel; sync_us per GPU-NPU hand-off. Named ones are modelled; measure.measure_linears
+    fits one to an agent (modelled=False)."""
 
     name: str
     npu_gops: float
@@ -40,6 +43,9 @@ class HeteroProfile:
     sync_us: float = 100.0
     prebuilt: tuple = PREBUILT
     source: str = ""
+    modelled: bool = True
+    slowdown_npu: float = 1.0  # time factor when the GPU runs at the same time (shared cores / memory bandwidth)
+    slowdown_gpu: float = 1.0
 
 
 # Snapdragon 8 Gen 3 as in cost.SNAPDRAGON_8GEN3 (NPU 2.0 TOP/s effective, GPU 1 TFLOP/s), sync ~100 µs
@@ -67,6 +73,15 @@ def _gpu_us(p: HeteroProfile, m: int, k: int, n: int) -> float:
     return 0.0 if m == 0 or n == 0 else p.gpu_launch_us + 2.0 * m * k * n / (p.gpu_gflops * 1e3)
 
 
+def _side_by_side(p: HeteroProfile, t_npu: float, t_gpu: float) -> float:
+    """Time for NPU work t_npu and GPU work t_gpu (each alone) started together: while both run each goes
+    at 1/slowdown of its speed, then the one left runs alone. max(t_npu, t_gpu) when slowdowns are 1."""
+    a, b = t_npu * p.slowdown_npu, t_gpu * p.slowdown_gpu
+    if a <= b:  # the NPU finishes first; the GPU did a / slowdown_gpu of its work meanwhile
+        return a + (t_gpu - a / p.slowdown_gpu)
+    return b + (t_npu - b / p.slowdown_npu)
+
+
 def pad_to_prebuilt(p: HeteroProfile, m: int) -> int:
     for L in p.prebuilt:
         if L >= m:
@@ -92,8 +107,8 @@ def candidates(p: HeteroProfile, m: int, k: int, n: int) -> list[Choice]:
         raise ScheduleError(f"matmul shape must be positive, got M={m}, K={k}, N={n}")
     out = [Choice("gpu", _gpu_us(p, m, k, n))]
     mp = pad_to_prebuilt(p, m)
-    npu_pad = sum(_npu_us(p, L, k, n) for L in ([mp] if mp in p.prebuilt else [p.prebuilt[-1]] * (mp // p.prebuilt[-1])))
-    out.append(Choice("npu-pad", npu_pad, m, n, (mp,), mp - m))
+    padded = (mp,) if mp in p.prebuilt else (p.prebuilt[-1],) * (mp // p.prebuilt[-1])  # the graphs the NPU runs
+    out.append(Choice("npu-pad", sum(_npu_us(p, L, k, n) for L in padded), m, n, padded, mp - m))
     parts = pipe_parts(p, m)
     out.append(Choice("pipe", sum(_npu_us(p, L, k, n) for L in parts), m, n, parts, sum(parts) - m))
     # seq-cut: the NPU takes full pre-built lengths (greedy from the largest) up to m, the GPU the rest
@@ -107,7 +122,7 @@ def candidates(p: HeteroProfile, m: int, k: int, n: int) -> list[Choice]:
         npu_rows = sum(full[:j])
         if npu_rows % SEQ_ALIGN:
             continue
-        t = max(sum(_npu_us(p, L, k, n) for L in full[:j]), _gpu_us(p, m - npu_rows, k, n)) + p.sync_us
+        t = _side_by_side(p, sum(_npu_us(p, L, k, n) for L in full[:j]), _gpu_us(p, m - npu_rows, k, n)) + p.sync_us
         if best is None or t < best.time_us:
             best = Choice("seq-cut", t, npu_rows, n, tuple(full[:j]), 0)
     if best is not None:
@@ -115,10 +130,10 @@ def candidates(p: HeteroProfile, m: int, k: int, n: int) -> list[Choice]:
     # row-cut: NPU's column share (aligned) at padded m, GPU's share at exact m
     best = None
     for n_npu in range(ROW_ALIGN, n, ROW_ALIGN):
-        t_npu = sum(_npu_us(p, L, k, n_npu) for L in ([mp] if mp in p.prebuilt else [p.prebuilt[-1]] * (mp // p.prebuilt[-1])))
-        t = max(t_npu, _gpu_us(p, m, k, n - n_npu)) + p.sync_us
+        t_npu = sum(_npu_us(p, L, k, n_npu) for L in padded)
+        t = _side_by_side(p, t_npu, _gpu_us(p, m, k, n - n_npu)) + p.sync_us
         if best is None or t < best.time_us:
-            best = Choice("row-cut", t, m, n_npu, (mp,), mp - m)
+            best = Choice("row-cut", t, m, n_npu, padded, mp - m)
     if best is not None:
         out.append(best)
     return out
@@ -136,6 +151,24 @@ def model_matmuls(config) -> list[tuple[str, int, int]]:
             ("ffn_gate", h, config.ffn), ("ffn_up", h, config.ffn), ("ffn_down", config.ffn, h)]
 
 
+STRATEGIES = ("solver", "gpu", "npu-pad", "pipe", "seq-cut", "row-cut")
+
+
+def choices_for(config, prompt_len: int, p: HeteroProfile = SNAPDRAGON_HETERO, strategy: str = "solver") -> dict:
+    """{matmul name: Choice} for one prompt length: the solver's pick per shape, or one fixed strategy
+    (a baseline; seq-cut / row-cut fall back to the solver's pick where the shape cannot be cut so)."""
+    if strategy not in STRATEGIES:
+        raise ScheduleError(f"unknown partition strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if prompt_len < 1:
+        raise ScheduleError(f"prompt length must be positive, got {prompt_len}")
+    out = {}
+    for name, k, n in model_matmuls(config):
+        cands = {c.strategy: c for c in candidates(p, prompt_len, k, n)}
+        best = min(cands.values(), key=lambda c: c.time_us)
+        out[name] = best if strategy == "solver" else cands.get(strategy, best)
+    return out
+
+
 def compare_strategies(config, prompt_len: int, p: HeteroProfile = SNAPDRAGON_HETERO) -> dict:
     """Prefill matmul time (all layers) under the solver and under each fixed strategy, and the solver's
     choice per matmul — at one prompt length."""
@@ -150,7 +183,7 @@ def compare_strategies(config, prompt_len: int, p: HeteroProfile = SNAPDRAGON_HE
         for s, c in cands.items():
             totals[s] = totals.get(s, 0.0) + c.time_us * config.n_layers
         totals["solver"] = totals.get("solver", 0.0) + best.time_us * config.n_layers
-    return {"prompt_len": prompt_len, "profile": p.name, "modelled": True,
+    return {"prompt_len": prompt_len, "profile": p.name, "modelled": p.modelled,
             "total_ms": {s: t / 1e3 for s, t in totals.items()},
             "speedup_vs_padding": totals["npu-pad"] / totals["solver"],
             "speedup_vs_pipe": totals["pipe"] / totals["solver"],

@@ -53,10 +53,12 @@ class Schedule:
         g = self.graph.by_name()
         events = [{"name": n, "kind": g[n].stage, "lane": lane, "layer": g[n].layer, "chunk": g[n].chunk,
                    "start_us": s, "end_us": e, "bytes_in": g[n].weight_bytes + g[n].act_bytes, "bytes_out": 0,
-                   "flops": g[n].flops, "emulated": False, "modelled": True, "deps": list(g[n].deps), "shape": [g[n].tokens]}
+                   "flops": g[n].flops, "emulated": False, "modelled": self.profile.modelled, "predicted": True, "deps": list(g[n].deps), "shape": [g[n].tokens]}
                   for n, (lane, s, e) in sorted(self.slots.items(), key=lambda kv: kv[1][1])]
-        return Trace(events, {"title": f"predicted: {self.scheduler} on {self.profile.name} (modelled)",
-                              "modelled": True, "profile": self.profile.name, "scheduler": self.scheduler})
+        how = "modelled" if self.profile.modelled else "fitted to agent measurements"
+        return Trace(events, {"title": f"predicted: {self.scheduler} on {self.profile.name} ({how})",
+                              "modelled": self.profile.modelled, "predicted": True, "profile": self.profile.name,
+                              "scheduler": self.scheduler})
 
     def check(self) -> None:
         """Raise if a dependency or the one-subgraph-per-lane rule is violated (used by tests)."""

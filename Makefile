@@ -28,6 +28,7 @@ bench: setup
 	$(BIN)/python bench/quant.py
 	$(BIN)/python bench/agent.py
 	$(BIN)/python bench/schedule.py
+	$(BIN)/python bench/decode.py
 
 clean-venv:
 	rm -rf $(VENV)

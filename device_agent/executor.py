@@ -136,6 +136,7 @@ class Context:
     counters: dict = field(default_factory=dict)
     runners: dict = field(default_factory=dict)
     lane: str = "cpu"                # which processor the op runs on (ops pick their kernels by it)
+    session: object = None           # the run's decode session (KV cache kept on the agent), if any
 
 
 def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | None = None,
@@ -184,7 +185,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                 ev = {"name": name, "kind": op["kind"], "lane": lane, "start_us": t0, "end_us": t1,
                       "layer": op.get("layer", -1), "chunk": op.get("chunk", 0),
                       "bytes_in": int(sum(a.nbytes for a in args if isinstance(a, np.ndarray))),
-                      "bytes_out": int(out.nbytes), "flops": int(flops(op["kind"], args, out, op.get("attrs", {}))),
+                      "bytes_out": int(out.nbytes), "flops": int(flops(op["kind"], args, out, op.get("attrs", {}), lane_ctx)),
                       "emulated": lane in EMULATED_LANES, "deps": sorted(plan.parents[name]),
                       "shape": list(out.shape), "group": op.get("group", name)}
                 with lock:

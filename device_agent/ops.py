@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeprobe_kernels.linear_records import RUNNERS, run_w8a8, shadow_delta
+from edgeprobe_kernels.linear_records import RUNNERS, run_w8a8, shadow_delta, x_wt
 from edgeprobe_kernels.llama_ops import apply_rope, attention, rms_norm, rope_tables, swiglu_act
 
 
@@ -136,16 +136,31 @@ def _gpu_linear(rec, part, x, ctx, cols=None):
                                    "put it on the cpu or npu lane")
 
 
+def _session_start(attrs, ctx) -> int:
+    """Position of the run's first token: attrs start, or the session's length (a decode step)."""
+    if attrs.get("session"):
+        if ctx.session is None:
+            raise OpError("no_session", "the plan reads a decode session but the run named none")
+        return ctx.session.length
+    return int(attrs.get("start", 0))
+
+
 def op_rope(inp, attrs, ctx):
+    """x: float32[batch * T, heads * head_dim], rows sequence-major; positions from start (or the session)."""
     x = _arr(inp[0], "x", 2)
-    h, d = int(attrs["heads"]), int(attrs["head_dim"])
-    cos, sin = rope_tables(d, float(attrs["theta"]), int(attrs.get("start", 0)), x.shape[0])
-    return apply_rope(x.reshape(1, x.shape[0], h, d), cos, sin).reshape(x.shape[0], h * d)
+    h, d, B = int(attrs["heads"]), int(attrs["head_dim"]), int(attrs.get("batch", 1))
+    if x.shape[0] % B:
+        raise OpError("bad_input", f"{x.shape[0]} rows do not split into batch {B}")
+    T = x.shape[0] // B
+    cos, sin = rope_tables(d, float(attrs["theta"]), _session_start(attrs, ctx), T)
+    return apply_rope(x.reshape(B, T, h, d), cos, sin).reshape(x.shape[0], h * d)
 
 
 def op_attention(inp, attrs, ctx):
     """inputs q, k, v — or, for chunk i of a chunked prefill, q, k_0..k_i, v_0..v_i (attrs parts = i + 1):
-    the chunk's queries attend to the keys of every chunk so far (mllm-NPU eq. 2), causally from `start`."""
+    the chunk's queries attend to the keys of every chunk so far (mllm-NPU eq. 2), causally from `start`.
+    attrs session + layer (+ batch B): k, v of the new positions go into the run's KV session, and the queries
+    attend over everything the session holds (attrs kv_layer: which layer of it) (prefill then decode steps on the agent)."""
     parts = int(attrs.get("parts", 1))
     if len(inp) != 1 + 2 * parts:
         raise OpError("bad_input", f"attention over {parts} chunks takes {1 + 2 * parts} inputs, got {len(inp)}")
@@ -153,10 +168,17 @@ def op_attention(inp, attrs, ctx):
     k = np.concatenate([_arr(a, "k", 2) for a in inp[1:1 + parts]]) if parts > 1 else _arr(inp[1], "k", 2)
     v = np.concatenate([_arr(a, "v", 2) for a in inp[1 + parts:]]) if parts > 1 else _arr(inp[2], "v", 2)
     H, KV, d = int(attrs["n_heads"]), int(attrs["n_kv_heads"]), int(attrs["head_dim"])
-    T, S = q.shape[0], k.shape[0]
-    kk = k.reshape(1, S, KV, d).transpose(0, 2, 1, 3)
-    vv = v.reshape(1, S, KV, d).transpose(0, 2, 1, 3)
-    return attention(q.reshape(1, T, H, d), kk, vv, int(attrs.get("start", 0)))
+    B = int(attrs.get("batch", 1))
+    if q.shape[0] % B or k.shape[0] % B:
+        raise OpError("bad_input", f"rows do not split into batch {B}")
+    T, S = q.shape[0] // B, k.shape[0] // B
+    start = _session_start(attrs, ctx)
+    if attrs.get("session"):
+        kk, vv = ctx.session.write_and_view(int(attrs["kv_layer"]), start, k.reshape(B, S, KV, d), v.reshape(B, S, KV, d))
+    else:
+        kk = k.reshape(B, S, KV, d).transpose(0, 2, 1, 3)
+        vv = v.reshape(B, S, KV, d).transpose(0, 2, 1, 3)
+    return attention(q.reshape(B, T, H, d), kk, vv, start).reshape(B * T, H * d)
 
 
 def op_add(inp, attrs, ctx):
@@ -171,11 +193,15 @@ def op_swiglu(inp, attrs, ctx):
 
 
 def op_lm_head(inp, attrs, ctx):
+    """last_only: the last position of each of `batch` sequences -> float32[batch, vocab]."""
     x, w = _arr(inp[0], "x", 2), _arr(inp[1], "w", 2)
-    return (x[-1:] if attrs.get("last_only", True) else x) @ w.T
+    B = int(attrs.get("batch", 1))
+    if attrs.get("last_only", True):
+        x = x.reshape(B, x.shape[0] // B, x.shape[1])[:, -1]
+    return x_wt(x, w)
 
 
-def flops(kind: str, inp, out, attrs) -> int:
+def flops(kind: str, inp, out, attrs, ctx=None) -> int:
     """Multiply-adds x2 of the op (0 for data movement)."""
     if kind == "linear" and attrs.get("part") != "shadow":
         rows = attrs.get("rows")
@@ -186,6 +212,8 @@ def flops(kind: str, inp, out, attrs) -> int:
     if kind == "attention":
         T, H, d = inp[0].shape[0], int(attrs["n_heads"]), int(attrs["head_dim"])
         S = sum(a.shape[0] for a in inp[1:1 + int(attrs.get("parts", 1))])
+        if attrs.get("session") and ctx is not None and ctx.session is not None:  # all the session's keys
+            return 4 * H * T * (S // int(attrs.get("batch", 1)) + ctx.session.length) * d
         return 4 * H * T * S * d  # QK^T and PV over S keys (the causal mask still computes them)
     return int(out.size)
 

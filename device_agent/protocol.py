@@ -14,7 +14,8 @@ import msgpack
 import numpy as np
 
 PROTOCOL_VERSION = 1
-REQUESTS = ("hello", "has_blobs", "put_blob", "load_model", "put_plan", "run", "cancel", "stats", "heartbeat", "bye")
+REQUESTS = ("hello", "has_blobs", "put_blob", "load_model", "put_plan", "run", "cancel", "stats", "heartbeat", "bye",
+            "open_session", "session_reorder", "close_session")
 CHUNK_BYTES = 4 << 20            # put_blob chunk size the client uses (the agent accepts any)
 HEARTBEAT_S = 0.5                # interval of heartbeats while a request is in flight
 HEARTBEAT_TIMEOUT_S = 5.0        # silence after which either side gives the other up

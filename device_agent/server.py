@@ -21,6 +21,7 @@ import zmq
 from . import __version__
 from .executor import LANES, Context, PlanError, execute, validate, Cancelled
 from .ops import OpError
+from .session import KVSession
 from .protocol import (HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, PROTOCOL_VERSION, ProtocolError, check_request,
                        error_reply, pack, unpack)
 from .store import FlashStore, StoreError, check_sha, now_us
@@ -85,6 +86,8 @@ class _Run:
     ident: bytes
     cancel: threading.Event = field(default_factory=threading.Event)
     last_seen: float = field(default_factory=time.monotonic)
+    session: object = None   # the KVSession the run reads and extends
+    advance: int = 0         # positions it adds to the session on success
 
 
 class Agent:
@@ -111,6 +114,7 @@ class Agent:
         # and each run reports its own difference
         self.runners: dict = {}
         self.counters: dict = {}
+        self.sessions: dict[str, KVSession] = {}  # decode sessions: KV caches kept across runs
         self.served = 0
         self.errors = 0
         if lanes is not None and (not lanes or set(lanes) - set(LANES)):
@@ -254,6 +258,54 @@ class Agent:
         return {"model_id": model_id, "blobs": len(m["blobs"]),
                 "bytes": int(sum(b.get("nbytes", 0) for b in m["blobs"].values()))}
 
+    def do_open_session(self, ident, rid, h, arrays):
+        """A KV cache for `batch` sequences of up to `capacity` positions of the loaded `model_id`."""
+        m = self.models.get(h.get("model_id"))
+        if m is None:
+            raise ProtocolError("unknown_model", f"no model {str(h.get('model_id'))[:20]!r}; load_model first")
+        sid, batch, cap = h.get("session"), h.get("batch"), h.get("capacity")
+        if not isinstance(sid, str) or not sid or len(sid) > 64:
+            raise ProtocolError("bad_request", "open_session needs 'session', a name of 1-64 characters")
+        if not isinstance(batch, int) or batch < 1 or not isinstance(cap, int) or cap < 1:
+            raise ProtocolError("bad_request", "open_session needs 'batch' and 'capacity', positive integers")
+        c = m["config"]
+        if cap > c["context_length"]:
+            raise ProtocolError("bad_request", f"capacity {cap} exceeds the model's context length {c['context_length']}")
+        need = KVSession.nbytes_for(c["n_layers"], c["n_kv_heads"], c["head_dim"], batch, cap)
+        budget = self.store.memory_budget
+        if budget is not None:
+            streamed = set(m.get("streamed_blobs", []))  # read from flash on demand, never all resident
+            resident = sum(int(b.get("nbytes", 0)) for s_, b in m["blobs"].items() if s_ not in streamed)
+            others = sum(x.nbytes for k, x in self.sessions.items() if k != sid)
+            if resident > budget:
+                raise ProtocolError("memory_budget", f"the model's resident weights need {resident / 1e6:.1f} MB but the "
+                                                     f"memory budget is {budget / 1e6:.1f} MB; raise --memory-budget")
+            if resident + others + need > budget:
+                raise ProtocolError("memory_budget", f"a KV cache for batch {batch} x {cap} positions needs "
+                                                     f"{need / 1e6:.1f} MB; the budget of {budget / 1e6:.1f} MB leaves "
+                                                     f"{max(budget - resident - others, 0) / 1e6:.1f} MB beside the resident "
+                                                     "weights and other sessions; lower the batch or raise --memory-budget")
+        self.sessions[sid] = KVSession(c["n_layers"], c["n_kv_heads"], c["head_dim"], batch, cap)
+        return {"session": sid, "kv_bytes": need}
+
+    def do_session_reorder(self, ident, rid, h, arrays):
+        sess = self._session(h.get("session"))
+        sess.reorder(h.get("indices") if isinstance(h.get("indices"), list) else [])
+        return {"session": h["session"], "batch": sess.batch, "length": sess.length}
+
+    def do_close_session(self, ident, rid, h, arrays):
+        self._session(h.get("session"))
+        del self.sessions[h["session"]]
+        return {}
+
+    def _session(self, sid) -> KVSession:
+        sess = self.sessions.get(sid) if isinstance(sid, str) else None
+        if sess is None:
+            raise ProtocolError("unknown_session", f"no session {str(sid)[:20]!r}; open_session first")
+        if any(r.session is sess for r in self.runs.values()):
+            raise ProtocolError("busy", "the session has a run in flight")
+        return sess
+
     def do_put_plan(self, ident, rid, h, arrays):
         plan = validate(h.get("plan"), self.store.has, self.lanes)
         plan_id = hashlib.sha256(json.dumps(h.get("plan"), sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -277,7 +329,19 @@ class Agent:
             raise ProtocolError("bad_request", "run needs 'inputs': one name per attached frame")
         if (ident, rid) in self.runs:
             raise ProtocolError("bad_id", f"request id {rid} is already running")
+        sess, advance = None, 0
+        if h.get("session") is not None:
+            sess = self._session(h.get("session"))
+            advance = h.get("advance")
+            if not isinstance(advance, int) or advance < 1:
+                raise ProtocolError("bad_request", "a run in a session needs 'advance', the positions it adds (>= 1)")
+            if h.get("phase") == "decode" and sess.length == 0:
+                raise ProtocolError("no_prefill", "decode step on an empty session: prefill the prompt first")
+            if sess.length + advance > sess.capacity:
+                raise ProtocolError("context_full", f"{sess.length + advance} positions exceed the session's capacity "
+                                                    f"{sess.capacity}")
         run = self.runs[(ident, rid)] = _Run(rid, ident)
+        run.session, run.advance = sess, advance
         inputs = {n: np.array(a) for n, a in zip(names, arrays)}  # own the bytes: frames are recycled
         threading.Thread(target=self._run_worker, args=(run, plan, inputs), daemon=True, name=f"run-{rid}").start()
         return None  # the worker sends the final reply
@@ -295,11 +359,13 @@ class Agent:
                 self.outbox.put((run.ident, {"id": run.rid, "final": False, "event": "progress",
                                              "done": state["done"], "total": total}, ()))
         try:
-            ctx = Context(get=self.store.get, counters=self.counters, runners=self.runners)
+            ctx = Context(get=self.store.get, counters=self.counters, runners=self.runners, session=run.session)
             before = dict(self.counters)
             t0 = now_us()
             outs, events = execute(plan, inputs, ctx, run.cancel, on_op)
             t1 = now_us()
+            if run.session is not None:
+                run.session.length += run.advance  # only a whole, successful run moves the cache on
             hdr = {"id": run.rid, "final": True, "ok": True, "outputs": list(outs), "events": events + list(self.flash_events),
                    "counters": {k: int(v - before.get(k, 0)) for k, v in self.counters.items()}, "start_us": t0, "end_us": t1}
             self.outbox.put((run.ident, hdr, [np.ascontiguousarray(a) for a in outs.values()]))

@@ -17,9 +17,20 @@ from .shadow import extract_outliers, shadow_gemm
 from .tiles import dequantize_tiles
 
 
+SMALL_M = 32
+
+
+def x_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x float32[M, K] @ w[N, K]^T. For few rows (decode, small batches) as (w @ x^T)^T: OpenBLAS's
+    small-M GEMM is 2-5x slower than the transposed form on this CPU (bench/decode.py)."""
+    if x.shape[0] <= SMALL_M:
+        return np.ascontiguousarray((w @ x.T).T)
+    return x @ w.T
+
+
 def run_float(rec, get, counters):
     w = get(rec["w"])
-    return lambda x: x @ w.T
+    return lambda x: x_wt(x, w)
 
 
 def run_w8a8(rec, get, counters, cols=None):
@@ -73,19 +84,19 @@ def q4_0_dequant(blocks: np.ndarray, N: int, Kp: int) -> np.ndarray:
 def run_q4_0(rec, get, counters):
     N, K = rec["shape"]
     w = q4_0_dequant(get(rec["blocks"]), N, rec["padded_k"])[:, :K].astype(np.float32)
-    return lambda x: x.astype(np.float16).astype(np.float32) @ w.T  # A16: FP16 activations
+    return lambda x: x_wt(x.astype(np.float16).astype(np.float32), w)  # A16: FP16 activations
 
 
 def run_q4_0_tile(rec, get, counters):
     N, K = rec["shape"]
     w = dequantize_tiles(get(rec["blocks"]), N, K).astype(np.float32)
-    return lambda x: x.astype(np.float16).astype(np.float32) @ w.T
+    return lambda x: x_wt(x.astype(np.float16).astype(np.float32), w)
 
 
 def run_moe_mixed(rec, get, counters):
     N, K = rec["shape"]
     w = dequantize_channels(get(rec["codes"]), get(rec["scales"]), rec["bits"], K)
-    return lambda x: x @ w.T
+    return lambda x: x_wt(x, w)
 
 
 def shadow_delta(rec, get, counters):

@@ -199,14 +199,25 @@ def cmd_run(args) -> int:
     if args.prompt_len is not None and args.prompt_len < 1:
         print("edgeprobe: error: --prompt-len must be at least 1", file=sys.stderr)
         return 2
+    if args.decode is not None and (args.decode < 1 or args.batch < 1):
+        print("edgeprobe: error: --decode and --batch must be at least 1", file=sys.stderr)
+        return 2
+    if args.decode is None and args.batch != 1:
+        print("edgeprobe: error: --batch applies to decoding; add --decode N", file=sys.stderr)
+        return 2
+    if args.decode is not None and args.scheduler != "layer":
+        print("edgeprobe: error: --decode prefills layer by layer inside its decode session; leave --scheduler at layer",
+              file=sys.stderr)
+        return 2
     model = models.load(args.model)
     ids = model.tokenizer.encode(read_text_file(args.prompt_file or corpus_path("heldout")))
     n = args.prompt_len or min(len(ids), 256)
     if len(ids) < n:
         print(f"edgeprobe: error: the prompt has {len(ids)} tokens, fewer than --prompt-len {n}", file=sys.stderr)
         return 2
-    if n > model.config.context_length:
-        print(f"edgeprobe: error: --prompt-len {n} exceeds the context length {model.config.context_length}", file=sys.stderr)
+    if n + (args.decode or 0) > model.config.context_length:
+        print(f"edgeprobe: error: --prompt-len {n}{f' + --decode {args.decode}' if args.decode else ''} exceeds the "
+              f"context length {model.config.context_length}", file=sys.stderr)
         return 2
     tokens = ids[:n]
     progress = not args.no_progress
@@ -231,6 +242,8 @@ def cmd_run(args) -> int:
     with dev:
         before = dev.uploaded_bytes
         try:
+            if args.decode:
+                return _run_decode(args, dev, qm, model, tokens, progress, before)
             if args.scheduler == "layer":
                 res = dev.prefill(qm, tokens, progress=progress)
             elif args.scheduler == "hetero":
@@ -266,6 +279,48 @@ def cmd_run(args) -> int:
         busy = ", ".join(f"{k} {v:.0f}%" for k, v in out["lanes"].items())
         print(f"prefill {n} tokens on {args.device}: {out['tok_per_s']:.0f} tok/s, makespan {m['makespan_ms']:.1f} ms "
               f"(busy: {busy}); uploaded {upload / 1e6:.1f} MB; logits cosine vs host {out['logits_cosine_vs_host']:.6f}")
+    return 0
+
+
+def _run_decode(args, dev, qm, model, tokens, progress: bool, before: int) -> int:
+    """--decode N [--batch B]: prefill, then N decode steps on the agent; the final JSON adds decode fields."""
+    import numpy as np
+
+    from .generate import replay
+    from .trace import Trace, cosine
+
+    def stream(i, tok):
+        if not args.json:
+            print(model.tokenizer.decode([int(tok[0])]), end="", flush=True)
+
+    dec = dev.generate(qm, tokens, args.decode, batch=args.batch, temperature=args.temperature, seed=args.seed,
+                       on_step=stream, progress=progress)
+    if not args.json:
+        print()
+    host = replay(qm.model, tokens, dec.tokens, linear=qm.linear)
+    cos = [min(cosine(a[j], b[j]) for j in range(a.shape[0])) for a, b in zip(dec.logits, host)]
+    pre = Trace([e for e in dec.trace.events if e.get("group") == "prefill"], dec.trace.meta).metrics()
+    if args.trace:
+        dec.trace.to_chrome_json(args.trace)
+    n = len(tokens)
+    info = dev.info
+    out = {"model": args.model, "scheme": args.scheme, "device": args.device, "tokens": int(n),
+           "tok_per_s": n / (pre["makespan_ms"] / 1e3), "makespan_ms": pre["makespan_ms"],
+           "lanes": {k: round(v["busy_pct"], 2) for k, v in dec.trace.metrics()["lanes"].items()},
+           "upload_bytes": int(dev.uploaded_bytes - before), "logits_cosine_vs_host": cos[0],
+           "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu")},
+           "trace": args.trace, "scheduler": "layer", "chunk": None,
+           "decode_steps": args.decode, "batch": args.batch, "temperature": args.temperature, "seed": args.seed,
+           "decode_tok_per_s": dec.decode_tok_per_s,
+           "decode_step_ms_median": float(np.median(dec.step_ms)),
+           "decode_logits_min_cosine_vs_host": float(min(cos[1:])),
+           "texts": [model.tokenizer.decode(row.tolist()) for row in dec.tokens]}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"prefill {n} tokens, then {args.decode} decode steps x batch {args.batch} on {args.device}: "
+              f"{out['decode_tok_per_s']:.1f} tok/s summed over the batch (median step {out['decode_step_ms_median']:.1f} ms); "
+              f"logits cosine vs host >= {min(cos):.6f}")
     return 0
 
 
@@ -472,6 +527,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a measured profile's .json (default this-host-emulated)")
     r.add_argument("--partition", default="solver", choices=["solver", "gpu", "npu-pad", "pipe", "seq-cut", "row-cut"],
                    help="--scheduler hetero: the solver's choice per matmul, or one strategy for all (baselines)")
+    r.add_argument("--decode", type=int, default=None, metavar="N",
+                   help="after the prefill, run N decode steps on the agent (its KV cache stays there)")
+    r.add_argument("--batch", type=int, default=1, help="--decode: sequences decoded together (test-time scaling)")
+    r.add_argument("--temperature", type=float, default=0.0, help="--decode: 0 = greedy, else sampled")
+    r.add_argument("--seed", type=int, default=0)
     r.add_argument("--ssh-key", help="private key for --device ssh://")
     r.add_argument("--known-hosts", help="known_hosts file that must hold the device's host key (ssh)")
     r.add_argument("--trace", help="write the trace as Chrome/Perfetto JSON here")

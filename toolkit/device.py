@@ -53,6 +53,103 @@ class RunResult:
         return next(iter(self.outputs.values()))
 
 
+def sample(logits: np.ndarray, temperature: float, rng) -> np.ndarray:
+    """logits float[B, vocab] -> int64[B]: argmax at temperature 0, else a draw from softmax(logits / T)."""
+    if temperature <= 0:
+        return np.argmax(logits, axis=-1)
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    u = rng.random((p.shape[0], 1))
+    return np.minimum((np.cumsum(p, axis=-1) < u).sum(axis=-1), p.shape[1] - 1)
+
+
+@dataclass
+class Decoded:
+    """A decode session's result. tokens int64[batch, n] (the tokens fed to the n steps); logits: the
+    prefill's float32[1, vocab], then each step's float32[batch, vocab]."""
+
+    tokens: np.ndarray
+    logits: list
+    trace: Trace
+    batch: int
+    prefill_s: float
+    decode_s: float          # wall time of the n steps, sampling and round trips included
+    step_ms: list            # each step's makespan on the agent
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        """Tokens per second summed over the batch (wall time on the host)."""
+        return self.tokens.size / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class DecodeSession:
+    """A KV cache kept on the agent across runs (protocol: open_session / run with session / session_reorder).
+
+    prefill(tokens int[T]) -> float32[1, vocab]; reorder(indices) keeps / copies sequences (batch = len);
+    step(tokens int[batch]) -> float32[batch, vocab]. `events` gathers every run's trace events, grouped
+    "prefill" / "step{i}"; `step_ms` each step's makespan. The same interface as generate.HostSession."""
+
+    def __init__(self, dev: "Device", qm, capacity: int, name: str = "decode", progress: bool = True):
+        c = qm.manifest["config"]
+        if capacity > c["context_length"]:
+            raise ValueError(f"{capacity} positions exceed the model's context length {c['context_length']}")
+        self.dev, self.qm, self.name = dev, qm, name
+        dev.upload(qm, progress=progress)
+        self.model_id = dev.load_model(qm)
+        dev.request("open_session", model_id=self.model_id, session=name, batch=1, capacity=capacity)
+        self.batch, self.length, self.events, self.step_ms, self.logits_history = 1, 0, [], [], []
+        self._plans: dict = {}
+        self.meta: dict = {}
+
+    def _plan(self, n_tokens: int, batch: int) -> str:
+        from .plan import prefill_plan
+
+        key = (n_tokens, batch)
+        if key not in self._plans:
+            self._plans[key] = self.dev.put_plan(prefill_plan(self.qm.manifest, n_tokens, session=True, batch=batch))
+        return self._plans[key]
+
+    def prefill(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        if len(tokens) == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        r = self.dev.run(self._plan(len(tokens), 1), {"tokens": tokens}, title="prefill", session=self.name,
+                         advance=len(tokens), phase="prefill")
+        self.meta = dict(r.trace.meta)
+        self.events += [{**e, "group": "prefill"} for e in r.trace.events]
+        self.length += len(tokens)
+        self.logits_history.append(r.logits.reshape(1, -1))
+        return self.logits_history[-1]
+
+    def reorder(self, indices) -> None:
+        self.batch = self.dev.request("session_reorder", session=self.name, indices=[int(i) for i in indices])[0]["batch"]
+
+    def step(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        if len(tokens) != self.batch:
+            raise ValueError(f"the session holds {self.batch} sequences; step needs one token for each, got {len(tokens)}")
+        i = len(self.step_ms)
+        r = self.dev.run(self._plan(1, self.batch), {"tokens": tokens}, title=f"decode step {i}", session=self.name,
+                         advance=1, phase="decode")
+        self.step_ms.append(r.trace.metrics()["makespan_ms"])
+        self.events += [{**e, "group": f"step{i}"} for e in r.trace.events]
+        self.length += 1
+        return r.logits.reshape(self.batch, -1)
+
+    def close(self) -> None:
+        try:
+            self.dev.request("close_session", session=self.name)
+        except (DeviceError, AgentLostError):
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 class Device:
     def __init__(self, url: str, process: subprocess.Popen | None = None, timeout_s: float = HEARTBEAT_TIMEOUT_S,
                  curve_server_key: bytes | None = None, tunnel=None):
@@ -203,11 +300,12 @@ class Device:
     def put_plan(self, plan: dict) -> str:
         return self.request("put_plan", plan=_plain(plan))[0]["plan_id"]
 
-    def run(self, plan_id: str, inputs: dict, on_progress=None, title: str = "") -> RunResult:
+    def run(self, plan_id: str, inputs: dict, on_progress=None, title: str = "", **fields) -> RunResult:
+        """fields: session / advance / phase for a run inside a decode session (docs/protocol.md)."""
         t0 = time.perf_counter()
         names = list(inputs)
         head, arrays = self.request("run", [np.ascontiguousarray(inputs[n]) for n in names], on_event=on_progress,
-                                    plan_id=plan_id, inputs=names)
+                                    plan_id=plan_id, inputs=names, **fields)
         wall = time.perf_counter() - t0
         events = [{**e, "start_us": e["start_us"] - self.clock_offset_us, "end_us": e["end_us"] - self.clock_offset_us}
                   for e in head["events"]]
@@ -248,6 +346,40 @@ class Device:
         res.trace.meta["predicted_makespan_ms"] = sched.makespan_us / 1e3
         res.schedule = sched
         return res
+
+    def session(self, qm, capacity: int, name: str = "decode", progress: bool = True) -> "DecodeSession":
+        """A decode session on the agent (KV cache kept there): prefill, reorder (fork / beams), step."""
+        return DecodeSession(self, qm, capacity, name, progress)
+
+    def generate(self, qm, prompt, n: int, batch: int = 1, temperature: float = 0.0, seed: int = 0,
+                 on_step=None, progress: bool = True) -> "Decoded":
+        """Prefill `prompt` (token ids) once, fork it into `batch` sequences, then run `n` decode steps on the
+        agent, its KV cache staying there. Each step feeds every sequence its next token, sampled on the host
+        from the previous logits (greedy at temperature 0, else softmax(z / T) with `seed`), and gets
+        float32[batch, vocab] logits back. on_step(i, tokens[batch]) streams the tokens. The trace groups
+        events by "prefill" and "step{i}"."""
+        prompt = np.asarray(prompt, np.int32).reshape(-1)
+        if n < 1 or batch < 1:
+            raise ValueError(f"n (decode steps) and batch must be >= 1, got n={n}, batch={batch}")
+        rng = np.random.default_rng(seed)
+        with self.session(qm, len(prompt) + n, progress=progress) as s:
+            t0 = time.perf_counter()
+            logits = s.prefill(prompt)
+            t1 = time.perf_counter()
+            if batch > 1:
+                s.reorder([0] * batch)
+            logits = np.repeat(logits, batch, axis=0)
+            fed, all_logits = [], [s.logits_history[0]]
+            for i in range(n):
+                tok = sample(logits, temperature, rng)
+                fed.append(tok)
+                if on_step:
+                    on_step(i, tok)
+                logits = s.step(tok)
+                all_logits.append(logits)
+            t2 = time.perf_counter()
+        meta = {**s.meta, "title": f"prefill {len(prompt)} + {n} decode steps x batch {batch}, {qm.scheme}"}
+        return Decoded(np.stack(fed, axis=1), all_logits, Trace(s.events, meta), batch, t1 - t0, t2 - t1, s.step_ms)
 
     def measure_linears(self, qm, rows=(32, 64, 128, 256, 512, 1024), progress: bool = True):
         """HeteroLLM's profiler on this agent: int8 GEMM rates of the npu and gpu lanes and their hand-off,

@@ -81,6 +81,15 @@ class KVCache:
                     a[:, :, :self.length] = o[:, :, :self.length]
                 store.append(a)
 
+    def reorder(self, indices) -> None:
+        """New batch row j = old row indices[j]: fork one prompt into candidates, or keep surviving beams."""
+        idx = np.asarray(indices, dtype=np.int64)
+        if idx.ndim != 1 or idx.size == 0 or idx.min() < 0 or idx.max() >= self.batch:
+            raise ValueError(f"reorder indices must be a non-empty list of rows in [0, {self.batch})")
+        self.k[:] = [np.ascontiguousarray(a[idx]) for a in self.k]
+        self.v[:] = [np.ascontiguousarray(a[idx]) for a in self.v]
+        self.batch = int(idx.size)
+
     def nbytes(self) -> int:
         c = self.config
         return 2 * c.n_layers * self.batch * c.n_kv_heads * self.length * c.head_dim * 4

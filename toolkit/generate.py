@@ -50,3 +50,38 @@ def generate(model: Model, prompt: str, n: int = 32, temperature: float = 0.0, s
     return Generation(prompt=prompt, text=model.tokenizer.decode(out), tokens=out,
                       prefill_tok_per_s=len(ids) / (t1 - t0),
                       decode_tok_per_s=steps / (t2 - t1) if steps and t2 > t1 else float("nan"))
+
+
+def replay(model: Model, prompt, fed, linear=None) -> list[np.ndarray]:
+    """The host's simulation of a decode session (Device.generate): prefill `prompt` once, fork the KV cache
+    into the batch, then feed fed[:, i] at step i. fed: int[batch, n]. Returns the prefill's last logits
+    float32[1, vocab], then each step's float32[batch, vocab]. linear: e.g. a QuantizedModel's simulation."""
+    fed = np.asarray(fed)
+    B = fed.shape[0]
+    cache = KVCache(model.config)
+    out = [np.asarray(forward(model, np.asarray(prompt), cache, linear=linear, logits="last")).reshape(1, -1)]
+    cache.reorder([0] * B)
+    for i in range(fed.shape[1]):
+        out.append(np.asarray(forward(model, fed[:, i:i + 1], cache, linear=linear, logits="last")).reshape(B, -1))
+    return out
+
+
+class HostSession:
+    """The host's twin of device.DecodeSession (same interface): a KVCache here instead of on the agent.
+    linear: e.g. a QuantizedModel's simulation (qm.linear); float linears by default."""
+
+    def __init__(self, model: Model, linear=None):
+        self.model, self.linear = model, linear
+        self.cache = KVCache(model.config)
+        self.batch = 1
+
+    def prefill(self, tokens) -> np.ndarray:
+        return np.asarray(forward(self.model, np.asarray(tokens), self.cache, linear=self.linear, logits="last")).reshape(1, -1)
+
+    def reorder(self, indices) -> None:
+        self.cache.reorder(indices)
+        self.batch = self.cache.batch
+
+    def step(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens).reshape(-1, 1)
+        return np.asarray(forward(self.model, tokens, self.cache, linear=self.linear, logits="last")).reshape(self.batch, -1)

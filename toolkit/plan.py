@@ -7,18 +7,23 @@ replaces the order; the op vocabulary stays.
 """
 from __future__ import annotations
 
-NPU_KINDS = {"w8a8", "w8a8-shadow", "smoothquant"}  # integer GEMMs a mobile NPU runs
+# what a mobile NPU runs: integer GEMMs, and q4_0-tile (HMX tile layout, FP16 activations: NPU TTS paper §3)
+NPU_KINDS = {"w8a8", "w8a8-shadow", "smoothquant", "q4_0-tile"}
 
 
 def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_lane: str = "cpu",
-                 split: dict | None = None) -> dict:
+                 split: dict | None = None, batch: int = 1, session: bool = False) -> dict:
     """Plan for prefilling `n_tokens` tokens (run input "tokens": int32[n_tokens]) -> logits of the last
     token float32[1, vocab] (all tokens with last_only=False). float_lane: where linears that are not
     integer GEMMs (float, q4_0 W4A16) run: "cpu", or "gpu" (OpenCL, HeteroLLM's GPU side).
 
     split: HeteroLLM partitioning (§4.1): {matmul name ("attn_q", ..., "ffn_down"): schedule.hetero.Choice}
     runs each int8 GEMM across the `gpu` and `npu` lanes as the solver chose (see _split_linear); shadow
-    outliers of w8a8-shadow stay on `cpu`. Needs int8 records (w8a8, w8a8-shadow)."""
+    outliers of w8a8-shadow stay on `cpu`. Needs int8 records (w8a8, w8a8-shadow).
+
+    session: the run extends a decode session on the agent (its KV cache): positions start at the session's
+    length, attention reads every key it holds. batch: sequences per run (input tokens int32[batch *
+    n_tokens], sequence-major) -> logits float32[batch, vocab]. A decode step is n_tokens=1."""
     c = manifest["config"]
     if c.get("n_experts"):
         raise NotImplementedError("device plans for MoE models arrive with the decode issue; run tiny-moe on the host")
@@ -56,9 +61,12 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
         q = linear(f"{p}.attn_q", n, i)
         k = linear(f"{p}.attn_k", n, i)
         v = linear(f"{p}.attn_v", n, i)
-        q = add(f"{p}.rope_q", "rope", "cpu", [q], i, heads=h, head_dim=hd, theta=c["rope_theta"])
-        k = add(f"{p}.rope_k", "rope", "cpu", [k], i, heads=c["n_kv_heads"], head_dim=hd, theta=c["rope_theta"])
-        a = add(f"{p}.attention", "attention", "cpu", [q, k, v], i, n_heads=h, n_kv_heads=c["n_kv_heads"], head_dim=hd)
+        sa = {"session": True} if session else {}
+        q = add(f"{p}.rope_q", "rope", "cpu", [q], i, heads=h, head_dim=hd, theta=c["rope_theta"], batch=batch, **sa)
+        k = add(f"{p}.rope_k", "rope", "cpu", [k], i, heads=c["n_kv_heads"], head_dim=hd, theta=c["rope_theta"],
+                batch=batch, **sa)
+        a = add(f"{p}.attention", "attention", "cpu", [q, k, v], i, n_heads=h, n_kv_heads=c["n_kv_heads"], head_dim=hd,
+                batch=batch, **({"kv_layer": i} if session else {}), **sa)
         o = linear(f"{p}.attn_output", a, i)
         x = add(f"{p}.attn_residual", "add", "cpu", [x, o], i)
         n = add(f"{p}.ffn_norm", "rms_norm", "cpu", [x, {"blob": T[f"{p}.ffn_norm.weight"]}], i, eps=eps)
@@ -69,8 +77,10 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
         x = add(f"{p}.ffn_residual", "add", "cpu", [x, d], i)
     n = add("output_norm", "rms_norm", "cpu", [x, {"blob": T["output_norm.weight"]}], eps=eps)
     head = T.get("output.weight", T["token_embd.weight"])
-    add("lm_head", "lm_head", "cpu", [n, {"blob": head}], last_only=last_only)
-    return {"ops": ops, "outputs": ["lm_head"], "meta": {"kind": "prefill", "tokens": n_tokens, "scheme": manifest["scheme"]}}
+    add("lm_head", "lm_head", "cpu", [n, {"blob": head}], last_only=last_only, batch=batch)
+    kind = "decode" if session and n_tokens == 1 else "prefill"
+    return {"ops": ops, "outputs": ["lm_head"],
+            "meta": {"kind": kind, "tokens": n_tokens, "batch": batch, "scheme": manifest["scheme"]}}
 
 
 def _npu_pieces(start: int, end: int, lengths) -> list:

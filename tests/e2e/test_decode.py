@@ -1,0 +1,132 @@
+"""Decoding on the device agent: a KV cache kept there across runs, batches of candidates (test-time scaling),
+Best-of-N and beam search, and every way a decode request can be wrong."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from edgeprobe.device import DecodeSession, Device, DeviceError
+from edgeprobe.generate import HostSession, replay
+from edgeprobe.trace import cosine
+from edgeprobe.tts import beam_search, best_of_n, mean_logprob
+
+
+@pytest.fixture(scope="module")
+def qm(smollm):
+    from edgeprobe.quant import quantize
+
+    return quantize(smollm, "q4_0-tile")
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory):
+    d = Device.local(store=tmp_path_factory.mktemp("store"))
+    yield d
+    d.close()
+
+
+def _min_cos(a, b):
+    return min(cosine(a[j], b[j]) for j in range(a.shape[0]))
+
+
+def test_decode_batch_on_the_agent_matches_the_host_step_by_step(dev, qm, heldout_ids):
+    prompt = heldout_ids[:12]
+    seen = []
+    d = dev.generate(qm, prompt, 4, batch=3, temperature=0.9, seed=0, progress=False,
+                     on_step=lambda i, tok: seen.append((i, tok.tolist())))
+    assert d.tokens.shape == (3, 4) and [i for i, _ in seen] == [0, 1, 2, 3]
+    assert [t for _, t in seen] == d.tokens.T.tolist()  # streamed as decoded
+    assert len({tuple(r) for r in d.tokens.tolist()}) > 1  # sampled candidates differ
+    host = replay(qm.model, prompt, d.tokens, linear=qm.linear)
+    assert len(d.logits) == 5 and all(_min_cos(a, b) >= 0.999 for a, b in zip(d.logits, host))
+    groups = {e["group"] for e in d.trace.events}
+    assert groups == {"prefill", "step0", "step1", "step2", "step3"}
+    assert d.decode_tok_per_s > 0 and len(d.step_ms) == 4 and all(t > 0 for t in d.step_ms)
+    lin = [e for e in d.trace.events if e["group"] == "step0" and e["kind"] == "linear"]
+    assert lin and {e["lane"] for e in lin} == {"npu"} and all(e["emulated"] for e in lin)  # q4_0-tile: the NPU's format
+    # greedy: every copy of one prompt decodes the same tokens (the fork copied the prefilled cache)
+    g = dev.generate(qm, prompt, 3, batch=2, progress=False)
+    assert (g.tokens[0] == g.tokens[1]).all()
+    h = replay(qm.model, prompt, g.tokens[:1], linear=qm.linear)
+    assert g.tokens[0].tolist() == [int(h[i][0].argmax()) for i in range(3)]
+
+
+def test_bad_decode_requests_get_clear_errors(tmp_path, qm, heldout_ids):
+    resident = sum(int(b["nbytes"]) for b in qm.manifest["blobs"].values())
+    with Device.local(store=tmp_path / "st", memory_budget_mb=(resident + 2e6) / 1e6) as d:
+        with d.session(qm, 8, progress=False) as s:
+            with pytest.raises(DeviceError, match="prefill the prompt first") as e:
+                s.step([1])
+            assert e.value.code == "no_prefill"
+            s.prefill(heldout_ids[:6])
+            s.step([1])
+            s.step([2])
+            with pytest.raises(DeviceError, match="capacity") as e:
+                s.step([3])
+            assert e.value.code == "context_full"
+            with pytest.raises(DeviceError, match="reorder indices"):
+                s.reorder([0, 5])
+            with pytest.raises(ValueError, match="one token for each"):
+                s.step([1, 2])
+        with pytest.raises(ValueError, match="context length"):
+            DecodeSession(d, qm, 10 ** 6, "huge", progress=False)
+
+
+def test_a_batch_beyond_the_memory_budget_and_a_budget_below_the_weights_are_refused(tmp_path, qm, heldout_ids):
+    resident = sum(int(b["nbytes"]) for b in qm.manifest["blobs"].values())
+    with Device.local(store=tmp_path / "st", memory_budget_mb=(resident + 2e6) / 1e6) as d:
+        d.generate(qm, heldout_ids[:4], 2, batch=1, progress=False)  # fits: a few hundred kB of KV cache
+        with pytest.raises(DeviceError, match="lower the batch") as e:
+            d.request("open_session", model_id=d.load_model(qm), session="big", batch=64, capacity=512)
+        assert e.value.code == "memory_budget"
+    with Device.local(store=tmp_path / "st", memory_budget_mb=resident / 2e6) as d:
+        with pytest.raises(DeviceError, match="resident weights") as e:
+            d.generate(qm, heldout_ids[:4], 2, progress=False)
+        assert e.value.code == "memory_budget"
+
+
+def test_best_of_n_and_beam_search_keep_the_right_kv_rows(smollm, heldout_ids):
+    from edgeprobe.forward import forward
+
+    prompt = heldout_ids[:8]
+    cands = best_of_n(HostSession(smollm), prompt, n=4, max_tokens=5, temperature=1.0, seed=3)
+    assert len(cands) == 4 and all(len(c.tokens) == 5 for c in cands)
+    assert [c.score for c in cands] == sorted((c.score for c in cands), reverse=True)
+    assert all(c.score == pytest.approx(mean_logprob(c.tokens, c.logprobs)) for c in cands)
+    picky = best_of_n(HostSession(smollm), prompt, n=4, max_tokens=5, temperature=1.0, seed=3,
+                      scorer=lambda toks, lps: -float(np.mean(lps)))  # a pluggable scorer reverses the order
+    assert [c.tokens for c in picky] == [c.tokens for c in reversed(cands)]
+    beams = beam_search(HostSession(smollm), prompt, width=2, expand=3, step_tokens=2, n_steps=3, temperature=1.0, seed=1)
+    assert len(beams) == 2 and all(len(b.tokens) == 6 for b in beams) and beams[0].score >= beams[1].score
+    for b in beams:  # the log-probs recorded along the way equal a fresh pass over prompt + beam: the rows kept were right
+        full = np.concatenate([prompt, b.tokens])
+        logits = forward(smollm, full)[len(prompt) - 1:-1].astype(np.float64)
+        lp = logits - logits.max(-1, keepdims=True)
+        lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+        np.testing.assert_allclose([lp[i, t] for i, t in enumerate(b.tokens)], b.logprobs, atol=2e-3)
+
+
+def test_best_of_n_runs_on_the_agent_session(dev, qm, heldout_ids):
+    with dev.session(qm, 16, progress=False) as s:
+        cands = best_of_n(s, heldout_ids[:8], n=3, max_tokens=4, temperature=0.8, seed=0)
+        assert s.batch == 3 and len(s.step_ms) == 4
+    host = best_of_n(HostSession(qm.model, qm.linear), heldout_ids[:8], n=3, max_tokens=4, temperature=0.8, seed=0)
+    assert sorted(c.tokens for c in cands) == sorted(c.tokens for c in host)
+
+
+def test_run_cli_decodes_a_batch(tmp_path):
+    env = {**os.environ, "EDGEPROBE_AGENT_STORE": str(tmp_path / "st")}
+    r = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--scheme", "q4_0-tile", "--prompt-len", "12",
+                        "--decode", "3", "--batch", "2", "--temperature", "0.7", "--json", "--no-progress",
+                        "--trace", str(tmp_path / "t.json")], capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["decode_tok_per_s"] > 0 and out["batch"] == 2 and out["decode_steps"] == 3 and len(out["texts"]) == 2
+    assert out["decode_logits_min_cosine_vs_host"] >= 0.999 and out["logits_cosine_vs_host"] >= 0.999
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    bad = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--batch", "4", "--prompt-len", "8"],
+                         capture_output=True, text=True, timeout=900, env=env)
+    assert bad.returncode == 2 and "--decode" in bad.stderr and "Traceback" not in bad.stderr

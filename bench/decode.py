@@ -34,11 +34,73 @@ def main():
             d = dev.generate(qm, ids, args.steps, batch=b, temperature=0.8, seed=0, progress=False)
             step = statistics.median(d.step_ms[1:])
             rows.append((b, step, b / step * 1e3, d.decode_tok_per_s))
+        rowcut(dev, m, ids, args.steps)
+        neurons(dev, m, args.steps)
     base = rows[0]
     print(f"decode on the agent, {args.scheme}, prompt {args.prompt}, {args.steps} steps (median step after the first)")
     print(f"{'batch':>5} {'step ms':>8} {'tok/s (agent)':>14} {'x B=1':>6} {'tok/s (wall)':>13} {'x B=1':>6}")
     for b, step, tps, wall in rows:
         print(f"{b:5d} {step:8.1f} {tps:14.1f} {tps / base[2]:6.2f} {wall:13.1f} {wall / base[3]:6.2f}")
+
+
+def neurons(dev, m, steps) -> None:
+    """LLM in a flash on the agent: FFN neurons from bundles on flash (predicted + sliding window) against
+    dense loading from flash and against all-resident; bytes read and latency per token; perplexity cost."""
+    import statistics
+    import time
+
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.neurons import add_bundles, sparsity_perplexity
+    from edgeprobe.profile.predictor import train_predictors
+    from edgeprobe.profile.sparsity import calibrate_thresholds
+    from edgeprobe.quant import quantize
+
+    train, held = m.tokenizer.encode(read_corpus("train")), m.tokenizer.encode(read_corpus("heldout"))
+    t = time.perf_counter()
+    taus = calibrate_thresholds(m, train, eps=0.01, tokens=512)
+    pred = train_predictors(m, train[:4096], held[:512], taus, rank=32, window=256, progress=False)
+    print(f"neurons from flash: predictors trained in {time.perf_counter() - t:.0f} s (recall "
+          f"{pred.recall.mean():.3f}, predicted active {100 * pred.predicted_fraction.mean():.1f}% of neurons)")
+    ppl = sparsity_perplexity(m, pred, held[4096:], window=256, max_windows=4)
+    print(f"  perplexity, 4 held-out windows of 256: dense {ppl['dense_ppl']:.3f}, predicted-sparse {ppl['sparse_ppl']:.3f} "
+          f"(+{100 * ppl['ppl_increase']:.2f}%)")
+    qm = quantize(m, "float")
+    add_bundles(qm, m, pred)
+    prompt = held[2000:2032]
+    for name, mode in (("all resident", None), ("sparse + window 5", {"mode": "sparse", "window": 5}),
+                       ("sparse + window 1", {"mode": "sparse", "window": 1}), ("dense from flash", {"mode": "dense"})):
+        d = dev.generate(qm, prompt, steps, ffn_flash=mode, progress=False)
+        mb = [c.get("flash_read_bytes", 0) / 1e6 for c in d.step_counters[1:]]
+        print(f"  {name:<18} median step {statistics.median(d.step_ms[1:]):7.1f} ms   flash read per token "
+              f"{statistics.mean(mb):8.2f} MB (max {max(mb):.2f})")
+
+
+def rowcut(dev, m, ids, steps) -> None:
+    """HeteroLLM decode: every int8 GEMV split by output channels between the gpu and npu lanes at the solver's
+    ratio, against each lane alone (w8a8, batch 1)."""
+    import statistics
+
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.quant import calibration_profile, quantize
+    from edgeprobe.schedule import decode_choices
+
+    if "gpu" not in dev.info.get("lanes", []):
+        print("HeteroLLM decode row-cut: the agent has no gpu lane; skipped")
+        return
+    qm = quantize(m, "w8a8", calibration_profile(m, m.tokenizer.encode(read_corpus("train")), progress=False))
+    hp, _ = dev.measure_linears(qm, rows=(1, 2, 4), progress=False)
+    print(f"decode GEMV rates on the agent: npu {hp.npu_gops:.1f} GOP/s, gpu {hp.gpu_gflops:.1f} GFLOP/s, slowdown when "
+          f"both run npu x{hp.slowdown_npu:.2f} gpu x{hp.slowdown_gpu:.2f}")
+    res = {}
+    for s in ("solver", "npu-pad", "gpu", "row-cut"):
+        ch = decode_choices(m.config, 1, hp, s)
+        d = dev.generate(qm, ids, steps, split=ch, progress=False)
+        res[s] = statistics.median(d.step_ms[1:])
+        cuts = sorted({f"{c.strategy}" + (f" {c.npu_cols}/{n}" if c.strategy == "row-cut" else "")
+                       for n, c in ((k, v) for k, v in ch.items())})
+        print(f"  {s:<8} median step {res[s]:6.1f} ms   ({', '.join(cuts)})")
+    print(f"  solver vs npu alone {res['npu-pad'] / res['solver']:.2f}x, vs gpu alone {res['gpu'] / res['solver']:.2f}x; "
+          f"forced row-cut vs npu alone {res['npu-pad'] / res['row-cut']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -45,8 +45,8 @@ def _runner(ctx, rec, part, cols=None):
     fn = ctx.runners.get(key)
     if fn is None:
         kind = rec.get("kind")
-        if part == "int8":
-            fn = run_w8a8(rec, ctx.get, ctx.counters, cols)
+        if part == "int8" or (kind == "w8a8" and part == "all"):  # the emulated NPU keeps float32 copies
+            fn = run_w8a8(rec, ctx.get, ctx.counters, cols, keep_f32=True)
         elif part == "shadow":
             fn = shadow_delta(rec, ctx.get, ctx.counters)
         elif kind in RUNNERS:
@@ -209,6 +209,8 @@ def flops(kind: str, inp, out, attrs, ctx=None) -> int:
         return 2 * m * inp[0].shape[1] * out.shape[1]
     if kind == "lm_head":
         return 2 * out.shape[0] * inp[0].shape[1] * out.shape[1]
+    if kind == "ffn_flash":  # predictor + the active neurons' three products (counted from the output rows)
+        return 2 * inp[0].shape[0] * inp[1].shape[1] * (inp[0].shape[1] + inp[2].shape[1])
     if kind == "attention":
         T, H, d = inp[0].shape[0], int(attrs["n_heads"]), int(attrs["head_dim"])
         S = sum(a.shape[0] for a in inp[1:1 + int(attrs.get("parts", 1))])
@@ -218,5 +220,11 @@ def flops(kind: str, inp, out, attrs, ctx=None) -> int:
     return int(out.size)
 
 
-OPS = {"embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
+def _ffn_flash(inp, attrs, ctx):
+    from .neurons import op_ffn_flash  # imports ops (for OpError): loaded on first use
+
+    return op_ffn_flash(inp, attrs, ctx)
+
+
+OPS = {"ffn_flash": _ffn_flash, "embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
        "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat}

@@ -359,7 +359,8 @@ class Agent:
                 self.outbox.put((run.ident, {"id": run.rid, "final": False, "event": "progress",
                                              "done": state["done"], "total": total}, ()))
         try:
-            ctx = Context(get=self.store.get, counters=self.counters, runners=self.runners, session=run.session)
+            ctx = Context(get=self.store.get, counters=self.counters, runners=self.runners, session=run.session,
+                          read_rows=self.store.read_rows)
             before = dict(self.counters)
             t0 = now_us()
             outs, events = execute(plan, inputs, ctx, run.cancel, on_op)

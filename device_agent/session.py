@@ -25,6 +25,7 @@ class KVSession:
     length: int = 0
     k: list = field(default_factory=list)
     v: list = field(default_factory=list)
+    extras: dict = field(default_factory=dict)  # other per-session state kept across steps (neuron windows)
 
     def __post_init__(self):
         shape = (self.batch, self.n_kv_heads, self.capacity, self.head_dim)
@@ -59,6 +60,8 @@ class KVSession:
         idx = np.asarray(indices)
         if idx.ndim != 1 or idx.size == 0 or idx.dtype.kind not in "iu" or idx.min() < 0 or idx.max() >= self.batch:
             raise OpError("bad_request", f"reorder indices must be a non-empty list of rows in [0, {self.batch})")
+        if self.extras.get("neurons") and idx.size != 1:
+            raise OpError("bad_request", "neuron streaming decodes one sequence; do not fork its session")
         self.k = [np.ascontiguousarray(a[idx]) for a in self.k]
         self.v = [np.ascontiguousarray(a[idx]) for a in self.v]
         self.batch = int(idx.size)

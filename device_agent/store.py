@@ -76,6 +76,7 @@ class FlashStore:
         threading.Thread(target=self._write_worker, daemon=True, name="blob-writer").start()
         threading.Thread(target=self._hash_worker, daemon=True, name="blob-sha256").start()
         self.reads = self.read_bytes = 0
+        self._sidecars: dict = {}   # sha -> dtype/shape of finished blobs, read once
 
     # ---- what is here -------------------------------------------------------------------------
     def has(self, sha: str) -> bool:
@@ -250,6 +251,53 @@ class FlashStore:
             self.on_read({"name": f"read {sha[:8]}", "kind": "flash_read", "lane": "io", "start_us": t0, "end_us": t1,
                           "bytes_in": a.nbytes, "bytes_out": 0, "flops": 0, "emulated": False, "blob": sha})
         return a
+
+    def read_rows(self, sha: str, rows, cold: bool = True, lane: str = "io") -> np.ndarray:
+        """Rows `rows` (int array, first axis) of a blob read straight from its file — one pread per run of
+        consecutive rows, never kept resident. cold: afterwards drop those pages from the OS page cache
+        (posix_fadvise DONTNEED), so reading them again goes to the device, as on a phone whose DRAM cannot
+        hold the weights. Traced as flash_read events on `lane`."""
+        if not self.has(sha):
+            raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
+        meta = self._meta_of(sha)
+        shape, dt = meta["shape"], np.dtype(meta["dtype"])
+        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dt.itemsize
+        rows = np.asarray(rows, np.int64)
+        out = np.empty((len(rows),) + tuple(shape[1:]), dt)
+        if len(rows) == 0:
+            return out
+        if rows.min() < 0 or rows.max() >= shape[0]:
+            raise StoreError("bad_rows", f"rows outside [0, {shape[0]}) of blob {sha[:12]}")
+        order = np.argsort(rows, kind="stable")
+        srt = rows[order]
+        breaks = np.nonzero(np.diff(srt) != 1)[0] + 1
+        t0 = now_us()
+        fd = os.open(self.blob_dir / sha, os.O_RDONLY)
+        try:
+            flat = out.reshape(len(rows), -1).view(np.uint8)
+            for run in np.split(np.arange(len(srt)), breaks):
+                first, n = int(srt[run[0]]), len(run)
+                raw = os.pread(fd, n * row_bytes, first * row_bytes)
+                flat[order[run]] = np.frombuffer(raw, np.uint8).reshape(n, row_bytes)
+                if cold and hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, first * row_bytes, n * row_bytes, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        t1 = now_us()
+        with self._lock:
+            self.reads += 1
+            self.read_bytes += len(rows) * row_bytes
+        if self.on_read:
+            self.on_read({"name": f"read {sha[:8]} rows", "kind": "flash_read", "lane": lane, "start_us": t0,
+                          "end_us": t1, "bytes_in": len(rows) * row_bytes, "bytes_out": 0, "flops": 0,
+                          "emulated": False, "blob": sha, "runs": len(breaks) + 1})
+        return out
+
+    def _meta_of(self, sha: str) -> dict:
+        m = self._sidecars.get(sha)
+        if m is None:
+            m = self._sidecars[sha] = json.loads((self.blob_dir / f"{sha}.json").read_text())
+        return m
 
     def stats(self) -> dict:
         blobs = [p for p in self.blob_dir.iterdir() if len(p.name) == 64]

@@ -60,17 +60,18 @@ def _check(a, bt):
         raise ValueError(f"gemm_s8s32 needs int8[M, K] and int8[K, N], got {a.dtype}{a.shape} and {bt.dtype}{bt.shape}")
 
 
-def gemm_s8s32(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
+def gemm_s8s32(a: np.ndarray, bt: np.ndarray, bt_f32: np.ndarray | None = None) -> np.ndarray:
     """a: int8[M, K], bt: int8[K, N] -> int32[M, N], exact: float32 BLAS over K-blocks of <= EXACT_K.
 
-    Inputs must lie in [-127, 127] (symmetric quantization never produces -128).
+    Inputs must lie in [-127, 127] (symmetric quantization never produces -128). bt_f32: bt already cast to
+    float32, kept by a caller that runs one weight many times (a decode GEMV is otherwise mostly the cast).
     """
     _check(a, bt)
     af = a.astype(np.float32)
-    bf = bt.astype(np.float32)
+    bf = bt.astype(np.float32) if bt_f32 is None else bt_f32
     K = a.shape[1]
     if K <= EXACT_K:
-        return (af @ bf).astype(np.int32)
+        return (af @ bf if a.shape[0] > 32 else (bf.T @ af.T).T).astype(np.int32)  # few rows: see x_wt
     c = np.zeros((a.shape[0], bt.shape[1]), np.int32)
     for k0 in range(0, K, EXACT_K):
         c += (af[:, k0:k0 + EXACT_K] @ bf[k0:k0 + EXACT_K]).astype(np.int32)

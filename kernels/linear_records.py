@@ -33,12 +33,14 @@ def run_float(rec, get, counters):
     return lambda x: x_wt(x, w)
 
 
-def run_w8a8(rec, get, counters, cols=None):
-    """cols (a, b): only output channels a..b-1 (one side of a row-cut split, HeteroLLM §4.1)."""
+def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
+    """cols (a, b): only output channels a..b-1 (one side of a row-cut split, HeteroLLM §4.1). keep_f32: keep
+    the int8 weight's float32 copy for the exact BLAS path (the agent, which runs one weight every step)."""
     wt, sa, sw = get(rec["wt"]), rec["scale_a"], rec["scale_w"]
     if cols is not None:
         wt = np.ascontiguousarray(wt[:, cols[0]:cols[1]])
-    return lambda x: gemm_s8s32(quantize_per_tensor(x, sa), wt).astype(np.float32) * np.float32(sa * sw)
+    wf = wt.astype(np.float32) if keep_f32 else None
+    return lambda x: gemm_s8s32(quantize_per_tensor(x, sa), wt, wf).astype(np.float32) * np.float32(sa * sw)
 
 
 def run_shadow(rec, get, counters):

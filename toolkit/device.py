@@ -76,6 +76,7 @@ class Decoded:
     prefill_s: float
     decode_s: float          # wall time of the n steps, sampling and round trips included
     step_ms: list            # each step's makespan on the agent
+    step_counters: list = field(default_factory=list)  # each step's counters (+ flash_read_bytes)
 
     @property
     def decode_tok_per_s(self) -> float:
@@ -90,7 +91,8 @@ class DecodeSession:
     step(tokens int[batch]) -> float32[batch, vocab]. `events` gathers every run's trace events, grouped
     "prefill" / "step{i}"; `step_ms` each step's makespan. The same interface as generate.HostSession."""
 
-    def __init__(self, dev: "Device", qm, capacity: int, name: str = "decode", progress: bool = True):
+    def __init__(self, dev: "Device", qm, capacity: int, name: str = "decode", progress: bool = True,
+                 split: dict | None = None, ffn_flash: dict | None = None):
         c = qm.manifest["config"]
         if capacity > c["context_length"]:
             raise ValueError(f"{capacity} positions exceed the model's context length {c['context_length']}")
@@ -101,13 +103,18 @@ class DecodeSession:
         self.batch, self.length, self.events, self.step_ms, self.logits_history = 1, 0, [], [], []
         self._plans: dict = {}
         self.meta: dict = {}
+        self.split = split  # HeteroLLM partition of the decode steps' int8 GEMMs (schedule.hetero.choices_for)
+        self.ffn_flash = ffn_flash  # LLM in a flash: FFN neurons from flash ({"mode", "window"})
+        self.step_counters: list = []
 
     def _plan(self, n_tokens: int, batch: int) -> str:
         from .plan import prefill_plan
 
         key = (n_tokens, batch)
         if key not in self._plans:
-            self._plans[key] = self.dev.put_plan(prefill_plan(self.qm.manifest, n_tokens, session=True, batch=batch))
+            split = self.split if n_tokens == 1 else None
+            self._plans[key] = self.dev.put_plan(prefill_plan(self.qm.manifest, n_tokens, session=True, batch=batch,
+                                                              split=split, ffn_flash=self.ffn_flash))
         return self._plans[key]
 
     def prefill(self, tokens) -> np.ndarray:
@@ -133,6 +140,7 @@ class DecodeSession:
         r = self.dev.run(self._plan(1, self.batch), {"tokens": tokens}, title=f"decode step {i}", session=self.name,
                          advance=1, phase="decode")
         self.step_ms.append(r.trace.metrics()["makespan_ms"])
+        self.step_counters.append({**r.counters, "flash_read_bytes": r.trace.metrics()["flash_read_bytes"]})
         self.events += [{**e, "group": f"step{i}"} for e in r.trace.events]
         self.length += 1
         return r.logits.reshape(self.batch, -1)
@@ -347,22 +355,25 @@ class Device:
         res.schedule = sched
         return res
 
-    def session(self, qm, capacity: int, name: str = "decode", progress: bool = True) -> "DecodeSession":
+    def session(self, qm, capacity: int, name: str = "decode", progress: bool = True, split=None,
+                ffn_flash=None) -> "DecodeSession":
         """A decode session on the agent (KV cache kept there): prefill, reorder (fork / beams), step."""
-        return DecodeSession(self, qm, capacity, name, progress)
+        return DecodeSession(self, qm, capacity, name, progress, split, ffn_flash)
 
     def generate(self, qm, prompt, n: int, batch: int = 1, temperature: float = 0.0, seed: int = 0,
-                 on_step=None, progress: bool = True) -> "Decoded":
+                 on_step=None, progress: bool = True, split=None, ffn_flash=None) -> "Decoded":
         """Prefill `prompt` (token ids) once, fork it into `batch` sequences, then run `n` decode steps on the
         agent, its KV cache staying there. Each step feeds every sequence its next token, sampled on the host
         from the previous logits (greedy at temperature 0, else softmax(z / T) with `seed`), and gets
         float32[batch, vocab] logits back. on_step(i, tokens[batch]) streams the tokens. The trace groups
-        events by "prefill" and "step{i}"."""
+        events by "prefill" and "step{i}". split: HeteroLLM's partition of the decode steps' int8 GEMMs
+        between the gpu and npu lanes ({matmul: Choice}, schedule.hetero.decode_choices). ffn_flash: FFN neurons
+        read from flash ({"mode": "sparse" | "dense", "window": k}; needs neurons.add_bundles)."""
         prompt = np.asarray(prompt, np.int32).reshape(-1)
         if n < 1 or batch < 1:
             raise ValueError(f"n (decode steps) and batch must be >= 1, got n={n}, batch={batch}")
         rng = np.random.default_rng(seed)
-        with self.session(qm, len(prompt) + n, progress=progress) as s:
+        with self.session(qm, len(prompt) + n, progress=progress, split=split, ffn_flash=ffn_flash) as s:
             t0 = time.perf_counter()
             logits = s.prefill(prompt)
             t1 = time.perf_counter()
@@ -379,7 +390,8 @@ class Device:
                 all_logits.append(logits)
             t2 = time.perf_counter()
         meta = {**s.meta, "title": f"prefill {len(prompt)} + {n} decode steps x batch {batch}, {qm.scheme}"}
-        return Decoded(np.stack(fed, axis=1), all_logits, Trace(s.events, meta), batch, t1 - t0, t2 - t1, s.step_ms)
+        return Decoded(np.stack(fed, axis=1), all_logits, Trace(s.events, meta), batch, t1 - t0, t2 - t1, s.step_ms,
+                       s.step_counters)
 
     def measure_linears(self, qm, rows=(32, 64, 128, 256, 512, 1024), progress: bool = True):
         """HeteroLLM's profiler on this agent: int8 GEMM rates of the npu and gpu lanes and their hand-off,

@@ -52,17 +52,19 @@ def generate(model: Model, prompt: str, n: int = 32, temperature: float = 0.0, s
                       decode_tok_per_s=steps / (t2 - t1) if steps and t2 > t1 else float("nan"))
 
 
-def replay(model: Model, prompt, fed, linear=None) -> list[np.ndarray]:
+def replay(model: Model, prompt, fed, linear=None, hooks=None) -> list[np.ndarray]:
     """The host's simulation of a decode session (Device.generate): prefill `prompt` once, fork the KV cache
     into the batch, then feed fed[:, i] at step i. fed: int[batch, n]. Returns the prefill's last logits
-    float32[1, vocab], then each step's float32[batch, vocab]. linear: e.g. a QuantizedModel's simulation."""
+    float32[1, vocab], then each step's float32[batch, vocab]. linear: e.g. a QuantizedModel's simulation;
+    hooks: e.g. neurons.sparse_hooks (predicted FFN sparsity)."""
     fed = np.asarray(fed)
     B = fed.shape[0]
     cache = KVCache(model.config)
-    out = [np.asarray(forward(model, np.asarray(prompt), cache, linear=linear, logits="last")).reshape(1, -1)]
+    out = [np.asarray(forward(model, np.asarray(prompt), cache, hooks=hooks, linear=linear, logits="last")).reshape(1, -1)]
     cache.reorder([0] * B)
     for i in range(fed.shape[1]):
-        out.append(np.asarray(forward(model, fed[:, i:i + 1], cache, linear=linear, logits="last")).reshape(B, -1))
+        out.append(np.asarray(forward(model, fed[:, i:i + 1], cache, hooks=hooks, linear=linear,
+                                      logits="last")).reshape(B, -1))
     return out
 
 

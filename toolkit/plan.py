@@ -12,7 +12,7 @@ NPU_KINDS = {"w8a8", "w8a8-shadow", "smoothquant", "q4_0-tile"}
 
 
 def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_lane: str = "cpu",
-                 split: dict | None = None, batch: int = 1, session: bool = False) -> dict:
+                 split: dict | None = None, batch: int = 1, session: bool = False, ffn_flash: dict | None = None) -> dict:
     """Plan for prefilling `n_tokens` tokens (run input "tokens": int32[n_tokens]) -> logits of the last
     token float32[1, vocab] (all tokens with last_only=False). float_lane: where linears that are not
     integer GEMMs (float, q4_0 W4A16) run: "cpu", or "gpu" (OpenCL, HeteroLLM's GPU side).
@@ -23,7 +23,10 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
 
     session: the run extends a decode session on the agent (its KV cache): positions start at the session's
     length, attention reads every key it holds. batch: sequences per run (input tokens int32[batch *
-    n_tokens], sequence-major) -> logits float32[batch, vocab]. A decode step is n_tokens=1."""
+    n_tokens], sequence-major) -> logits float32[batch, vocab]. A decode step is n_tokens=1.
+
+    ffn_flash: {"mode": "sparse" | "dense", "window": k} — each FFN is one `ffn_flash` op reading its neurons
+    from the bundle on flash (LLM in a flash; needs neurons.add_bundles and a session)."""
     c = manifest["config"]
     if c.get("n_experts"):
         raise NotImplementedError("device plans for MoE models arrive with the decode issue; run tiny-moe on the host")
@@ -42,7 +45,7 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
         if choice is not None:
             if rec["kind"] not in ("w8a8", "w8a8-shadow"):
                 raise ValueError(f"a HeteroLLM split needs int8 linears (w8a8, w8a8-shadow); {name} is {rec['kind']!r}")
-            y = _split_linear(add, name, x, layer, rec, choice, n_tokens)
+            y = _split_linear(add, name, x, layer, rec, choice, n_tokens * batch)
             if rec["kind"] == "w8a8-shadow" and rec.get("shadow"):
                 b = add(f"{name}.shadow", "linear", "cpu", [x], layer, rec=rec, part="shadow")
                 return add(f"{name}.sum", "add", "cpu", [y, b], layer)
@@ -70,6 +73,15 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
         o = linear(f"{p}.attn_output", a, i)
         x = add(f"{p}.attn_residual", "add", "cpu", [x, o], i)
         n = add(f"{p}.ffn_norm", "rms_norm", "cpu", [x, {"blob": T[f"{p}.ffn_norm.weight"]}], i, eps=eps)
+        if ffn_flash:
+            nr = manifest.get("neurons", {}).get(str(i))
+            if nr is None or not session:
+                raise ValueError("ffn_flash needs neuron bundles (edgeprobe.neurons.add_bundles) and a decode session")
+            d = add(f"{p}.ffn_flash", "ffn_flash", "cpu", [n] + [{"blob": nr[k]} for k in ("A", "B", "b")], i,
+                    bundle=nr["bundle"], ffn_layer=i, cutoff=nr["cutoff"], window=int(ffn_flash.get("window", 5)),
+                    mode=ffn_flash.get("mode", "sparse"))
+            x = add(f"{p}.ffn_residual", "add", "cpu", [x, d], i)
+            continue
         g = linear(f"{p}.ffn_gate", n, i)
         u = linear(f"{p}.ffn_up", n, i)
         act = add(f"{p}.swiglu", "swiglu", "cpu", [g, u], i)

@@ -130,3 +130,66 @@ def test_run_cli_decodes_a_batch(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--batch", "4", "--prompt-len", "8"],
                          capture_output=True, text=True, timeout=900, env=env)
     assert bad.returncode == 2 and "--decode" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_neuron_window_keeps_the_last_k_steps_and_moves_rows_into_holes():
+    from edgeprobe_agent.neurons import NeuronWindow
+
+    rng = np.random.default_rng(0)
+    bundle = rng.standard_normal((40, 3, 8)).astype(np.float16)
+    reads = []
+
+    def read(rows):
+        reads.append(len(rows))
+        return bundle[rows]
+
+    w = NeuronWindow(40, 8, window=2)
+    history = []
+    for step in range(12):
+        active = np.sort(rng.choice(40, size=rng.integers(3, 12), replace=False))
+        history.append(set(active.tolist()))
+        st = w.update(active, read)
+        keep = set().union(*history[-2:])  # neurons used in the last 2 steps, and only those
+        assert set(w.neuron_of[:w.n].tolist()) == keep and st["resident"] == len(keep)
+        assert all(w.slot_of[j] == s for s, j in enumerate(w.neuron_of[:w.n]))
+        np.testing.assert_array_equal(w.mat[:, :w.n].transpose(1, 0, 2), bundle[w.neuron_of[:w.n]].astype(np.float32))
+        assert st["loaded"] == len(history[-1] - (history[-2] if step else set()) - (history[-3] if step > 1 else set())) \
+            or step == 0
+    assert sum(reads) < sum(len(h) for h in history)  # the window saved reads
+
+
+def test_neurons_stream_from_flash_on_the_agent(dev, smollm, heldout_ids):
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.neurons import add_bundles, sparse_hooks, sparsity_perplexity
+    from edgeprobe.profile.predictor import train_predictors
+    from edgeprobe.profile.sparsity import calibrate_thresholds
+    from edgeprobe.quant import quantize
+
+    train = smollm.tokenizer.encode(read_corpus("train"))
+    taus = calibrate_thresholds(smollm, train, tokens=128)
+    pred = train_predictors(smollm, train[:256], heldout_ids[:128], taus, rank=8, steps=3, window=128, progress=False)
+    qm = quantize(smollm, "float")
+    add_bundles(qm, smollm, pred)
+    prompt = heldout_ids[:8]
+    sparse = dev.generate(qm, prompt, 3, ffn_flash={"mode": "sparse", "window": 2}, progress=False)
+    host = replay(smollm, prompt, sparse.tokens, hooks=sparse_hooks(pred, union=True))
+    assert all(cosine(a[0], b[0]) >= 0.999 for a, b in zip(sparse.logits, host))
+    dense = dev.generate(qm, prompt, 3, ffn_flash={"mode": "dense"}, progress=False)
+    full = replay(smollm, prompt, dense.tokens)
+    assert all(cosine(a[0], b[0]) >= 0.999 for a, b in zip(dense.logits, full))
+    bundle_bytes = sum(qm.manifest["blobs"][n["bundle"]]["nbytes"] for n in qm.manifest["neurons"].values())
+    assert all(c["flash_read_bytes"] == bundle_bytes for c in dense.step_counters)  # every neuron, every token
+    sparse_bytes = [c["flash_read_bytes"] for c in sparse.step_counters]
+    assert max(sparse_bytes) < bundle_bytes and all(c["neurons_active"] <= 30 * 1536 for c in sparse.step_counters)
+    reads = [e for e in sparse.trace.events if e["kind"] == "flash_read"]
+    assert reads and all(e["lane"] == "io" for e in reads)
+    ppl = sparsity_perplexity(smollm, pred, heldout_ids[:256], window=64, max_windows=2)
+    assert ppl["sparse_ppl"] >= ppl["dense_ppl"] * 0.99 and 0 < ppl["predicted_active_fraction"] <= 1
+    with dev.session(qm, 12, progress=False, ffn_flash={"mode": "sparse"}) as s:
+        s.prefill(prompt)
+        with pytest.raises(DeviceError, match="one sequence"):
+            s.reorder([0, 0])
+    with pytest.raises(ValueError, match="decode session"):
+        from edgeprobe.plan import prefill_plan
+
+        prefill_plan(qm.manifest, 4, ffn_flash={"mode": "sparse"})

@@ -169,6 +169,19 @@ def choices_for(config, prompt_len: int, p: HeteroProfile = SNAPDRAGON_HETERO, s
     return out
 
 
+DECODE_PREBUILT = (1, 2, 4, 8, 16)
+
+
+def decode_choices(config, batch: int, p: HeteroProfile = SNAPDRAGON_HETERO, strategy: str = "solver") -> dict:
+    """{matmul: Choice} for decode steps of `batch` sequences (M = batch rows): the NPU has graphs built for
+    the decode batch sizes, so decode splits are row cuts (output channels) or one lane alone — HeteroLLM
+    uses the two processors' memory bandwidth together."""
+    import dataclasses
+
+    return choices_for(config, batch, dataclasses.replace(p, prebuilt=tuple(sorted(set(DECODE_PREBUILT + p.prebuilt)))),
+                       strategy)
+
+
 def compare_strategies(config, prompt_len: int, p: HeteroProfile = SNAPDRAGON_HETERO) -> dict:
     """Prefill matmul time (all layers) under the solver and under each fixed strategy, and the solver's
     choice per matmul — at one prompt length."""

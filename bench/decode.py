@@ -36,11 +36,64 @@ def main():
             rows.append((b, step, b / step * 1e3, d.decode_tok_per_s))
         rowcut(dev, m, ids, args.steps)
         neurons(dev, m, args.steps)
+        experts(dev, args.steps)
     base = rows[0]
     print(f"decode on the agent, {args.scheme}, prompt {args.prompt}, {args.steps} steps (median step after the first)")
     print(f"{'batch':>5} {'step ms':>8} {'tok/s (agent)':>14} {'x B=1':>6} {'tok/s (wall)':>13} {'x B=1':>6}")
     for b, step, tps, wall in rows:
         print(f"{b:5d} {step:8.1f} {tps:14.1f} {tps / base[2]:6.2f} {wall:13.1f} {wall / base[3]:6.2f}")
+
+
+def experts(dev, steps, capacity: int = 24, preload_n: int = 2) -> None:
+    """EdgeMoE on the agent (tiny-moe): Fig. 16's ablation — float experts from flash on every use, INT4
+    experts, + preloading (I/O lane), + expert buffer — per-token latency, bytes, and the buffer's hit rate
+    beside the host simulator's on the same tokens' routing."""
+    import dataclasses
+    import statistics
+
+    import numpy as np
+
+    from edgeprobe import models
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.plan import attach_expert_streaming
+    from edgeprobe.profile import run
+    from edgeprobe.profile.expert_cache import preload_plan, simulate
+    from edgeprobe.profile.experts import CoActivationStats, PreloadPredictor, record_routing
+    from edgeprobe.quant import quantize
+
+    m = models.load("tiny-moe")
+    train, held = m.tokenizer.encode(read_corpus("train")), m.tokenizer.encode(read_corpus("heldout"))
+    stats = run(m, train, CoActivationStats.for_model(m), window=256, max_tokens=32768, progress=False)
+    pred = PreloadPredictor.from_stats(stats)
+    fp, q4 = quantize(m, "float"), quantize(m, "moe-mixed", expert_bits={})  # moe-mixed, every expert INT4
+    for qm in (fp, q4):
+        attach_expert_streaming(qm, pred)
+    prompt = held[500:532]
+    rows = [("all experts resident (float)", fp, None),
+            ("float experts from flash", fp, {"capacity": 0}),
+            ("+ INT4 experts", q4, {"capacity": 0}),
+            ("+ preloading (top-2, io lane)", q4, {"capacity": 0, "preload_n": preload_n}),
+            (f"+ expert buffer ({capacity}, edgemoe)", q4, {"capacity": capacity, "policy": "edgemoe", "preload_n": preload_n}),
+            (f"  buffer ({capacity}, lru)", q4, {"capacity": capacity, "policy": "lru", "preload_n": preload_n})]
+    print(f"experts from flash on the agent: tiny-moe, prompt {len(prompt)}, {steps} decode steps")
+    for name, qm, fl in rows:
+        d = dev.generate(qm, prompt, steps, experts_flash=fl, progress=False)
+        c = [x for x in d.step_counters[1:]]
+        uses = sum(x.get("experts_uses", 0) for x in c)
+        hits = sum(x.get("experts_hits", 0) for x in c)
+        mb = statistics.mean(x.get("flash_read_bytes", 0) for x in c) / 1e6
+        line = f"  {name:<32} {statistics.median(d.step_ms[1:]):6.1f} ms/token  {mb:6.2f} MB read/token"
+        if fl is not None:
+            line += f"  hit rate {100 * hits / max(uses, 1):5.1f}%"
+            if fl.get("capacity"):  # the simulator on the routing of the same decoded tokens
+                seq = np.concatenate([prompt, d.tokens[0]])
+                tr = record_routing(m, seq, window=len(seq), progress=False)
+                sub = dataclasses.replace(tr, experts=tr.experts[len(prompt) + 1:], weights=tr.weights[len(prompt) + 1:],
+                                          starts=np.array([0]))
+                plan = preload_plan(sub, pred, preload_n) if fl.get("preload_n") else None
+                sim = simulate(sub, fl["policy"], capacity, pred.p0, plan)
+                line += f" (simulator, cold buffer: {100 * sim['hit_rate']:.1f}%)"
+        print(line)
 
 
 def neurons(dev, m, steps) -> None:

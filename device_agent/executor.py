@@ -138,6 +138,7 @@ class Context:
     lane: str = "cpu"                # which processor the op runs on (ops pick their kernels by it)
     session: object = None           # the run's decode session (KV cache kept on the agent), if any
     read_rows: object = None         # (sha, rows, lane=) -> rows of a blob read from flash, not kept resident
+    read_blob: object = None         # sha -> a whole blob read from flash, not kept resident
 
 
 def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | None = None,

@@ -226,5 +226,11 @@ def _ffn_flash(inp, attrs, ctx):
     return op_ffn_flash(inp, attrs, ctx)
 
 
-OPS = {"ffn_flash": _ffn_flash, "embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
+def _moe_ffn(inp, attrs, ctx):
+    from .experts import op_moe_ffn
+
+    return op_moe_ffn(inp, attrs, ctx)
+
+
+OPS = {"ffn_flash": _ffn_flash, "moe_ffn": _moe_ffn, "embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
        "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat}

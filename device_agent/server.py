@@ -294,7 +294,10 @@ class Agent:
         return {"session": h["session"], "batch": sess.batch, "length": sess.length}
 
     def do_close_session(self, ident, rid, h, arrays):
-        self._session(h.get("session"))
+        sess = self._session(h.get("session"))
+        buf = sess.extras.get("experts", {}).get("buffer")
+        if buf is not None:
+            buf.close()  # its I/O thread
         del self.sessions[h["session"]]
         return {}
 
@@ -360,7 +363,7 @@ class Agent:
                                              "done": state["done"], "total": total}, ()))
         try:
             ctx = Context(get=self.store.get, counters=self.counters, runners=self.runners, session=run.session,
-                          read_rows=self.store.read_rows)
+                          read_rows=self.store.read_rows, read_blob=self.store.read_cold)
             before = dict(self.counters)
             t0 = now_us()
             outs, events = execute(plan, inputs, ctx, run.cancel, on_op)

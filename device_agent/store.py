@@ -293,6 +293,15 @@ class FlashStore:
                           "emulated": False, "blob": sha, "runs": len(breaks) + 1})
         return out
 
+    def read_cold(self, sha: str, lane: str = "io") -> np.ndarray:
+        """A whole blob read from flash without keeping it resident, pages dropped after (see read_rows)."""
+        if not self.has(sha):
+            raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
+        shape = self._meta_of(sha)["shape"]
+        if not shape:
+            return self.get(sha)
+        return self.read_rows(sha, np.arange(shape[0]), lane=lane)
+
     def _meta_of(self, sha: str) -> dict:
         m = self._sidecars.get(sha)
         if m is None:

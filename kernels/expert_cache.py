@@ -101,3 +101,20 @@ class ExpertCache:
         self.preloads += 1
         self._preloaded.add(key)
         return True
+
+
+def preload_scores(t: dict, layer: int, prev1=None, prev2=None) -> np.ndarray:
+    """EdgeMoE §3.3's offline table looked up online: float64[N, E] scores of `layer`'s experts given the
+    top-1 experts int[N] of the two previous layers; contexts seen fewer than min_count times back off to
+    the next lower order. t: PreloadPredictor.to_arrays() (order, min_count, p0 [L,E], p1 [L,E,E],
+    p2 [L,E,E,E], n1 [L,E], n2 [L,E,E])."""
+    order, mc = int(t["order"]), int(t["min_count"])
+    n = 1 if prev1 is None else len(prev1)
+    s = np.broadcast_to(t["p0"][layer], (n, t["p0"].shape[1])).copy()
+    if order >= 1 and layer >= 1 and prev1 is not None:
+        ok = t["n1"][layer][prev1] >= mc
+        s[ok] = t["p1"][layer][prev1[ok]]
+        if order >= 2 and layer >= 2 and prev2 is not None:
+            ok2 = t["n2"][layer][prev2, prev1] >= mc
+            s[ok2] = t["p2"][layer][prev2[ok2], prev1[ok2]]
+    return s

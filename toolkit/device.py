@@ -92,7 +92,7 @@ class DecodeSession:
     "prefill" / "step{i}"; `step_ms` each step's makespan. The same interface as generate.HostSession."""
 
     def __init__(self, dev: "Device", qm, capacity: int, name: str = "decode", progress: bool = True,
-                 split: dict | None = None, ffn_flash: dict | None = None):
+                 split: dict | None = None, ffn_flash: dict | None = None, experts_flash: dict | None = None):
         c = qm.manifest["config"]
         if capacity > c["context_length"]:
             raise ValueError(f"{capacity} positions exceed the model's context length {c['context_length']}")
@@ -105,6 +105,7 @@ class DecodeSession:
         self.meta: dict = {}
         self.split = split  # HeteroLLM partition of the decode steps' int8 GEMMs (schedule.hetero.choices_for)
         self.ffn_flash = ffn_flash  # LLM in a flash: FFN neurons from flash ({"mode", "window"})
+        self.experts_flash = experts_flash  # EdgeMoE: experts from flash ({"capacity", "policy", "preload_n"})
         self.step_counters: list = []
 
     def _plan(self, n_tokens: int, batch: int) -> str:
@@ -114,7 +115,8 @@ class DecodeSession:
         if key not in self._plans:
             split = self.split if n_tokens == 1 else None
             self._plans[key] = self.dev.put_plan(prefill_plan(self.qm.manifest, n_tokens, session=True, batch=batch,
-                                                              split=split, ffn_flash=self.ffn_flash))
+                                                              split=split, ffn_flash=self.ffn_flash,
+                                                              experts_flash=self.experts_flash))
         return self._plans[key]
 
     def prefill(self, tokens) -> np.ndarray:
@@ -356,24 +358,26 @@ class Device:
         return res
 
     def session(self, qm, capacity: int, name: str = "decode", progress: bool = True, split=None,
-                ffn_flash=None) -> "DecodeSession":
+                ffn_flash=None, experts_flash=None) -> "DecodeSession":
         """A decode session on the agent (KV cache kept there): prefill, reorder (fork / beams), step."""
-        return DecodeSession(self, qm, capacity, name, progress, split, ffn_flash)
+        return DecodeSession(self, qm, capacity, name, progress, split, ffn_flash, experts_flash)
 
     def generate(self, qm, prompt, n: int, batch: int = 1, temperature: float = 0.0, seed: int = 0,
-                 on_step=None, progress: bool = True, split=None, ffn_flash=None) -> "Decoded":
+                 on_step=None, progress: bool = True, split=None, ffn_flash=None, experts_flash=None) -> "Decoded":
         """Prefill `prompt` (token ids) once, fork it into `batch` sequences, then run `n` decode steps on the
         agent, its KV cache staying there. Each step feeds every sequence its next token, sampled on the host
         from the previous logits (greedy at temperature 0, else softmax(z / T) with `seed`), and gets
         float32[batch, vocab] logits back. on_step(i, tokens[batch]) streams the tokens. The trace groups
         events by "prefill" and "step{i}". split: HeteroLLM's partition of the decode steps' int8 GEMMs
         between the gpu and npu lanes ({matmul: Choice}, schedule.hetero.decode_choices). ffn_flash: FFN neurons
-        read from flash ({"mode": "sparse" | "dense", "window": k}; needs neurons.add_bundles)."""
+        read from flash ({"mode": "sparse" | "dense", "window": k}; needs neurons.add_bundles). experts_flash:
+        MoE experts read from flash through an expert buffer ({"capacity", "policy", "preload_n"}; EdgeMoE)."""
         prompt = np.asarray(prompt, np.int32).reshape(-1)
         if n < 1 or batch < 1:
             raise ValueError(f"n (decode steps) and batch must be >= 1, got n={n}, batch={batch}")
         rng = np.random.default_rng(seed)
-        with self.session(qm, len(prompt) + n, progress=progress, split=split, ffn_flash=ffn_flash) as s:
+        with self.session(qm, len(prompt) + n, progress=progress, split=split, ffn_flash=ffn_flash,
+                          experts_flash=experts_flash) as s:
             t0 = time.perf_counter()
             logits = s.prefill(prompt)
             t1 = time.perf_counter()

@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Union
 
 import numpy as np
 
-from edgeprobe_kernels.llama_ops import apply_rope, attention, rms_norm, swiglu_act
+from edgeprobe_kernels.llama_ops import apply_rope, attention, rms_norm, route, swiglu_act
 from edgeprobe_kernels.llama_ops import rope_tables as _rope_tables
 
 from .errors import TokenRangeError
@@ -153,23 +153,6 @@ class RouterLogits(np.ndarray):
 
     experts: np.ndarray
     weights: np.ndarray
-
-
-def route(logits: np.ndarray, k: int, norm_topk: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax router with top-k (Shazeer et al. 2017; Mixtral, OLMoE, Qwen-MoE).
-
-    logits float32[N, E] -> experts int64[N, k] (highest probability first, ties to the lower index),
-    weights float32[N, k]: the softmax probabilities of the chosen experts, renormalized to sum to 1
-    when `norm_topk` (Mixtral, OLMoE with norm_topk_prob) or left as they are (Qwen1.5-MoE).
-    """
-    z = logits - logits.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)
-    experts = np.argsort(-p, axis=1, kind="stable")[:, :k]
-    w = np.take_along_axis(p, experts, axis=1)
-    if norm_topk:
-        w = w / w.sum(axis=1, keepdims=True)
-    return experts.astype(np.int64), w.astype(np.float32)
 
 
 def _router_hook(hooks: Hooks, name: str, logits: np.ndarray, k: int, norm: bool):

@@ -7,12 +7,15 @@ replaces the order; the op vocabulary stays.
 """
 from __future__ import annotations
 
+import numpy as np
+
 # what a mobile NPU runs: integer GEMMs, and q4_0-tile (HMX tile layout, FP16 activations: NPU TTS paper §3)
 NPU_KINDS = {"w8a8", "w8a8-shadow", "smoothquant", "q4_0-tile"}
 
 
 def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_lane: str = "cpu",
-                 split: dict | None = None, batch: int = 1, session: bool = False, ffn_flash: dict | None = None) -> dict:
+                 split: dict | None = None, batch: int = 1, session: bool = False, ffn_flash: dict | None = None,
+                 experts_flash: dict | None = None) -> dict:
     """Plan for prefilling `n_tokens` tokens (run input "tokens": int32[n_tokens]) -> logits of the last
     token float32[1, vocab] (all tokens with last_only=False). float_lane: where linears that are not
     integer GEMMs (float, q4_0 W4A16) run: "cpu", or "gpu" (OpenCL, HeteroLLM's GPU side).
@@ -26,10 +29,16 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
     n_tokens], sequence-major) -> logits float32[batch, vocab]. A decode step is n_tokens=1.
 
     ffn_flash: {"mode": "sparse" | "dense", "window": k} — each FFN is one `ffn_flash` op reading its neurons
-    from the bundle on flash (LLM in a flash; needs neurons.add_bundles and a session)."""
+    from the bundle on flash (LLM in a flash; needs neurons.add_bundles and a session).
+
+    MoE models: each FFN is one `moe_ffn` op (router + routed experts). experts_flash: {"capacity",
+    "policy", "preload_n"} reads experts from flash through the session's expert buffer (EdgeMoE §3.3;
+    preloading needs attach_expert_streaming's predictor tables); None keeps every expert resident."""
     c = manifest["config"]
-    if c.get("n_experts"):
-        raise NotImplementedError("device plans for MoE models arrive with the decode issue; run tiny-moe on the host")
+    if c.get("n_experts") and c.get("shared_expert_ffn"):
+        raise NotImplementedError("shared experts (Qwen-MoE) are not in device plans yet; run that model on the host")
+    if experts_flash is not None and not session:
+        raise ValueError("experts from flash keep their buffer in a decode session (Device.generate / session)")
     T = manifest["tensors"]
     L = manifest["linears"]
     ops: list[dict] = []
@@ -73,6 +82,11 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
         o = linear(f"{p}.attn_output", a, i)
         x = add(f"{p}.attn_residual", "add", "cpu", [x, o], i)
         n = add(f"{p}.ffn_norm", "rms_norm", "cpu", [x, {"blob": T[f"{p}.ffn_norm.weight"]}], i, eps=eps)
+        if c.get("n_experts"):
+            d = add(f"{p}.moe_ffn", "moe_ffn", "cpu", [n, {"blob": _router_blob(L, i)}], i,
+                    **_moe_attrs(manifest, i, experts_flash))
+            x = add(f"{p}.ffn_residual", "add", "cpu", [x, d], i)
+            continue
         if ffn_flash:
             nr = manifest.get("neurons", {}).get(str(i))
             if nr is None or not session:
@@ -93,6 +107,51 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
     kind = "decode" if session and n_tokens == 1 else "prefill"
     return {"ops": ops, "outputs": ["lm_head"],
             "meta": {"kind": kind, "tokens": n_tokens, "batch": batch, "scheme": manifest["scheme"]}}
+
+
+def _expert_recs(manifest: dict, layer: int) -> list:
+    L = manifest["linears"]
+    return [{p: L[f"blk.{layer}.ffn_{p}_exps.{e}"] for p in ("gate", "up", "down")}
+            for e in range(manifest["config"]["n_experts"])]
+
+
+def _router_blob(L: dict, layer: int) -> str:
+    rec = L[f"blk.{layer}.ffn_gate_inp"]
+    if rec.get("kind") != "float":
+        raise ValueError(f"the agent runs float routers; blk.{layer}.ffn_gate_inp is {rec.get('kind')!r}")
+    return rec["w"]
+
+
+def _moe_attrs(manifest: dict, layer: int, flash: dict | None) -> dict:
+    c = manifest["config"]
+    a = {"moe_layer": layer, "n_layers": c["n_layers"], "k": c["n_experts_used"], "norm_topk": c.get("norm_topk", True),
+         "experts": _expert_recs(manifest, layer), "flash": flash}
+    if flash is not None:
+        pred = manifest.get("expert_predictor")
+        if (flash.get("preload_n") or flash.get("policy") == "edgemoe") and not pred:
+            raise ValueError("preloading and the edgemoe policy need the co-activation tables: "
+                             "attach_expert_streaming(qm, predictor) first")
+        a["predictor"] = pred
+        a["next_experts"] = _expert_recs(manifest, (layer + 1) % c["n_layers"])
+    return a
+
+
+def attach_expert_streaming(qm, predictor=None) -> None:
+    """Mark `qm`'s expert weights as streamed from flash (not counted resident by the agent's memory budget)
+    and add the preload predictor's tables (profile.experts.PreloadPredictor) as blobs."""
+    c = qm.manifest["config"]
+    if not c.get("n_experts"):
+        raise ValueError("expert streaming is for MoE models")
+    shas = set()
+    for i in range(c["n_layers"]):
+        for r in _expert_recs(qm.manifest, i):
+            for rec in r.values():
+                shas |= {v for k, v in rec.items() if k in ("w", "codes", "scales", "blocks", "wt")}
+    qm.manifest["streamed_blobs"] = sorted(shas)
+    if predictor is not None:
+        qm.manifest["expert_predictor"] = {k: (qm.store.put(np.asarray(v), f"expert_predictor.{k}") if np.ndim(v) else int(v))
+                                           for k, v in predictor.to_arrays().items()}
+        qm.manifest["blobs"] = qm.store.meta
 
 
 def _npu_pieces(start: int, end: int, lengths) -> list:

@@ -193,3 +193,52 @@ def test_neurons_stream_from_flash_on_the_agent(dev, smollm, heldout_ids):
         from edgeprobe.plan import prefill_plan
 
         prefill_plan(qm.manifest, 4, ffn_flash={"mode": "sparse"})
+
+
+@pytest.fixture(scope="module")
+def moe():
+    from edgeprobe import models
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.profile import run
+    from edgeprobe.profile.experts import CoActivationStats, PreloadPredictor
+
+    m = models.load("tiny-moe")
+    stats = run(m, m.tokenizer.encode(read_corpus("train")), CoActivationStats.for_model(m), window=128,
+                max_tokens=2048, progress=False)
+    return m, PreloadPredictor.from_stats(stats)
+
+
+def test_experts_stream_from_flash_through_the_buffer(dev, moe, tmp_path):
+    from edgeprobe.plan import attach_expert_streaming, prefill_plan
+    from edgeprobe.quant import quantize
+
+    m, pred = moe
+    qm = quantize(m, "float")
+    prompt = m.tokenizer.encode("The quick brown fox jumps over")
+    with pytest.raises(ValueError, match="co-activation tables"):
+        prefill_plan(qm.manifest, 4, session=True, experts_flash={"capacity": 4, "preload_n": 2})
+    attach_expert_streaming(qm, pred)
+    runs = {name: dev.generate(qm, prompt, 4, experts_flash=fl, progress=False)
+            for name, fl in (("resident", None), ("none", {"capacity": 0}), ("preload", {"capacity": 0, "preload_n": 2}),
+                             ("all", {"capacity": 48, "policy": "edgemoe", "preload_n": 2}))}
+    for name, d in runs.items():  # the same logits as the host, whatever the buffer does
+        host = replay(m, prompt, d.tokens)
+        assert all(cosine(a[0], b[0]) >= 0.999 for a, b in zip(d.logits, host)), name
+    c = lambda name, k: sum(x.get(f"experts_{k}", 0) for x in runs[name].step_counters)
+    assert c("none", "uses") == 4 * 6 * 2 and c("none", "hits") == 0 and c("none", "demand_reads") == c("none", "uses")
+    assert c("preload", "preload_reads") > 0 and c("preload", "hits") == c("preload", "preload_used") > 0
+    assert c("all", "hits") > c("none", "hits")  # the buffer keeps experts across tokens
+    per_expert = 3 * 256 * m.config.expert_ffn * 4
+    none_bytes = [x["flash_read_bytes"] for x in runs["none"].step_counters]
+    assert all(b == 12 * per_expert for b in none_bytes)  # every routed expert read from flash, every token
+    io = [e for e in runs["preload"].trace.events if e["kind"] == "flash_read"]
+    assert io and {e["lane"] for e in io} == {"io"}
+    resident = sum(b["nbytes"] for s, b in qm.manifest["blobs"].items() if s not in set(qm.manifest["streamed_blobs"]))
+    total = sum(b["nbytes"] for b in qm.manifest["blobs"].values())
+    assert resident < total / 2
+    with Device.local(store=tmp_path / "st", memory_budget_mb=(resident + 1e6) / 1e6) as d:  # experts need not fit
+        d.generate(qm, prompt, 2, experts_flash={"capacity": 4, "policy": "lru"}, progress=False)
+        plain = quantize(m, "float")  # its experts are not marked streamed: they count as resident
+        with pytest.raises(DeviceError, match="resident weights") as e:
+            d.generate(plain, prompt, 2, progress=False)
+        assert e.value.code == "memory_budget"

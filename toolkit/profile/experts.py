@@ -340,15 +340,9 @@ class PreloadPredictor:
 
     def scores(self, layer: int, prev1=None, prev2=None) -> np.ndarray:
         """float64[N, E] scores for `layer` given top-1 experts int[N] at layer-1 (prev1) and layer-2 (prev2)."""
-        n = 1 if prev1 is None else len(prev1)
-        s = np.broadcast_to(self.p0[layer], (n, self.p0.shape[1])).copy()
-        if self.order >= 1 and layer >= 1 and prev1 is not None:
-            ok = self.n1[layer][prev1] >= self.min_count
-            s[ok] = self.p1[layer][prev1[ok]]
-            if self.order >= 2 and layer >= 2 and prev2 is not None:
-                ok2 = self.n2[layer][prev2, prev1] >= self.min_count
-                s[ok2] = self.p2[layer][prev2[ok2], prev1[ok2]]
-        return s
+        from edgeprobe_kernels.expert_cache import preload_scores
+
+        return preload_scores(self.to_arrays(), layer, prev1, prev2)
 
     def predict(self, layer: int, prev1=None, prev2=None, n: int = 2) -> np.ndarray:
         """int64[N, n]: the n experts to preload for `layer`, most likely first."""

@@ -606,6 +606,166 @@ tokens (rerun the cells for live numbers):
 ])
 
 HERE = __import__("pathlib").Path(__file__).resolve().parent
+nb7 = new_notebook(metadata=KERNEL, cells=[
+md("""# 07 · What does decoding cost on the device, and what do batching and flash streaming buy?
+
+**Question.** In the decode phase every token re-reads the weights. Three papers attack that: the NPU test-time
+scaling paper decodes a *batch* of candidates at almost the cost of one (the matrix unit idles on single-token
+GEMVs); EdgeMoE streams *experts* from storage and hides the reads behind compute; LLM in a flash streams *FFN
+neurons* with a sliding window and row-column bundles. HeteroLLM row-cuts decode matmuls across GPU and NPU. We
+measure each on the agent, token by token, with the timeline.
+
+Paper numbers: batching N candidates costs "little more than one" (NPU TTS §3.2); EdgeMoE's preloading and expert
+buffer give large per-token speed-ups over loading every expert on demand (Fig. 16), with buffer hit rates well
+above frequency-only caching; LLM in a flash loads only a few % of FFN weights per token on ReLU models (>90%
+sparsity) and runs 4–5× (CPU) faster than naive loading."""),
+code("""import os
+import statistics
+import numpy as np
+import plotly.graph_objects as go
+from edgeprobe import models, Device
+from edgeprobe.corpus import read_corpus
+from edgeprobe.quant import quantize
+from edgeprobe.generate import replay
+from edgeprobe.trace import cosine
+
+FULL = int(os.environ.get("EDGEPROBE_NB_PROMPT", 256)) >= 256   # the test suite runs everything small
+STEPS = 16 if FULL else 3
+smollm = models.load("smollm2-135m")
+held = smollm.tokenizer.encode(read_corpus("heldout"))
+prompt = held[1000:1032]
+dev = Device.local()
+print(dev.info["lanes"], "| npu lane emulated on", dev.info["cpu"])"""),
+md("## Decode on the agent: the KV cache stays there, each step is one group of the trace"),
+code("""qm = quantize(smollm, "q4_0-tile")
+d = dev.generate(qm, prompt, STEPS, progress=False)
+host = replay(qm.model, prompt, d.tokens, linear=qm.linear)
+print(f"ours: {STEPS} steps, median {statistics.median(d.step_ms):.1f} ms per step on the agent, "
+      f"{d.decode_tok_per_s:.1f} tok/s (wall); logits vs the host's simulation: cosine >= "
+      f"{min(cosine(a[0], b[0]) for a, b in zip(d.logits, host)):.6f}")
+print("paper (llama.cpp on this machine, MACHINE.md): SmolLM2 decode 131 tok/s with 2 threads and fused kernels")
+print("continuation:", repr(smollm.tokenizer.decode(d.tokens[0].tolist())))
+d.trace.figure(f"decode timeline: prefill {len(prompt)} tokens, then {STEPS} steps (npu lane emulated)")"""),
+md("## Test-time scaling: tokens/s by batch size (NPU TTS §3.2, Fig. 11)"),
+code("""batches = (1, 2, 4, 8, 16) if FULL else (1, 4)
+tps = {}
+for b in batches:
+    r = dev.generate(qm, prompt, STEPS, batch=b, temperature=0.8, seed=0, progress=False)
+    tps[b] = b / statistics.median(r.step_ms) * 1e3
+for b in batches:
+    print(f"ours: batch {b:2d}: {tps[b]:6.1f} tok/s summed over the batch = {tps[b] / tps[1]:.2f}x batch 1")
+print("paper: a batch of candidates costs little more than one on the NPU's matrix unit (HMX)")
+go.Figure(go.Bar(x=[str(b) for b in batches], y=[tps[b] for b in batches])).update_layout(
+    title="Decode throughput on the agent by batch (q4_0-tile, emulated NPU lane)", xaxis_title="batch",
+    yaxis_title="tokens/s summed over the batch")"""),
+code("""from edgeprobe.tts import best_of_n
+with dev.session(qm, len(prompt) + 8, progress=False) as s:
+    cands = best_of_n(s, prompt, n=4, max_tokens=6 if FULL else 3, temperature=0.9, seed=1)
+for c in cands:
+    print(f"score {c.score:7.3f}  {smollm.tokenizer.decode(c.tokens)!r}")
+print("Best-of-N on the agent: one prefill, forked into 4, decoded as one batch, scored by the model's own mean log-prob")"""),
+md("## Experts from flash (EdgeMoE §3.3, Fig. 16) on tiny-moe"),
+code("""import dataclasses
+from edgeprobe.plan import attach_expert_streaming
+from edgeprobe.profile import run
+from edgeprobe.profile.experts import CoActivationStats, PreloadPredictor, record_routing
+from edgeprobe.profile.expert_cache import preload_plan, simulate
+
+moe = models.load("tiny-moe")
+stats = run(moe, moe.tokenizer.encode(read_corpus("train")), CoActivationStats.for_model(moe), window=256,
+            max_tokens=32768 if FULL else 2048, progress=False)
+pred = PreloadPredictor.from_stats(stats)
+fp, q4 = quantize(moe, "float"), quantize(moe, "moe-mixed", expert_bits={})   # every expert INT4
+for m_ in (fp, q4):
+    attach_expert_streaming(m_, pred)
+mprompt = moe.tokenizer.encode(read_corpus("heldout"))[500:532]
+rows = [("all resident", fp, None), ("float, from flash", fp, {"capacity": 0}), ("+ INT4 experts", q4, {"capacity": 0}),
+        ("+ preloading", q4, {"capacity": 0, "preload_n": 2}),
+        ("+ buffer (24, edgemoe)", q4, {"capacity": 24, "policy": "edgemoe", "preload_n": 2})]
+ablation = []
+for name, m_, fl in rows:
+    r = dev.generate(m_, mprompt, STEPS, experts_flash=fl, progress=False)
+    c = r.step_counters
+    hit = sum(x.get("experts_hits", 0) for x in c) / max(sum(x.get("experts_uses", 0) for x in c), 1)
+    ablation.append((name, statistics.median(r.step_ms), np.mean([x["flash_read_bytes"] for x in c]) / 1e6, hit, r))
+    print(f"ours: {name:<24} {ablation[-1][1]:6.1f} ms/token  {ablation[-1][2]:5.2f} MB read/token  hit rate {100 * hit:5.1f}%")
+last = ablation[-1][4]
+seq = np.concatenate([mprompt, last.tokens[0]])
+tr = record_routing(moe, seq, window=len(seq), progress=False)
+sub = dataclasses.replace(tr, experts=tr.experts[len(mprompt) + 1:], weights=tr.weights[len(mprompt) + 1:], starts=np.array([0]))
+sim = simulate(sub, "edgemoe", 24, pred.p0, preload_plan(sub, pred, 2))
+print(f"simulator on the same tokens' routing (cold buffer): hit rate {100 * sim['hit_rate']:.1f}%")
+print("paper: preloading + the expert buffer hide most expert reads (Fig. 16); buffer hit rates well above frequency caching")
+go.Figure(go.Bar(x=[a[0] for a in ablation], y=[a[1] for a in ablation])).update_layout(
+    title="tiny-moe decode latency per token on the agent (Fig. 16 ablation)", yaxis_title="ms / token")"""),
+code("""last.trace.figure("tiny-moe decode with the expert buffer: preloads on the io lane overlap compute")"""),
+md("## Neurons from flash (LLM in a flash) on SmolLM2"),
+code("""from edgeprobe.neurons import add_bundles, sparsity_perplexity
+from edgeprobe.profile.predictor import train_predictors
+from edgeprobe.profile.sparsity import calibrate_thresholds
+
+train = smollm.tokenizer.encode(read_corpus("train"))
+taus = calibrate_thresholds(smollm, train, eps=0.01, tokens=512 if FULL else 128)
+npred = train_predictors(smollm, train[:4096 if FULL else 256], held[:512 if FULL else 128], taus, rank=32,
+                         steps=40 if FULL else 3, window=256 if FULL else 128, target_recall=0.99, progress=False)
+ppl = sparsity_perplexity(smollm, npred, held[4096:], window=256 if FULL else 64, max_windows=4 if FULL else 1)
+print(f"ours: predictors keep {100 * npred.predicted_fraction.mean():.1f}% of neurons (recall {npred.recall.mean():.3f}); "
+      f"perplexity {ppl['dense_ppl']:.2f} -> {ppl['sparse_ppl']:.2f} (+{100 * ppl['ppl_increase']:.1f}%)")
+print("paper: ReLU models leave > 90% of FFN outputs at zero; SmolLM2 uses SiLU")
+fq = quantize(smollm, "float")
+add_bundles(fq, smollm, npred)
+modes = [("all resident", None), ("sparse + window 5", {"mode": "sparse", "window": 5}),
+         ("dense from flash", {"mode": "dense"})]
+nrows = []
+for name, mode in modes:
+    r = dev.generate(fq, prompt, STEPS, ffn_flash=mode, progress=False)
+    nrows.append((name, statistics.median(r.step_ms[1:] or r.step_ms),
+                  np.mean([x["flash_read_bytes"] for x in (r.step_counters[1:] or r.step_counters)]) / 1e6))
+    print(f"ours: {name:<18} {nrows[-1][1]:7.1f} ms/token  {nrows[-1][2]:8.2f} MB read from flash/token")
+print("paper: the window + bundling read a small fraction of the FFN per token; dense loading reads all of it")
+go.Figure(go.Bar(x=[r[0] for r in nrows], y=[r[2] for r in nrows])).update_layout(
+    title="FFN bytes read from flash per decoded token (SmolLM2, cold reads)", yaxis_title="MB / token", yaxis_type="log")"""),
+md("## HeteroLLM decode row-cut: gpu (OpenCL) and npu (emulated) lanes together"),
+code("""from edgeprobe.quant import calibration_profile
+from edgeprobe.schedule import decode_choices
+w8 = quantize(smollm, "w8a8", calibration_profile(smollm, train, tokens=512, window=256, progress=False))
+hp, _ = dev.measure_linears(w8, rows=(1, 2, 4))
+rc = {}
+for strat in ("solver", "npu-pad", "gpu", "row-cut"):
+    r = dev.generate(w8, prompt, STEPS, split=decode_choices(smollm.config, 1, hp, strat), progress=False)
+    rc[strat] = statistics.median(r.step_ms)
+dev.close()
+print(f"ours: decode step {rc['solver']:.0f} ms with the solver's split vs npu alone {rc['npu-pad']:.0f}, gpu alone "
+      f"{rc['gpu']:.0f}, forced row cut {rc['row-cut']:.0f} (lanes slow each other: npu x{hp.slowdown_npu:.1f})")
+print("paper: row-cutting decode matmuls uses both processors' memory bandwidth")
+go.Figure(go.Bar(x=list(rc), y=list(rc.values()))).update_layout(title="SmolLM2 w8a8 decode step by partition",
+                                                                  yaxis_title="ms / step")"""),
+md("""## What we found
+
+Measured on this machine's agent (`python bench/decode.py`, 16 steps; the notebook reruns them live):
+
+- **Decode on the agent** matches the host's simulation at every step (cosine ≥ 0.9999). SmolLM2 q4_0-tile decodes
+  at ≈ 80–110 ms per step (≈ 10–12 tok/s): the emulated NPU lane is one CPU core running dequantized FP32 GEMVs, and
+  ~600 ops per step each pay the executor's hand-off; llama.cpp's fused kernels reach 131 tok/s here.
+- **Test-time scaling**: batch 2 / 4 / 8 / 16 give 1.2–1.3× / 2.2–2.3× / 3.7× / 5.8–7.0× the tokens/s of batch 1. A batch
+  costs more than one sequence here because one CPU core is compute-bound at 16 rows; the weight-streaming part is
+  shared, which is the paper's effect, but a HMX tile unit would make it nearly free.
+- **Experts from flash** (tiny-moe, 16 steps): all resident 6.7 ms/token; float experts read on every use 33.6 ms
+  (9.4 MB/token); INT4 experts 31.6 ms (1.2 MB/token: 8× fewer bytes, but dequantizing at each use costs what the
+  reads saved); + preloading: 69% of uses found preloaded, latency unchanged (the I/O thread shares the two
+  cores); + a 24-expert buffer (EdgeMoE policy) 22.8 ms, 0.47 MB/token, hit rate 82% (simulator on the same
+  routing: 84%); LRU at the same size 70% (simulator 77%).
+- **Neurons from flash** (SmolLM2): the sliding window (k = 5) reads 0.55 MB per token against 159 MB for dense
+  loading (cold reads, page cache dropped), 73 ms per token against 486 ms — close to all-resident (62 ms). But
+  SmolLM2's SiLU FFN is not sparse enough to predict cheaply: at 95% recall the predictors keep 92% of neurons and
+  perplexity rises +289% (16.3 → 63.4); at 99% recall they keep 98% and it rises +10% (16.3 → 17.9). The mechanism
+  works; the model is the wrong kind (the paper relies on ReLU sparsity).
+- **HeteroLLM decode row-cut**: with the lanes' measured slowdown when both run (npu ×1.8–5.2, they share two
+  cores), the solver keeps decode on one lane (1.04–1.09× the npu alone, 1.0–1.3× the gpu alone); a forced
+  row cut is 0.55–0.75× — the two-processor bandwidth gain needs two processors."""),
+])
+
+
 def write(nb, name: str) -> None:
     """Cell ids from the file name and position, so rebuilding changes only what changed."""
     for i, cell in enumerate(nb.cells):
@@ -619,3 +779,4 @@ write(nb3, "03_sparsity.ipynb")
 write(nb4, "04_quantization.ipynb")
 write(nb5, "05_device_timeline.ipynb")
 write(nb6, "06_scheduling.ipynb")
+write(nb7, "07_decoding.ipynb")

@@ -9,7 +9,7 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
 @pytest.mark.parametrize("name", ["01_outliers.ipynb", "02_experts.ipynb", "03_sparsity.ipynb", "04_quantization.ipynb",
-                                  "05_device_timeline.ipynb", "06_scheduling.ipynb"])
+                                  "05_device_timeline.ipynb", "06_scheduling.ipynb", "07_decoding.ipynb"])
 def test_notebook_executes_and_draws(name, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEPROBE_NB_TOKENS", "1024")
     monkeypatch.setenv("EDGEPROBE_AGENT_STORE", str(tmp_path / "agent-store"))

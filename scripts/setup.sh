@@ -11,7 +11,8 @@ PYTHON="${PYTHON:-python3}"
 # parallel kernels from two lanes at once).
 # openssh-server: the test suite deploys the agent over a real sshd on 127.0.0.1 (Termux's stand-in).
 # pocl-opencl-icd, ocl-icd-libopencl1: OpenCL on this CPU (PoCL) for the agent's gpu lane.
-APT_PACKAGES=(libgomp1 openssh-server pocl-opencl-icd ocl-icd-libopencl1)
+# chromium: the tests look at the report as a person would (headless), and make the README's picture.
+APT_PACKAGES=(libgomp1 openssh-server pocl-opencl-icd ocl-icd-libopencl1 chromium)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

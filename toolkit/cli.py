@@ -441,9 +441,14 @@ def cmd_agent(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from .demo import DemoError, run_demo
 
-    run_demo(model=args.model, max_windows=args.max_windows)
+    try:
+        run_demo(model=args.model, out=args.out, prompt_len=args.prompt_len, chunk=args.chunk, eval_windows=args.max_windows,
+                 profile_tokens=args.profile_tokens, progress=not args.no_progress)
+    except DemoError as e:
+        print(f"edgeprobe: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -562,9 +567,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: all this machine has)")
     a.set_defaults(fn=cmd_agent)
 
-    d = sub.add_parser("demo", help="the main job: real model in, numbers out")
+    d = sub.add_parser("demo", help="the main job: profile, quantize, schedule, run on a local agent, report")
     d.add_argument("--model", default="smollm2-135m")
-    d.add_argument("--max-windows", type=int, default=None, help="limit the held-out evaluation")
+    d.add_argument("--out", default="out", help="folder for report.html, trace.json, summary.json (and .cache/)")
+    d.add_argument("--prompt-len", type=int, default=1024, help="prompt of the scheduled prefill")
+    d.add_argument("--chunk", type=int, default=256, help="chunk length of the scheduled prefill")
+    d.add_argument("--profile-tokens", type=int, default=8192, help="training-corpus tokens profiled for outliers")
+    d.add_argument("--max-windows", type=int, default=8, help="held-out windows of 512 for the perplexity")
+    d.add_argument("--no-progress", action="store_true")
     d.set_defaults(fn=cmd_demo)
     return ap
 

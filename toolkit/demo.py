@@ -1,32 +1,219 @@
-"""The main job, as a library call: `edgeprobe.demo.run_demo()` (also `edgeprobe demo`, `make demo`)."""
+"""The main job, as a library call: `edgeprobe.demo.run_demo()` (also `edgeprobe demo`, `make demo`).
+
+Corpus to timeline on a real model and a real (local) device agent:
+  1. SmolLM2-135M, held-out perplexity;
+  2. activation outliers and FFN sparsity profiled on the bundled training corpus (mllm-NPU Fig. 10-12);
+  3. quantized (w8a8-shadow, mllm-NPU §3.3), the accuracy table beside float / w8a8 / q4_0-tile;
+  4. a 1024-token prompt cut into 256-token chunks, scheduled in-order and out-of-order (§3.4) over the cost
+     model measured on the agent, run both ways on the agent;
+  5. out/report.html (self-contained: figures, tables, predicted and measured timelines) and out/trace.json
+     (Chrome trace of the out-of-order run; opens in Perfetto), plus a summary table printed.
+Profiles, the accuracy table, the measured cost model and the agent's blob store are cached under
+out/.cache, so a second run skips that work.
+"""
 from __future__ import annotations
 
+import html
+import json
+import shutil
 import time
+from pathlib import Path
+
+import numpy as np
 
 from . import models
 from .corpus import read_corpus
+from .errors import EdgeprobeError
 from .evaluate import perplexity
-from .generate import generate
 
-DEMO_PROMPT = "The Python language reference says that a generator function"
+FREE_BYTES_NEEDED = 1_500_000_000  # agent store (~0.3 GB), profiles, report; with margin
 
 
-def run_demo(model: str = "smollm2-135m", max_windows: int | None = None, print_fn=print) -> dict:
-    t0 = time.perf_counter()
+class DemoError(EdgeprobeError, RuntimeError):
+    """The demo cannot run here (disk, ports); the message says what to do."""
+
+
+def _cached(path: Path, make, load, save):
+    if path.exists():
+        try:
+            return load(path), True
+        except Exception:  # a cache left half-written by an interrupted run: recompute it
+            path.unlink(missing_ok=True)
+    v = make()
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save(v, tmp)
+    tmp.replace(path)
+    return v, False
+
+
+def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: int = 1024, chunk: int = 256,
+             profile_tokens: int = 8192, eval_windows: int | None = 8, accuracy_windows: int = 4,
+             print_fn=print, progress: bool = True) -> dict:
+    from .device import Device
+    from .plan import shadow_layers
+    from .profile.jobs import profile_outliers, profile_sparsity
+    from .profile.outliers import OutlierStats
+    from .profile.sparsity import SparsityStats
+    from .quant import quantize
+    from .quant.report import accuracy_table
+    from .schedule import chunk_graph, schedule
+    from .schedule.measure import MeasuredProfile
+
+    t_start = time.perf_counter()
+    out = Path(out)
+    cache = out / ".cache"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DemoError(f"cannot create {cache}: {e}; run the demo from a writable folder") from None
+    free = shutil.disk_usage(cache).free
+    if free < FREE_BYTES_NEEDED:
+        raise DemoError(f"only {free / 1e9:.2f} GB free under {cache.resolve()}; the demo needs about "
+                        f"{FREE_BYTES_NEEDED / 1e9:.1f} GB (agent store, profiles, report): free some space or pass out=")
+    timings: dict = {}
+
+    def step(name):
+        timings[name] = time.perf_counter()
+
+    step("load")
     m = models.load(model)
     m.weights.materialize()
-    t_load = time.perf_counter() - t0
-    print_fn(f"model     {m!r}")
-    print_fn(f"loaded in {t_load:.1f} s (weights dequantized once, then cached)")
-    ids = m.tokenizer.encode(read_corpus("heldout"))
-    ev = perplexity(m, ids, window=512, max_windows=max_windows)
-    g = generate(m, DEMO_PROMPT, n=32)
+    train = m.tokenizer.encode(read_corpus("train"))
+    held = m.tokenizer.encode(read_corpus("heldout"))
+    if len(held) < prompt_len:
+        raise DemoError(f"the held-out corpus has {len(held)} tokens, fewer than the {prompt_len}-token prompt")
+    print_fn(f"model       {m!r}")
+    step("perplexity")
+    ev, _ = _cached(cache / f"eval-{eval_windows}.json",
+                    lambda: perplexity(m, held, window=512, max_windows=eval_windows, progress=progress).__dict__,
+                    lambda p: json.loads(p.read_text()), lambda v, p: p.write_text(json.dumps(v)))
+    print_fn(f"held-out    perplexity {ev['perplexity']:.3f} over {ev['tokens_scored']} tokens")
+    step("profiles")
+    outl, hit_o = _cached(cache / f"outliers-{profile_tokens}.npz",
+                          lambda: profile_outliers(m, train, tokens=profile_tokens, window=512,
+                                                   calib_tokens=profile_tokens, progress=progress),
+                          OutlierStats.load, lambda v, p: v.save(p))
+    spar, hit_s = _cached(cache / f"sparsity-{profile_tokens // 2}.npz",
+                          lambda: profile_sparsity(m, train, tokens=profile_tokens // 2, window=512, progress=progress),
+                          SparsityStats.load, lambda v, p: v.save(p))
+    osum = outl.summary()
+    print_fn(f"profiles    {outl.tokens:,} tokens for outliers, {spar.tokens:,} for sparsity"
+             f"{' (cached)' if hit_o and hit_s else ''}")
+    step("accuracy")
+    acc, _ = _cached(cache / f"accuracy-{accuracy_windows}.json",
+                     lambda: accuracy_table(m, held, outl, ["float", "w8a8", "w8a8-shadow", "q4_0-tile"], window=256,
+                                            max_windows=accuracy_windows, progress=progress),
+                     lambda p: json.loads(p.read_text()), lambda v, p: p.write_text(json.dumps(v)))
+    step("quantize")
+    qm = quantize(m, "w8a8-shadow", outl)
+    tokens = np.asarray(held[:prompt_len], np.int32)
+    step("agent")
+    with Device.local(store=cache / "agent-store") as dev:
+        prof_path = cache / f"profile-{Path(model).name}-w8a8-shadow.json"
+        prof, hit_p = _cached(prof_path, lambda: dev.measure_profile(qm, held, progress=progress),
+                              MeasuredProfile.from_json, lambda v, p: v.to_json(p))
+        print_fn(f"agent       {dev.url}: lanes {', '.join(dev.info['lanes'])} (npu emulated); cost model "
+                 f"{'cached' if hit_p else 'measured'}")
+        graph = chunk_graph(m.config, prompt_len, chunk, shadow=shadow_layers(qm.manifest))
+        predicted = {s: schedule(graph, prof, s) for s in ("in-order", "ooo")}
+        dev.prefill_chunked(qm, tokens[:chunk], chunk, "in-order", profile=prof, progress=progress)  # warm
+        measured = {s: dev.prefill_chunked(qm, tokens, chunk, s, profile=prof, progress=False)
+                    for s in ("in-order", "ooo")}
+    step("report")
+    mk = {s: r.trace.metrics() for s, r in measured.items()}
+    ratio = mk["ooo"]["makespan_ms"] / mk["in-order"]["makespan_ms"]
+    mem = graph.memory()
+    out.mkdir(parents=True, exist_ok=True)
+    trace_path = measured["ooo"].trace.to_chrome_json(out / "trace.json")
     summary = {
-        "model": model, "perplexity_heldout": round(ev.perplexity, 3), "tokens_scored": ev.tokens_scored,
-        "prefill_tok_per_s": round(ev.tok_per_s, 1), "decode_tok_per_s": round(g.decode_tok_per_s, 1),
+        "model": model, "perplexity_heldout": round(ev["perplexity"], 3),
+        "outlier_channels_pct": round(osum["fig10_outlier_channels_pct_mean"], 3),
+        "channels_for_80pct_outliers_pct": round(osum["fig11_pct_channels_for_80pct_outliers"], 2),
+        "ffn_inactive_fraction": round(float(np.mean(spar.inactive_fraction())), 4),
+        "accuracy": {r["scheme"]: {"perplexity": round(r["perplexity"], 3), "delta_vs_float_pct":
+                                   None if r["delta_vs_float_pct"] is None else round(r["delta_vs_float_pct"], 2)}
+                     for r in acc},
+        "prompt_len": prompt_len, "chunk": chunk,
+        "in_order_ms": round(mk["in-order"]["makespan_ms"], 1), "ooo_ms": round(mk["ooo"]["makespan_ms"], 1),
+        "ooo_vs_in_order": round(ratio, 3),
+        "predicted_in_order_ms": round(predicted["in-order"].makespan_us / 1e3, 1),
+        "predicted_ooo_ms": round(predicted["ooo"].makespan_us / 1e3, 1),
+        "busy_pct_ooo": {k: round(v["busy_pct"], 1) for k, v in mk["ooo"]["lanes"].items()},
+        "chunk_shared_memory_saving": round(mem["saving"], 3),
+        "report": str(out / "report.html"), "trace": str(trace_path), "timeline": str(out / "timeline.html"),
     }
-    print_fn(f"held-out  perplexity {ev.perplexity:.3f} over {ev.tokens_scored} tokens "
-             f"({ev.windows} windows of {ev.window}), {ev.tok_per_s:.0f} tok/s prefill")
-    print_fn(f"greedy    {DEMO_PROMPT!r} ->\n          {g.text!r}")
-    print_fn(f"decode    {g.decode_tok_per_s:.1f} tok/s (float32 reference, KV cache)")
+    write_report(out / "report.html", m, outl, spar, acc, predicted, measured, summary)
+    measured["ooo"].trace.figure(f"measured on the agent: {prompt_len}-token prefill in {chunk}-token chunks, "
+                                 "out-of-order (npu lane emulated)").write_html(str(out / "timeline.html"),
+                                                                                include_plotlyjs=True)
+    summary["seconds"] = round(time.perf_counter() - t_start, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for line in summary_lines(summary):
+        print_fn(line)
     return summary
+
+
+def summary_rows(s: dict) -> list[tuple[str, str]]:
+    rows = [("held-out perplexity (float)", f"{s['perplexity_heldout']:.3f}"),
+            ("outlier channels per layer (Fig. 10)", f"{s['outlier_channels_pct']:.2f}% of channels"),
+            ("channels holding 80% of outliers", f"{s['channels_for_80pct_outliers_pct']:.2f}%"),
+            ("FFN neurons inactive at 1% error", f"{100 * s['ffn_inactive_fraction']:.1f}%")]
+    for scheme, r in s["accuracy"].items():
+        d = r["delta_vs_float_pct"]
+        rows.append((f"perplexity {scheme}", f"{r['perplexity']:.3f}" + ("" if d is None else f" ({d:+.2f}%)")))
+    rows += [(f"prefill {s['prompt_len']} / chunk {s['chunk']}, in-order", f"{s['in_order_ms']:.0f} ms measured, "
+              f"{s['predicted_in_order_ms']:.0f} ms predicted"),
+             ("  out-of-order", f"{s['ooo_ms']:.0f} ms measured, {s['predicted_ooo_ms']:.0f} ms predicted"),
+             ("  out-of-order / in-order", f"{s['ooo_vs_in_order']:.2f}"),
+             ("  lanes busy (out-of-order)", ", ".join(f"{k} {v:.0f}%" for k, v in s["busy_pct_ooo"].items())),
+             ("chunk-shared graphs save", f"{100 * s['chunk_shared_memory_saving']:.0f}% memory"),
+             ("report / trace", f"{s['report']} / {s['trace']}")]
+    if "seconds" in s:
+        rows.append(("wall time", f"{s['seconds']:.0f} s"))
+    return rows
+
+
+def summary_lines(s: dict) -> list[str]:
+    rows = summary_rows(s)
+    w = max(len(a) for a, _ in rows)
+    return ["", "edgeprobe demo — summary", "-" * (w + 40)] + [f"{a:<{w}}  {b}" for a, b in rows]
+
+
+def write_report(path: Path, m, outl, spar, acc, predicted, measured, summary) -> Path:
+    """One self-contained HTML file: plotly.js inlined once, every figure a div, tables in HTML."""
+    figs = [("Outlier channels per layer (mllm-NPU Fig. 10)", outl.figure("channels")),
+            ("Share of outliers by channel (Fig. 11)", outl.figure("share")),
+            ("FFN neurons inactive per layer (LLM in a flash)", spar.figure("inactive")),
+            ("Predicted timeline: in-order", predicted["in-order"].to_trace().figure("predicted: in-order")),
+            ("Predicted timeline: out-of-order", predicted["ooo"].to_trace().figure("predicted: out-of-order")),
+            ("Measured timeline on the agent: in-order", measured["in-order"].trace.figure("measured: in-order")),
+            ("Measured timeline on the agent: out-of-order", measured["ooo"].trace.figure("measured: out-of-order")),
+            ("Measured against predicted (out-of-order)",
+             measured["ooo"].trace.compare(measured["ooo"].schedule.to_trace())[0])]
+    parts = []
+    for i, (title, fig) in enumerate(figs):
+        parts.append(f"<h2>{html.escape(title)}</h2>")
+        parts.append(fig.to_html(full_html=False, include_plotlyjs=(i == 0), default_height="520px"))
+    def acc_row(r):
+        d = r["delta_vs_float_pct"]
+        return (f"<tr><td>{html.escape(r['scheme'])}</td><td>{r['perplexity']:.3f}</td>"
+                f"<td>{'' if d is None else f'{d:+.2f}%'}</td><td>{100 * r['top1_agreement']:.2f}%</td>"
+                f"<td>{r['weight_bytes'] / 1e6:.1f}</td></tr>")
+
+    acc_rows = "".join(acc_row(r) for r in acc)
+    summ = "".join(f"<tr><td>{html.escape(a)}</td><td>{html.escape(b)}</td></tr>" for a, b in summary_rows(summary))
+    doc = f"""<!doctype html><html><head><meta charset="utf-8"><title>edgeprobe report — {html.escape(m.name)}</title>
+<style>body{{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;color:#222}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}
+td:first-child{{text-align:left}}h2{{margin-top:2em}}</style></head><body>
+<h1>edgeprobe report: {html.escape(m.name)}</h1>
+<p>Real model, bundled corpus, local device agent (its <code>npu</code> lane is emulated on this CPU; every such event
+says so). Timelines: {summary['prompt_len']}-token prompt, {summary['chunk']}-token chunks, w8a8-shadow.</p>
+<h2>Summary</h2><table>{summ}</table>
+<h2>Accuracy (held-out windows of 256 tokens)</h2>
+<table><tr><th>scheme</th><th>perplexity</th><th>vs float</th><th>top-1 agreement</th><th>linear weights MB</th></tr>
+{acc_rows}</table>
+{''.join(parts)}
+</body></html>"""
+    path.write_text(doc)
+    return path

@@ -1,0 +1,49 @@
+"""The main job end to end, small: profile, quantize, schedule, run on a local agent, report — then the report
+looked at in a real headless Chromium (the plotly charts drew their SVG layers) and a second run from caches."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from edgeprobe.browser import dump_dom, screenshot
+from edgeprobe.demo import DemoError, run_demo
+
+
+def test_demo_writes_a_report_that_renders_in_chromium_and_reruns_from_caches(tmp_path):
+    out = tmp_path / "out"
+    lines = []
+    kw = dict(out=out, prompt_len=128, chunk=64, profile_tokens=1024, eval_windows=1, accuracy_windows=1,
+              progress=False, print_fn=lines.append)
+    s = run_demo(**kw)
+    assert 0 < s["ooo_vs_in_order"] < 2 and s["in_order_ms"] > 0 and s["predicted_ooo_ms"] > 0
+    assert set(s["accuracy"]) == {"float", "w8a8", "w8a8-shadow", "q4_0-tile"} and 0 < s["chunk_shared_memory_saving"] < 1
+    assert any("summary" in line for line in lines)
+    trace = json.loads((out / "trace.json").read_text())
+    assert {e["ph"] for e in trace["traceEvents"]} >= {"X", "M"}  # Perfetto: complete events, named tracks
+    assert json.loads((out / "summary.json").read_text())["ooo_ms"] == s["ooo_ms"]
+    dom = dump_dom(out / "report.html")
+    assert dom.count("js-plotly-plot") >= 8  # every figure became a plotly chart ...
+    assert dom.count('class="main-svg"') >= 8 and dom.count('class="trace bars"') >= 8  # ... and drew its bars
+    assert dom.count('class="point"') > 100
+    png = screenshot(out / "timeline.html", tmp_path / "timeline.png")
+    assert png.stat().st_size > 10_000  # ... and the timeline drew something, not a blank page
+    again = []
+    s2 = run_demo(**{**kw, "print_fn": again.append})
+    assert any("(cached)" in line for line in again) and any("cost model cached" in line for line in again)
+    assert s2["seconds"] < s["seconds"]
+
+
+def test_demo_refuses_an_unwritable_or_full_place_clearly(tmp_path, monkeypatch):
+    import shutil
+
+    from edgeprobe import demo
+
+    monkeypatch.setattr(demo.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 10**6, 10**6))
+    with pytest.raises(DemoError, match="GB free"):
+        run_demo(out=tmp_path / "o", progress=False, print_fn=lambda *_: None)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    r = subprocess.run([sys.executable, "-m", "edgeprobe", "demo", "--out", str(blocker / "out"), "--no-progress"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "cannot create" in r.stderr and "Traceback" not in r.stderr

@@ -12,6 +12,8 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
                                   "05_device_timeline.ipynb", "06_scheduling.ipynb", "07_decoding.ipynb"])
 def test_notebook_executes_and_draws(name, tmp_path, monkeypatch):
     monkeypatch.setenv("EDGEPROBE_NB_TOKENS", "1024")
+    # figures carry plotly.js inline as text/html too, so an HTML export renders offline (checked in Chromium below)
+    monkeypatch.setenv("PLOTLY_RENDERER", "plotly_mimetype+notebook")
     monkeypatch.setenv("EDGEPROBE_AGENT_STORE", str(tmp_path / "agent-store"))
     for k, v in {"EDGEPROBE_NB_WINDOW": "64", "EDGEPROBE_NB_WINDOWS": "2", "EDGEPROBE_NB_CALIB": "256",
                  "EDGEPROBE_NB_PROMPT": "32"}.items():
@@ -29,3 +31,13 @@ def test_notebook_executes_and_draws(name, tmp_path, monkeypatch):
     assert "paper" in text  # our numbers are printed beside the paper's
     assert nb.cells[0].source.startswith("# ") and "Question" in nb.cells[0].source
     assert "What we found" in nb.cells[-2].source or "What we found" in nb.cells[-1].source
+    if name == "06_scheduling.ipynb":  # exported to HTML and looked at in a real headless Chromium
+        from nbconvert import HTMLExporter
+
+        from edgeprobe.browser import dump_dom
+
+        body, _ = HTMLExporter().from_notebook_node(nb)
+        page = tmp_path / "06.html"
+        page.write_text(body)
+        dom = dump_dom(page)
+        assert dom.count('class="main-svg"') >= len(figures) and dom.count('class="trace bars"') >= 3

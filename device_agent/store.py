@@ -55,11 +55,12 @@ def now_us() -> float:
 
 
 class FlashStore:
-    def __init__(self, root, memory_budget: int | None = None, on_read=None):
+    def __init__(self, root, memory_budget: int | None = None, on_read=None, lock_wait_s: float = 10.0):
         self.root = Path(root)
         self.blob_dir, self.part_dir = self.root / "blobs", self.root / "partial"
         self.blob_dir.mkdir(parents=True, exist_ok=True)
         self.part_dir.mkdir(parents=True, exist_ok=True)
+        self._lock_file = _lock_store(self.root, lock_wait_s)  # one agent per store: uploads must not interleave
         self.memory_budget = memory_budget
         self.on_read = on_read
         self._resident: OrderedDict[str, np.ndarray] = OrderedDict()
@@ -313,6 +314,32 @@ class FlashStore:
         return {"blobs": len(blobs), "bytes": sum(p.stat().st_size for p in blobs),
                 "partial": len(list(self.part_dir.glob("*.part"))), "resident_bytes": self._resident_bytes,
                 "memory_budget": self.memory_budget, "reads": self.reads, "read_bytes": self.read_bytes}
+
+
+def _lock_store(root: Path, wait_s: float):
+    """An exclusive lock on root/.lock for this process's life (released by the OS when it exits); waits up to
+    wait_s for an agent that is shutting down, then refuses naming the holder."""
+    import fcntl
+
+    f = open(root / ".lock", "a+")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                f.seek(0)
+                holder = f.read().strip() or "?"
+                f.close()
+                raise StoreError("store_busy", f"the store {root} is in use by another agent (pid {holder}); give "
+                                               "this agent its own --store, or stop the other one") from None
+            time.sleep(0.2)
+    f.seek(0)
+    f.truncate()
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
 
 
 def _file_sha256(path: Path) -> str:

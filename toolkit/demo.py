@@ -108,7 +108,7 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     qm = quantize(m, "w8a8-shadow", outl)
     tokens = np.asarray(held[:prompt_len], np.int32)
     step("agent")
-    with Device.local(store=cache / "agent-store") as dev:
+    with _local_agent(cache / "agent-store", print_fn) as dev:
         prof_path = cache / f"profile-{Path(model).name}-w8a8-shadow.json"
         prof, hit_p = _cached(prof_path, lambda: dev.measure_profile(qm, held, progress=progress),
                               MeasuredProfile.from_json, lambda v, p: v.to_json(p))
@@ -151,6 +151,25 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     for line in summary_lines(summary):
         print_fn(line)
     return summary
+
+
+def _local_agent(store: Path, print_fn):
+    """A local agent on the demo's cached store — or, when another agent holds that store (a demo still running,
+    or one left behind), on a temporary store of its own: slower (uploads again), never stuck."""
+    import tempfile
+
+    from .device import Device, DeviceError
+
+    try:
+        return Device.local(store=store, startup_timeout_s=90)
+    except DeviceError as e:
+        if "in use by another agent" not in str(e):
+            raise
+    tmp = Path(tempfile.mkdtemp(prefix="edgeprobe-demo-store-"))
+    print_fn(f"agent       {store} is held by another agent; this run uploads to a temporary store {tmp}")
+    dev = Device.local(store=tmp)
+    dev.temp_store = tmp
+    return dev
 
 
 def summary_rows(s: dict) -> list[tuple[str, str]]:

@@ -164,6 +164,7 @@ class Device:
     def __init__(self, url: str, process: subprocess.Popen | None = None, timeout_s: float = HEARTBEAT_TIMEOUT_S,
                  curve_server_key: bytes | None = None, tunnel=None):
         self.url, self.process, self.timeout_s, self.tunnel = url, process, timeout_s, tunnel
+        self.temp_store = None  # a store folder this Device made and removes on close
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -453,6 +454,10 @@ class Device:
                 self.process.wait(timeout=5)
         if self.tunnel is not None:
             self.tunnel.close()
+        if self.temp_store is not None:
+            import shutil
+
+            shutil.rmtree(self.temp_store, ignore_errors=True)
 
     def __enter__(self):
         return self

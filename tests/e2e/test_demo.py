@@ -32,6 +32,16 @@ def test_demo_writes_a_report_that_renders_in_chromium_and_reruns_from_caches(tm
     s2 = run_demo(**{**kw, "print_fn": again.append})
     assert any("(cached)" in line for line in again) and any("cost model cached" in line for line in again)
     assert s2["seconds"] < s["seconds"]
+    # a second demo while an agent (say, of an interrupted first one) still holds the store: it goes on, elsewhere
+    from edgeprobe.device import Device, DeviceError
+
+    with Device.local(store=out / ".cache" / "agent-store") as holder:
+        with pytest.raises(DeviceError, match="in use by another agent"):
+            Device.local(store=out / ".cache" / "agent-store")
+        third = []
+        s3 = run_demo(**{**kw, "print_fn": third.append})
+        assert any("held by another agent" in line for line in third) and s3["ooo_ms"] > 0
+        assert holder.hello()["agent_version"]
 
 
 def test_demo_refuses_an_unwritable_or_full_place_clearly(tmp_path, monkeypatch):

@@ -9,7 +9,6 @@ Every read is cold (FlashStore.read_rows drops the pages from the OS page cache)
 """
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -38,7 +37,6 @@ class ExpertBuffer:
         self.pending: dict = {}                # key -> Future of a preload
         self.io = ThreadPoolExecutor(1, thread_name_prefix="io-lane")
         self.stats = {"uses": 0, "hits": 0, "demand_reads": 0, "preload_reads": 0, "preload_used": 0}
-        self.lock = threading.Lock()
 
     def _load(self, shas) -> dict:
         return {s: self.read(s) for s in shas}

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from edgeprobe_kernels.expert_cache import ExpertCache, preload_scores
-from edgeprobe_kernels.linear_records import RUNNERS
+from edgeprobe_kernels.linear_records import RUNNERS, weight_blobs
 from edgeprobe_kernels.llama_ops import route, swiglu_act
 
 from .ops import OpError, _arr
@@ -23,8 +23,7 @@ PROJ = ("gate", "up", "down")
 
 
 def _blobs(recs: dict) -> list:
-    return sorted({v for r in recs.values() for k, v in r.items() if k in ("w", "codes", "scales", "blocks", "wt")
-                   and isinstance(v, str)})
+    return sorted(set().union(*(weight_blobs(r) for r in recs.values())))
 
 
 class ExpertBuffer:

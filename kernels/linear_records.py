@@ -18,6 +18,12 @@ from .tiles import dequantize_tiles
 
 
 SMALL_M = 32
+WEIGHT_FIELDS = ("w", "wt", "codes", "scales", "blocks")  # record fields naming a linear's weight blobs
+
+
+def weight_blobs(rec: dict) -> set:
+    """The blob shas holding a record's weights (what streaming an expert from flash reads)."""
+    return {v for k, v in rec.items() if k in WEIGHT_FIELDS and isinstance(v, str)}
 
 
 def x_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgeprobe_kernels.linear_records import weight_blobs
+
 # what a mobile NPU runs: integer GEMMs, and q4_0-tile (HMX tile layout, FP16 activations: NPU TTS paper §3)
 NPU_KINDS = {"w8a8", "w8a8-shadow", "smoothquant", "q4_0-tile"}
 
@@ -146,7 +148,7 @@ def attach_expert_streaming(qm, predictor=None) -> None:
     for i in range(c["n_layers"]):
         for r in _expert_recs(qm.manifest, i):
             for rec in r.values():
-                shas |= {v for k, v in rec.items() if k in ("w", "codes", "scales", "blocks", "wt")}
+                shas |= weight_blobs(rec)
     qm.manifest["streamed_blobs"] = sorted(shas)
     if predictor is not None:
         qm.manifest["expert_predictor"] = {k: (qm.store.put(np.asarray(v), f"expert_predictor.{k}") if np.ndim(v) else int(v))

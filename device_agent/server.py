@@ -148,6 +148,7 @@ class Agent:
                     if now - r.last_seen > HEARTBEAT_TIMEOUT_S:
                         r.cancel.set()  # the client went silent: stop its work
         self._flush_outbox()
+        self.store.close()
         self.sock.close(0)
 
     def _send(self, ident: bytes, header: dict, arrays=()) -> None:

@@ -138,6 +138,13 @@ class FlashStore:
         self._write_q.put((sha, -1, None, 0, ev.set))
         ev.wait()
 
+    def close(self) -> None:
+        """Finish every queued chunk write (and its sidecar) before the process exits: the writer threads are
+        daemons, so an agent told to stop right after a put_blob would otherwise lose the last chunks."""
+        ev = threading.Event()
+        self._write_q.put(("", -1, None, 0, ev.set))
+        ev.wait(timeout=60)
+
     def _finalize(self, sha: str, spec: dict, on_done) -> None:
         """On the hash thread, after the last chunk: verify the sha256, fsync, rename into place."""
         try:

@@ -230,8 +230,8 @@ N = int(os.environ.get("EDGEPROBE_NB_PROMPT", 256))         # the test suite run
 CALIB = int(os.environ.get("EDGEPROBE_NB_CALIB", 4096))
 model = models.load("smollm2-135m")
 prompt = model.tokenizer.encode(read_corpus("heldout"))[:N]
-qm = quantize(model, "w8a8-shadow", calibration_profile(model, model.tokenizer.encode(read_corpus("train")),
-                                                         tokens=CALIB, window=min(512, CALIB)))
+calib = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), tokens=CALIB, window=min(512, CALIB))
+qm = quantize(model, "w8a8-shadow", calib)
 dev = Device.local()
 print({k: dev.info[k] for k in ("agent_version", "lanes", "emulated_lanes", "cores")}, "OpenCL:", dev.info["opencl"])
 dev.prefill(qm, prompt)                       # first run: upload what the agent lacks, JIT, first reads from flash
@@ -264,6 +264,30 @@ dev.prefill(q4, prompt, float_lane="gpu")
 gpu = dev.prefill(q4, prompt, float_lane="gpu")
 print(f"cosine vs host: {cosine(gpu.logits[0], q4.forward(prompt, logits='last')):.6f}")
 gpu.trace.figure(f"SmolLM2-135M q4_0 prefill, {N} tokens, linears on the gpu lane (OpenCL on PoCL)")"""),
+md("""## Try it: chunk length, scheduler, prune rate and scheme
+
+Each press of **Run on the agent** quantizes (cached per scheme and prune rate), sends only the blobs the agent
+lacks, runs the prefill there and redraws the timeline in place. `layer` is the layer-by-layer plan above;
+`in-order` and `ooo` cut the prompt into chunks (mllm-NPU §3.2) and order the subgraphs (§3.4). The prune rate
+is the fraction of layers whose outliers w8a8-shadow drops (§3.3; the paper prunes 85%)."""),
+code("""from edgeprobe.widgets import TimelineExplorer
+
+explorer = TimelineExplorer(dev, model, prompt, calib)
+explorer"""),
+md("The same controls from code — a small sweep, each run on the agent; the panel above redraws with each."),
+code("""import pandas as pd
+small = min(explorer.controls["chunk"].options)
+for settings in ({"scheduler": "in-order", "chunk": small}, {"scheduler": "ooo", "chunk": small},
+                 {"scheduler": "ooo", "prune_rate": 0.0}, {"scheme": "q4_0-tile", "scheduler": "layer"}):
+    explorer.set(**settings).run()
+sweep = pd.DataFrame(explorer.history)
+cols = [c for c in ("scheme", "prune_rate", "scheduler", "chunk", "makespan_ms", "predicted_makespan_ms", "npu_busy_pct",
+                    "cpu_busy_pct", "cosine_vs_host") if c in sweep]
+print(sweep[cols].round(3).to_string(index=False))
+print("the panel now shows:", explorer.figure.layout.title.text, f"({sum(len(t.x) for t in explorer.figure.data)} bars)")
+print("paper (mllm-NPU §3.4): in-order overlap leaves 37% bubbles; out-of-order cuts prefill latency 18-44%")"""),
+code("""px.bar(sweep.assign(setting=[f"{i + 1}: {TimelineExplorer.describe(r)}" for i, r in sweep.iterrows()]),
+       x="setting", y="makespan_ms", title="Makespan of each explorer run (ms, measured on the agent)")"""),
 code("""path = res.trace.to_chrome_json("out/trace_w8a8_shadow.json")
 print(f"wrote {path}: open it in https://ui.perfetto.dev or chrome://tracing (one track per lane, arrows for dependencies)")
 dev.close()"""),

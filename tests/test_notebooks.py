@@ -31,6 +31,14 @@ def test_notebook_executes_and_draws(name, tmp_path, monkeypatch):
     assert "paper" in text  # our numbers are printed beside the paper's
     assert nb.cells[0].source.startswith("# ") and "Question" in nb.cells[0].source
     assert "What we found" in nb.cells[-2].source or "What we found" in nb.cells[-1].source
+    if name == "05_device_timeline.ipynb":  # the live panel: its controls and a timeline the sweep redrew in place
+        state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"].values()
+        models = [w["model_name"] for w in state]
+        assert models.count("DropdownModel") >= 3 and "FloatSliderModel" in models and "ButtonModel" in models
+        assert "AnyModel" in models  # plotly's FigureWidget; its redraws travel as deltas, so ask the kernel below
+        shown = text[text.index("the panel now shows:"):].splitlines()[0]
+        # after the sweep the panel shows its last setting (q4_0-tile, layer by layer), not the first run
+        assert "q4_0-tile" in shown and "layer" in shown and "chunk" not in shown and not shown.endswith("(0 bars)")
     if name == "06_scheduling.ipynb":  # exported to HTML and looked at in a real headless Chromium
         from nbconvert import HTMLExporter
 

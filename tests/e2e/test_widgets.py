@@ -1,0 +1,60 @@
+"""The notebook's live timeline panel, driven from code against a real local agent."""
+import numpy as np
+import pytest
+
+from edgeprobe import Device, models
+from edgeprobe.corpus import read_corpus
+from edgeprobe.quant import calibration_profile
+from edgeprobe.widgets import TimelineExplorer
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    model = models.load("smollm2-135m")
+    prompt = model.tokenizer.encode(read_corpus("heldout"))[:32]
+    calib = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), tokens=128, window=128)
+    with Device.local(store=tmp_path_factory.mktemp("store")) as dev:
+        yield dev, model, prompt, calib
+
+
+def _op_names(fig):
+    return {c[0] for t in fig.data for c in t.customdata}
+
+
+def test_controls_rerun_on_the_agent_and_redraw_in_place(setup):
+    dev, model, prompt, calib = setup
+    ex = TimelineExplorer(dev, model, prompt, calib, scheduler="in-order")
+    fig = ex.figure
+    first = _op_names(fig)
+    assert ex.history[-1]["chunk"] == 32 and "c0.l0.attn_q" in first and ex.history[-1]["cosine_vs_host"] > 0.999
+    assert not [n for n in first if n.startswith("c1.")]
+    res = ex.set(chunk=16).run()  # two chunks now: each layer's subgraphs appear twice
+    assert ex.figure is fig and res is ex.result  # the same widget, its traces swapped
+    assert [n for n in _op_names(fig) if n.startswith("c1.")] and "chunk 16" in fig.layout.title.text
+    assert ex.history[-1]["predicted_makespan_ms"] > 0 and ex.history[-1]["cosine_vs_host"] > 0.999
+    ex.set(scheduler="layer", scheme="q4_0-tile").run()
+    assert ex.controls["chunk"].disabled and ex.controls["prune_rate"].disabled  # ignored by this setting, greyed out
+    assert "q4_0-tile" in fig.layout.title.text and "chunk" not in fig.layout.title.text
+    # the prune rate changes what the agent computes: fewer shadow outliers at a higher rate
+    ex.set(scheme="w8a8-shadow", scheduler="layer", prune_rate=0.0).run()
+    kept = ex.result.counters.get("outliers", 0)
+    ex.set(prune_rate=1.0).run()
+    assert ex.result.counters.get("outliers", 0) < kept
+    assert len(ex.history) == 5 and len({(h["scheme"], h["prune_rate"]) for h in ex.history}) >= 3
+
+
+def test_bad_settings_say_what_to_do_and_the_panel_survives(setup):
+    dev, model, prompt, calib = setup
+    ex = TimelineExplorer(dev, model, prompt, calib=None, scheme="w8a8", run=False)
+    with pytest.raises(ValueError, match="chunk=999 is not offered"):
+        ex.set(chunk=999)
+    with pytest.raises(ValueError, match="unknown control 'lanes'"):
+        ex.set(lanes=2)
+    with pytest.raises(ValueError, match=r"outside \[0.0, 1.0\]"):
+        ex.set(prune_rate=1.5)
+    assert ex.run() is None  # w8a8 without a calibration profile: shown in the panel, not raised into the event loop
+    assert "calibration profile" in ex.status.value and not ex.button.disabled
+    ex.set(scheme="float", scheduler="ooo")
+    assert ex.run() is not None and "makespan" in ex.status.value
+    with pytest.raises(ValueError, match="at least 16"):
+        TimelineExplorer(dev, model, np.arange(8), calib)

@@ -1,0 +1,170 @@
+"""Live controls for a notebook: change the chunk length, scheduler, outlier prune rate or scheme, re-run the
+prefill on the agent and redraw the timeline in place (a plotly FigureWidget whose traces are swapped).
+
+    ex = TimelineExplorer(dev, model, prompt, calib)   # calib: an ActivationProfile for the w8a8 schemes
+    ex                                                 # the panel; its Run button re-runs on the agent
+    ex.set(chunk=64, scheduler="in-order"); ex.run()   # the same from code (returns the RunResult)
+
+Schedulers: "layer" is the layer-by-layer plan (mllm-NPU without chunks), "in-order" and "ooo" lay out the
+chunk graph of mllm-NPU §3.2 by §3.4's schedulers. The prune rate is §3.3's fraction of layers whose
+outliers the shadow GEMMs drop (w8a8-shadow only).
+"""
+from __future__ import annotations
+
+import html
+import time
+
+import numpy as np
+
+SCHEDULERS = ("ooo", "in-order", "layer")
+SCHEMES = ("w8a8-shadow", "w8a8", "q4_0-tile", "float")
+CHUNKS = (16, 32, 64, 128, 256, 512)
+
+
+def _widgets():
+    try:
+        import ipywidgets as W
+        import plotly.graph_objects as go
+
+        go.FigureWidget  # noqa: B018  (plotly needs anywidget for it; fail here, not at the first redraw)
+    except ImportError as e:
+        raise ImportError("the timeline explorer needs ipywidgets, plotly and anywidget: "
+                          "pip install 'edgeprobe[notebook]'") from e
+    return W, go
+
+
+class TimelineExplorer:
+    """A panel of controls over one prompt and one agent. Quantized models are cached per (scheme, prune rate),
+    so going back to a setting only re-runs; uploads are content-addressed, so only changed blobs travel."""
+
+    def __init__(self, dev, model, prompt, calib=None, chunk: int | None = None, scheduler: str = "ooo",
+                 scheme: str = "w8a8-shadow", prune_rate: float = 0.85, profile="this-host-emulated",
+                 check_host: bool = True, run: bool = True):
+        W, go = _widgets()
+        self.dev, self.model, self.calib, self.profile, self.check_host = dev, model, calib, profile, check_host
+        self.prompt = np.asarray(prompt, np.int32).reshape(-1)
+        if len(self.prompt) < min(CHUNKS):
+            raise ValueError(f"the prompt has {len(self.prompt)} tokens; give at least {min(CHUNKS)} to chunk it")
+        chunks = [c for c in CHUNKS if c <= len(self.prompt)]
+        chunk = chunk or max(chunks)
+        self._qms: dict = {}
+        self.result = None
+        self.history: list[dict] = []  # one row per run: the settings and what was measured
+        style = {"description_width": "initial"}
+        self.controls = {
+            "chunk": W.Dropdown(options=chunks, value=chunk if chunk in chunks else max(chunks),
+                                description="chunk length", style=style),
+            "scheduler": W.Dropdown(options=SCHEDULERS, value=scheduler, description="scheduler", style=style),
+            "prune_rate": W.FloatSlider(value=prune_rate, min=0.0, max=1.0, step=0.05, description="outlier prune rate",
+                                        continuous_update=False, readout_format=".2f", style=style),
+            "scheme": W.Dropdown(options=SCHEMES, value=scheme, description="scheme", style=style),
+        }
+        self.button = W.Button(description="Run on the agent", button_style="primary", icon="play")
+        self.status = W.HTML()
+        self.figure = go.FigureWidget(layout=dict(height=360, title="press Run", xaxis_title="time (ms)"))
+        self.button.on_click(lambda _b: self.run())
+        self.controls["scheme"].observe(lambda _c: self._sync(), names="value")
+        self.controls["scheduler"].observe(lambda _c: self._sync(), names="value")
+        self._sync()
+        self.panel = W.VBox([W.HBox(list(self.controls.values())[:2]), W.HBox(list(self.controls.values())[2:]),
+                             W.HBox([self.button, self.status]), self.figure])
+        if run:
+            self.run()
+
+    # ---- settings -------------------------------------------------------------------------------
+    def set(self, **kw) -> "TimelineExplorer":
+        """Change controls from code, e.g. set(chunk=64, scheduler="in-order"); unknown names or values raise."""
+        for k, v in kw.items():
+            if k not in self.controls:
+                raise ValueError(f"unknown control {k!r}; the controls are {', '.join(self.controls)}")
+            w = self.controls[k]
+            opts = getattr(w, "options", None)
+            if opts is not None and v not in opts:
+                raise ValueError(f"{k}={v!r} is not offered here; choose one of {list(opts)}")
+            if opts is None and not w.min <= v <= w.max:
+                raise ValueError(f"{k}={v!r} is outside [{w.min}, {w.max}]")
+            w.value = v
+        return self
+
+    @property
+    def settings(self) -> dict:
+        return {k: w.value for k, w in self.controls.items()}
+
+    def _sync(self) -> None:
+        """Grey out what the current setting ignores, so a control never looks like it did something it did not."""
+        s = self.settings
+        self.controls["prune_rate"].disabled = s["scheme"] != "w8a8-shadow"
+        self.controls["chunk"].disabled = s["scheduler"] == "layer"
+
+    def _quantized(self, scheme: str, prune_rate: float):
+        from .quant import quantize
+
+        key = (scheme, round(prune_rate, 4) if scheme == "w8a8-shadow" else None)
+        if key not in self._qms:
+            if scheme in ("w8a8", "w8a8-shadow") and self.calib is None:
+                raise ValueError(f"{scheme} needs a calibration profile: TimelineExplorer(..., calib=calibration_profile(...))")
+            kw = {"prune_rate": prune_rate} if scheme == "w8a8-shadow" else {}
+            prof = self.calib if scheme in ("w8a8", "w8a8-shadow") else None
+            self._qms[key] = quantize(self.model, scheme, prof, **kw)
+        return self._qms[key]
+
+    # ---- run and redraw -------------------------------------------------------------------------
+    def run(self):
+        """Quantize (cached), run the prefill on the agent under the current settings, swap the figure's traces.
+        A failure is shown in the panel (and returned as None) instead of breaking the notebook's event loop."""
+        from .trace import cosine
+
+        s = self.settings
+        self.button.disabled = True
+        self.status.value = f"<i>running {html.escape(self.describe(s))} on the agent…</i>"
+        t0 = time.perf_counter()
+        try:
+            qm = self._quantized(s["scheme"], s["prune_rate"])
+            if s["scheduler"] == "layer":
+                res = self.dev.prefill(qm, self.prompt, progress=False)
+            else:
+                res = self.dev.prefill_chunked(qm, self.prompt, chunk=s["chunk"], scheduler=s["scheduler"],
+                                               profile=self.profile, progress=False)
+        except Exception as e:  # noqa: BLE001  (the panel must survive a bad setting or a lost agent)
+            self.status.value = f"<b style='color:#b00'>{type(e).__name__}: {html.escape(str(e))}</b>"
+            self.button.disabled = False
+            self.error = e
+            return None
+        self.error = None
+        m = res.trace.metrics()
+        row = {**s, "makespan_ms": m["makespan_ms"], "wall_s": time.perf_counter() - t0,
+               **{f"{lane}_busy_pct": v["busy_pct"] for lane, v in m["lanes"].items()},
+               **{f"{lane}_bubble_ms": v["bubble_ms"] for lane, v in m["lanes"].items()}}
+        if "predicted_makespan_ms" in res.trace.meta:
+            row["predicted_makespan_ms"] = res.trace.meta["predicted_makespan_ms"]
+        if self.check_host:
+            row["cosine_vs_host"] = cosine(res.logits[0], qm.forward(self.prompt, logits="last"))
+        self.result = res
+        self.history.append(row)
+        new = res.trace.figure(f"SmolLM2 prefill, {len(self.prompt)} tokens · {self.describe(s)}")
+        with self.figure.batch_update():  # one message to the browser: the old bars go, the new ones come
+            self.figure.data = ()
+            self.figure.add_traces(list(new.data))
+            self.figure.layout = new.layout
+        bits = [f"makespan <b>{row['makespan_ms']:.0f} ms</b>"]
+        if "predicted_makespan_ms" in row:
+            bits.append(f"predicted {row['predicted_makespan_ms']:.0f} ms")
+        bits += [f"{lane} busy {v['busy_pct']:.0f}%" for lane, v in m["lanes"].items()]
+        if "cosine_vs_host" in row:
+            bits.append(f"cosine vs host {row['cosine_vs_host']:.5f}")
+        self.status.value = " · ".join(bits) + f" <span style='color:#888'>(run {len(self.history)}, {row['wall_s']:.1f} s)</span>"
+        self.button.disabled = False
+        return res
+
+    @staticmethod
+    def describe(s: dict) -> str:
+        """A one-line name of a setting, e.g. "w8a8-shadow (prune 0.85), ooo, chunk 256"."""
+        parts = [s["scheme"] + (f" (prune {s['prune_rate']:.2f})" if s["scheme"] == "w8a8-shadow" else ""), s["scheduler"]]
+        if s["scheduler"] != "layer":
+            parts.append(f"chunk {s['chunk']}")
+        return ", ".join(parts)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.panel)

@@ -17,7 +17,8 @@ def test_chunk_graph_structure_and_dependencies(smollm):
     g = chunk_graph(smollm.config, 600, 256)
     assert g.n_chunks == 3 and len(g.subgraphs) == 3 * 30 * 4
     by = g.by_name()
-    assert set(by["c2.l5.attn"].deps) == {f"c{k}.l5.{s}" for k in range(3) for s in ("qkv", "shadow")}  # eq. 2
+    # eq. 2, and the previous chunk's attention (where its keys get RoPE and its K/V enter the cache)
+    assert set(by["c2.l5.attn"].deps) == {f"c{k}.l5.{s}" for k in range(3) for s in ("qkv", "shadow")} | {"c1.l5.attn"}
     assert by["c2.l5.qkv"].deps == ["c2.l4.ffn"] and by["c1.l0.qkv"].deps == []                    # eq. 3
     assert by["c2.l5.attn"].kv_len == 600 and by["c2.l5.attn"].tokens == 88
     assert not by["c0.l0.attn"].static and by["c0.l0.ffn"].static and by["c0.l0.qkv"].lane == "npu"
@@ -85,6 +86,30 @@ def test_every_schedule_respects_dependencies_and_lanes(layers, prompt, chunk, n
         opt = schedule(g, prof, "exact")
         opt.check()
         assert opt.makespan_us <= min(r.makespan_us for r in results.values()) + 1e-6
+
+
+@settings(max_examples=30, deadline=None)
+@given(layers=st.integers(1, 3), prompt=st.integers(1, 300), chunk=st.sampled_from([16, 32, 64]),
+       npu=st.floats(1.0, 5000.0), cpu=st.floats(1.0, 500.0), shadow=st.sampled_from([True, False, (0,)]),
+       scheduler=st.sampled_from(["in-order", "ooo"]))
+def test_every_scheduled_plan_is_deadlock_free_on_the_agent(layers, prompt, chunk, npu, cpu, shadow, scheduler):
+    """The agent runs each lane's ops in the schedule's order; a data edge the graph does not know (e.g. a shadow
+    subgraph reading the qkv subgraph's embedding) would close a cycle with that order. The agent's own check."""
+    from edgeprobe.plan import chunked_prefill_plan
+    from edgeprobe_agent.executor import validate
+
+    cfg = ModelConfig(arch="llama", n_layers=layers, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
+                      vocab_size=100, context_length=1024)
+    shadowed = set(range(layers)) if shadow is True else set() if shadow is False else set(shadow) & set(range(layers))
+    lin = {f"blk.{l}.{p}": ({"kind": "w8a8-shadow", "shadow": {"rows": "x"}} if l in shadowed and p.startswith("attn_")
+                            and p != "attn_output" else {"kind": "w8a8"})
+           for l in range(layers) for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+    tensors = {n: f"{i:064x}" for i, n in enumerate(["token_embd.weight", "output_norm.weight"] + [
+        f"blk.{l}.{t}.weight" for l in range(layers) for t in ("attn_norm", "ffn_norm")])}
+    manifest = {"config": dataclasses.asdict(cfg), "tensors": tensors, "linears": lin}
+    prof = DeviceProfile("random", {"npu": {"default": npu}, "cpu": {"default": cpu}}, {"npu": 10.0, "cpu": 5.0})
+    sched = schedule(chunk_graph(cfg, prompt, chunk, shadow=sorted(shadowed)), prof, scheduler)
+    validate(chunked_prefill_plan(manifest, sched), has_blob=lambda s: True)  # raises PlanError on a cycle
 
 
 def test_schedule_cli(tmp_path):

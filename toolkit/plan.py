@@ -254,8 +254,13 @@ def chunked_prefill_plan(manifest: dict, sched) -> dict:
                                    part="int8" if shadowed else "all")]
                 if shadowed:
                     if shadow_in is None:  # one norm for the Q/K/V shadows of this chunk and layer
+                        sx = x
+                        if l == 0:  # its own embedding: reading qkv's would be a dependency the schedule ignores
+                            sx = add(sh.name, f"{p}.shadow_embed", "embed", sh.lane,
+                                     [{"input": "tokens"}, {"blob": T["token_embd.weight"]}], 0, i, start=i * chunk,
+                                     length=qkv.tokens)
                         shadow_in = add(sh.name, f"{p}.shadow_norm", "rms_norm", sh.lane,
-                                        [x, {"blob": T[f"blk.{l}.attn_norm.weight"]}], l, i, eps=eps)
+                                        [sx, {"blob": T[f"blk.{l}.attn_norm.weight"]}], l, i, eps=eps)
                     parts[proj].append(add(sh.name, f"{p}.{proj}.shadow", "linear", sh.lane, [shadow_in], l, i, rec=rec,
                                            part="shadow"))
             qkv_out = {}

@@ -116,6 +116,9 @@ def chunk_graph(config: ModelConfig, prompt_len: int, chunk_len: int = 256, lane
                                      4 * 8 * (q_out + 2 * kv_out), 4 * Tp * (q_out + 2 * kv_out),
                                      [("float_sparse", T, 8, q_out + 2 * kv_out)], list(prev_ffn)))
             attn_deps = [f"c{k}.l{l}.qkv" for k in range(i + 1)] + ([f"c{k}.l{l}.shadow" for k in range(i + 1)] if has_shadow else [])
+            # beyond eq. 2: the previous chunk's attention subgraph is where its keys get RoPE and its K/V (int8 +
+            # shadow parts) are summed into the cache this chunk reads
+            attn_deps += [f"c{i - 1}.l{l}.attn"] if i else []
             subs.append(Subgraph(f"{p}.attn", i, l, "attn", lanes["attn"], False, T, end, attn_flops, 0,
                                  4 * (T * q_out + c.n_heads * T * end + T * q_out),
                                  [("attention", T, end, c.n_heads * d)], attn_deps))

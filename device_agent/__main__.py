@@ -20,6 +20,9 @@ def main(argv=None) -> int:
     ap.add_argument("--curve-keys", help="folder with server.key_secret (zmq.auth); required off loopback")
     ap.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: cpu, npu, and gpu where "
                                     "OpenCL is found)")
+    ap.add_argument("--parent-pid", type=int, default=None,
+                    help="stop when this process is gone (Device.local passes its own pid, so a killed host leaves no "
+                         "agent holding the store)")
     args = ap.parse_args(argv)
     from .server import Agent
 
@@ -31,7 +34,8 @@ def main(argv=None) -> int:
     try:
         agent = Agent(args.bind, args.store, None if args.memory_budget is None else int(args.memory_budget * 1e6),
                       curve_secret=secret, curve_public=public,
-                      lanes=None if args.lanes is None else [l for l in args.lanes.split(",") if l])
+                      lanes=None if args.lanes is None else [l for l in args.lanes.split(",") if l],
+                      parent_pid=args.parent_pid)
     except Exception as e:
         print(f"edgeprobe-agent: error: {e}", file=sys.stderr)
         return 2

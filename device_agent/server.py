@@ -12,6 +12,7 @@ import os
 import platform
 import queue
 import threading
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -92,7 +93,7 @@ class _Run:
 
 class Agent:
     def __init__(self, bind: str, store_dir, memory_budget: int | None = None, curve_secret: bytes | None = None,
-                 curve_public: bytes | None = None, lanes=None):
+                 curve_public: bytes | None = None, lanes=None, parent_pid: int | None = None):
         if not is_loopback(bind) and not curve_secret:
             raise ValueError(f"refusing to bind {bind}: outside loopback the agent needs CURVE keys "
                              "(--curve-keys DIR made with zmq.auth.create_certificates); or bind tcp://127.0.0.1:PORT")
@@ -123,6 +124,8 @@ class Agent:
             raise ValueError("the gpu lane needs an OpenCL device and none was found (Debian: pocl-opencl-icd)")
         self.lanes = [l for l in LANES if (l in lanes if lanes is not None else (l != "gpu" or opencl_devices()))]
         self._stop = False
+        self.parent_pid = parent_pid
+        self._parent_is_ppid = parent_pid is not None and os.getppid() == parent_pid
 
     def _on_read(self, ev):
         self.flash_events.append(ev)
@@ -143,6 +146,11 @@ class Agent:
             now = time.monotonic()
             if now - last_hb >= HEARTBEAT_S:
                 last_hb = now
+                if self._host_gone():
+                    print(f"edgeprobe-agent: the host process {self.parent_pid} is gone; stopping", file=sys.stderr, flush=True)
+                    for r in list(self.runs.values()):
+                        r.cancel.set()
+                    break
                 for r in list(self.runs.values()):
                     self._send(r.ident, {"id": r.rid, "final": False, "event": "heartbeat", "clock_us": now_us()})
                     if now - r.last_seen > HEARTBEAT_TIMEOUT_S:
@@ -150,6 +158,21 @@ class Agent:
         self._flush_outbox()
         self.store.close()
         self.sock.close(0)
+
+    def _host_gone(self) -> bool:
+        """Has the process named by --parent-pid exited? A dead direct parent re-parents us (it may linger as a
+        zombie, which signal 0 would still find); any other pid is probed with signal 0."""
+        if self.parent_pid is None:
+            return False
+        if self._parent_is_ppid:
+            return os.getppid() != self.parent_pid
+        try:
+            os.kill(self.parent_pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
 
     def _send(self, ident: bytes, header: dict, arrays=()) -> None:
         self.sock.send_multipart([ident] + pack(header, arrays), copy=False)

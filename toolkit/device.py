@@ -184,7 +184,8 @@ class Device:
         """Start `python -m edgeprobe_agent` on a free loopback port; close() stops it."""
         store = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE")
                      or Path(tempfile.gettempdir()) / f"edgeprobe-agent-store-{os.getuid()}")
-        cmd = [sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(store)]
+        cmd = [sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(store),
+               "--parent-pid", str(os.getpid())]  # a killed host must not leave its agent holding the store
         if memory_budget_mb is not None:
             cmd += ["--memory-budget", str(memory_budget_mb)]
         if lanes is not None:

@@ -62,14 +62,14 @@ class TimelineExplorer:
         self.button = W.Button(description="Run on the agent", button_style="primary", icon="play")
         self.status = W.HTML()
         self.figure = go.FigureWidget(layout=dict(height=360, title="press Run", xaxis_title="time (ms)"))
-        self.button.on_click(lambda _b: self.run())
+        self.button.on_click(lambda _b: self.run(raise_errors=False))
         self.controls["scheme"].observe(lambda _c: self._sync(), names="value")
         self.controls["scheduler"].observe(lambda _c: self._sync(), names="value")
         self._sync()
         self.panel = W.VBox([W.HBox(list(self.controls.values())[:2]), W.HBox(list(self.controls.values())[2:]),
                              W.HBox([self.button, self.status]), self.figure])
         if run:
-            self.run()
+            self.run(raise_errors=False)
 
     # ---- settings -------------------------------------------------------------------------------
     def set(self, **kw) -> "TimelineExplorer":
@@ -109,9 +109,10 @@ class TimelineExplorer:
         return self._qms[key]
 
     # ---- run and redraw -------------------------------------------------------------------------
-    def run(self):
+    def run(self, raise_errors: bool = True):
         """Quantize (cached), run the prefill on the agent under the current settings, swap the figure's traces.
-        A failure is shown in the panel (and returned as None) instead of breaking the notebook's event loop."""
+        A failure is shown in the panel; from the Run button (raise_errors=False) it is not raised but returned as
+        None, so it cannot break the notebook's widget event loop."""
         from .trace import cosine
 
         s = self.settings
@@ -129,6 +130,8 @@ class TimelineExplorer:
             self.status.value = f"<b style='color:#b00'>{type(e).__name__}: {html.escape(str(e))}</b>"
             self.button.disabled = False
             self.error = e
+            if raise_errors:
+                raise
             return None
         self.error = None
         m = res.trace.metrics()

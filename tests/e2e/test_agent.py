@@ -420,3 +420,41 @@ def test_plans_for_lanes_the_agent_lacks_fail_clearly(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store",
                           str(tmp_path / "st"), "--lanes", "cpu,tpu"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "lanes must be some of" in bad.stderr
+
+
+def test_a_killed_host_leaves_no_agent_holding_the_store(tmp_path):
+    """kill -9 of the host process (an interrupted demo, a crashed kernel): its local agent notices and stops,
+    so the next Device.local on the same store gets it at once instead of waiting on a stale lock."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    store = tmp_path / "s"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom edgeprobe import Device\n"
+        f"d = Device.local(store={str(store)!r})\nprint(d.process.pid, flush=True)\ntime.sleep(600)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        agent_pid = int(child.stdout.readline())
+        os.kill(agent_pid, 0)  # the agent is up, holding the store
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.kill(agent_pid, 0)
+            except ProcessLookupError:
+                break
+            if open(f"/proc/{agent_pid}/stat").read().split()[2] == "Z":
+                break  # exited; only its zombie waits for init to reap it
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the orphaned agent kept running after its host was killed")
+        t0 = time.monotonic()
+        with Device.local(store=store) as dev:  # the lock is free: no 10 s wait, no store_busy
+            assert dev.hello()["store"] is not None
+        assert time.monotonic() - t0 < 8
+    finally:
+        child.kill()

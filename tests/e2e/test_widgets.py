@@ -52,9 +52,12 @@ def test_bad_settings_say_what_to_do_and_the_panel_survives(setup):
         ex.set(lanes=2)
     with pytest.raises(ValueError, match=r"outside \[0.0, 1.0\]"):
         ex.set(prune_rate=1.5)
-    assert ex.run() is None  # w8a8 without a calibration profile: shown in the panel, not raised into the event loop
-    assert "calibration profile" in ex.status.value and not ex.button.disabled
+    with pytest.raises(ValueError, match="calibration profile"):  # from code: raised
+        ex.run()
+    ex.button.click()  # from the button: shown in the panel, not raised into the widget event loop
+    assert "calibration profile" in ex.status.value and not ex.button.disabled and ex.result is None
     ex.set(scheme="float", scheduler="ooo")
-    assert ex.run() is not None and "makespan" in ex.status.value
+    ex.button.click()
+    assert ex.result is not None and "makespan" in ex.status.value
     with pytest.raises(ValueError, match="at least 16"):
         TimelineExplorer(dev, model, np.arange(8), calib)

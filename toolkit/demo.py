@@ -84,32 +84,35 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
         raise DemoError(f"the held-out corpus has {len(held)} tokens, fewer than the {prompt_len}-token prompt")
     print_fn(f"model       {m!r}")
     step("perplexity")
-    ev, _ = _cached(cache / f"eval-{eval_windows}.json",
+    tag = Path(model).name  # caches are per model: a second model must not read the first one's numbers
+    ev, hit_e = _cached(cache / f"{tag}-eval-{eval_windows}.json",
                     lambda: perplexity(m, held, window=512, max_windows=eval_windows, progress=progress).__dict__,
                     lambda p: json.loads(p.read_text()), lambda v, p: p.write_text(json.dumps(v)))
-    print_fn(f"held-out    perplexity {ev['perplexity']:.3f} over {ev['tokens_scored']} tokens")
+    print_fn(f"held-out    perplexity {ev['perplexity']:.3f} over {ev['tokens_scored']} tokens{' (cached)' if hit_e else ''}")
     step("profiles")
-    outl, hit_o = _cached(cache / f"outliers-{profile_tokens}.npz",
+    outl, hit_o = _cached(cache / f"{tag}-outliers-{profile_tokens}.npz",
                           lambda: profile_outliers(m, train, tokens=profile_tokens, window=512,
                                                    calib_tokens=profile_tokens, progress=progress),
                           OutlierStats.load, lambda v, p: v.save(p))
-    spar, hit_s = _cached(cache / f"sparsity-{profile_tokens // 2}.npz",
+    spar, hit_s = _cached(cache / f"{tag}-sparsity-{profile_tokens // 2}.npz",
                           lambda: profile_sparsity(m, train, tokens=profile_tokens // 2, window=512, progress=progress),
                           SparsityStats.load, lambda v, p: v.save(p))
     osum = outl.summary()
     print_fn(f"profiles    {outl.tokens:,} tokens for outliers, {spar.tokens:,} for sparsity"
              f"{' (cached)' if hit_o and hit_s else ''}")
     step("accuracy")
-    acc, _ = _cached(cache / f"accuracy-{accuracy_windows}.json",
+    acc, hit_a = _cached(cache / f"{tag}-accuracy-{accuracy_windows}-{profile_tokens}.json",
                      lambda: accuracy_table(m, held, outl, ["float", "w8a8", "w8a8-shadow", "q4_0-tile"], window=256,
                                             max_windows=accuracy_windows, progress=progress),
                      lambda p: json.loads(p.read_text()), lambda v, p: p.write_text(json.dumps(v)))
+    print_fn(f"accuracy    {', '.join(r['scheme'] for r in acc)} on {accuracy_windows} held-out windows of 256"
+             f"{' (cached)' if hit_a else ''}")
     step("quantize")
     qm = quantize(m, "w8a8-shadow", outl)
     tokens = np.asarray(held[:prompt_len], np.int32)
     step("agent")
     with _local_agent(cache / "agent-store", print_fn) as dev:
-        prof_path = cache / f"profile-{Path(model).name}-w8a8-shadow.json"
+        prof_path = cache / f"{tag}-profile-w8a8-shadow-{profile_tokens}.json"
         prof, hit_p = _cached(prof_path, lambda: dev.measure_profile(qm, held, progress=progress),
                               MeasuredProfile.from_json, lambda v, p: v.to_json(p))
         print_fn(f"agent       {dev.url}: lanes {', '.join(dev.info['lanes'])} (npu emulated); cost model "

@@ -57,3 +57,34 @@ def test_demo_refuses_an_unwritable_or_full_place_clearly(tmp_path, monkeypatch)
     r = subprocess.run([sys.executable, "-m", "edgeprobe", "demo", "--out", str(blocker / "out"), "--no-progress"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "cannot create" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_an_interrupted_demo_stops_cleanly_and_the_rerun_reuses_what_it_finished(tmp_path):
+    """Ctrl-C in a terminal (SIGINT to the whole process group, the agent included) mid-demo: a one-line message,
+    no traceback, no agent left behind; the next run takes the caches the first one finished and completes."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    args = [sys.executable, "-m", "edgeprobe", "demo", "--out", str(out), "--prompt-len", "128", "--chunk", "64",
+            "--profile-tokens", "1024", "--max-windows", "1", "--no-progress"]
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not list((out / ".cache").glob("*-outliers-1024.npz")) and p.poll() is None:
+            assert time.monotonic() < deadline, "the demo never finished its outlier profile"
+            time.sleep(0.2)
+        assert p.poll() is None, "the demo ended before it could be interrupted"
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    assert p.returncode == 130 and "interrupted" in err and "Traceback" not in err
+    assert not list(out.glob("report.html"))  # nothing pretends to be finished
+    lines = []
+    s = run_demo(out=out, prompt_len=128, chunk=64, profile_tokens=1024, eval_windows=1, accuracy_windows=1,
+                 progress=False, print_fn=lines.append)
+    assert any("perplexity" in line and "(cached)" in line for line in lines)  # finished before the interrupt
+    assert s["ooo_ms"] > 0 and (out / "report.html").stat().st_size > 100_000

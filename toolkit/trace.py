@@ -159,7 +159,7 @@ class Trace:
             ev = [e for e in self.events if e["kind"] == kind]
             fig.add_bar(
                 y=[LANE_LABEL.get(e["lane"], e["lane"]) for e in ev], x=[(e["end_us"] - e["start_us"]) / 1e3 for e in ev],
-                base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", name=kind,
+                base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", name=kind, marker_color=kind_color(kind),
                 customdata=[[e["name"], str(e.get("shape", "")), e.get("bytes_in", 0) / 1e3, e.get("flops", 0) / 1e6,
                              "emulated" if e.get("emulated") else ""] for e in ev],
                 hovertemplate="%{customdata[0]} %{customdata[4]}<br>%{base:.2f} ms + %{x:.3f} ms<br>out %{customdata[1]}, "
@@ -172,6 +172,22 @@ class Trace:
                           categoryarray=[LANE_LABEL.get(l, l) for l in reversed(self.lanes)]),
                           legend=dict(orientation="h", y=-0.2), height=320 + 30 * len(self.lanes))
         return fig
+
+
+# one colour per op kind in every figure (plotly's default cycles by position, so a kind present in one run and
+# absent in the next, e.g. flash reads, would repaint every other kind); schedule stages included
+KIND_COLORS = {"linear": "#636efa", "attention": "#ef553b", "rope": "#ff6692", "swiglu": "#b6e880", "add": "#00cc96",
+               "rms_norm": "#19d3f3", "embed": "#ffa15a", "lm_head": "#ab63fa", "flash_read": "#7f7f7f",
+               "ffn_flash": "#fecb52", "moe_ffn": "#fecb52", "concat": "#bcbd22",
+               "qkv": "#636efa", "ffn": "#1f3fbf", "attn": "#ef553b", "shadow": "#ffa15a"}
+_EXTRA = ("#8c564b", "#e377c2", "#17becf", "#9467bd", "#2ca02c", "#d62728")
+
+
+def kind_color(kind: str) -> str:
+    """A fixed colour for an op kind (unknown kinds get a stable one from their name)."""
+    import zlib
+
+    return KIND_COLORS.get(kind) or _EXTRA[zlib.crc32(kind.encode()) % len(_EXTRA)]
 
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:

@@ -39,7 +39,7 @@ class TimelineExplorer:
 
     def __init__(self, dev, model, prompt, calib=None, chunk: int | None = None, scheduler: str = "ooo",
                  scheme: str = "w8a8-shadow", prune_rate: float = 0.85, profile="this-host-emulated",
-                 check_host: bool = True, run: bool = True):
+                 check_host: bool = True, run: bool = True, width: int = 940):
         W, go = _widgets()
         self.dev, self.model, self.calib, self.profile, self.check_host = dev, model, calib, profile, check_host
         self.prompt = np.asarray(prompt, np.int32).reshape(-1)
@@ -59,9 +59,11 @@ class TimelineExplorer:
                                         continuous_update=False, readout_format=".2f", style=style),
             "scheme": W.Dropdown(options=SCHEMES, value=scheme, description="scheme", style=style),
         }
-        self.button = W.Button(description="Run on the agent", button_style="primary", icon="play")
+        self.button = W.Button(description="Run on the agent", button_style="primary", icon="play",
+                               layout=W.Layout(width="auto"))
         self.status = W.HTML()
-        self.figure = go.FigureWidget(layout=dict(height=360, title="press Run", xaxis_title="time (ms)"))
+        self.width = width
+        self.figure = go.FigureWidget(layout=dict(height=360, width=width, title="press Run", xaxis_title="time (ms)"))
         self.button.on_click(lambda _b: self.run(raise_errors=False))
         self.controls["scheme"].observe(lambda _c: self._sync(), names="value")
         self.controls["scheduler"].observe(lambda _c: self._sync(), names="value")
@@ -144,7 +146,8 @@ class TimelineExplorer:
             row["cosine_vs_host"] = cosine(res.logits[0], qm.forward(self.prompt, logits="last"))
         self.result = res
         self.history.append(row)
-        new = res.trace.figure(f"SmolLM2 prefill, {len(self.prompt)} tokens · {self.describe(s)}")
+        new = res.trace.figure(f"{self.model.name} prefill, {len(self.prompt)} tokens · {self.describe(s)}")
+        new.update_layout(width=self.width)  # plotly's widget default (700 px) leaves a third of the output empty
         with self.figure.batch_update():  # one message to the browser: the old bars go, the new ones come
             self.figure.data = ()
             self.figure.add_traces(list(new.data))

@@ -445,7 +445,7 @@ def cmd_demo(args) -> int:
 
     try:
         run_demo(model=args.model, out=args.out, prompt_len=args.prompt_len, chunk=args.chunk, eval_windows=args.max_windows,
-                 profile_tokens=args.profile_tokens, progress=not args.no_progress)
+                 profile_tokens=args.profile_tokens, progress=not args.no_progress, repeats=args.repeats)
     except DemoError as e:
         print(f"edgeprobe: error: {e}", file=sys.stderr)
         return 2
@@ -574,6 +574,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--chunk", type=int, default=256, help="chunk length of the scheduled prefill")
     d.add_argument("--profile-tokens", type=int, default=8192, help="training-corpus tokens profiled for outliers")
     d.add_argument("--max-windows", type=int, default=8, help="held-out windows of 512 for the perplexity")
+    d.add_argument("--repeats", type=int, default=2, help="runs per scheduler on the agent; the best is reported")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(fn=cmd_demo)
     return ap

@@ -57,6 +57,11 @@ def test_demo_refuses_an_unwritable_or_full_place_clearly(tmp_path, monkeypatch)
     r = subprocess.run([sys.executable, "-m", "edgeprobe", "demo", "--out", str(blocker / "out"), "--no-progress"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "cannot create" in r.stderr and "Traceback" not in r.stderr
+    for bad, says in ((["--chunk", "0"], "chunk length must be a positive"), (["--repeats", "0"], "repeats must be"),
+                      (["--prompt-len", "9000"], "context length")):
+        r = subprocess.run([sys.executable, "-m", "edgeprobe", "demo", "--out", str(tmp_path / "o2"), "--no-progress", *bad],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, (bad, r.stderr[-500:])
 
 
 def test_an_interrupted_demo_stops_cleanly_and_the_rerun_reuses_what_it_finished(tmp_path):

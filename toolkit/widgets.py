@@ -46,19 +46,19 @@ class TimelineExplorer:
         if len(self.prompt) < min(CHUNKS):
             raise ValueError(f"the prompt has {len(self.prompt)} tokens; give at least {min(CHUNKS)} to chunk it")
         chunks = [c for c in CHUNKS if c <= len(self.prompt)]
-        chunk = chunk or max(chunks)
         self._qms: dict = {}
         self.result = None
         self.history: list[dict] = []  # one row per run: the settings and what was measured
         style = {"description_width": "initial"}
         self.controls = {
-            "chunk": W.Dropdown(options=chunks, value=chunk if chunk in chunks else max(chunks),
-                                description="chunk length", style=style),
-            "scheduler": W.Dropdown(options=SCHEDULERS, value=scheduler, description="scheduler", style=style),
-            "prune_rate": W.FloatSlider(value=prune_rate, min=0.0, max=1.0, step=0.05, description="outlier prune rate",
+            "chunk": W.Dropdown(options=chunks, value=max(chunks), description="chunk length", style=style),
+            "scheduler": W.Dropdown(options=SCHEDULERS, description="scheduler", style=style),
+            "prune_rate": W.FloatSlider(value=0.85, min=0.0, max=1.0, step=0.05, description="outlier prune rate",
                                         continuous_update=False, readout_format=".2f", style=style),
-            "scheme": W.Dropdown(options=SCHEMES, value=scheme, description="scheme", style=style),
+            "scheme": W.Dropdown(options=SCHEMES, description="scheme", style=style),
         }
+        # the constructor's choices go through set(), so a value not offered is named, not a traitlets error
+        self.set(scheduler=scheduler, scheme=scheme, prune_rate=prune_rate, **({"chunk": chunk} if chunk else {}))
         self.button = W.Button(description="Run on the agent", button_style="primary", icon="play",
                                layout=W.Layout(width="auto"))
         self.status = W.HTML()

@@ -59,5 +59,7 @@ def test_bad_settings_say_what_to_do_and_the_panel_survives(setup):
     ex.set(scheme="float", scheduler="ooo")
     ex.button.click()
     assert ex.result is not None and "makespan" in ex.status.value
+    with pytest.raises(ValueError, match="scheduler='fifo' is not offered"):
+        TimelineExplorer(dev, model, prompt, calib, scheduler="fifo", run=False)
     with pytest.raises(ValueError, match="at least 16"):
         TimelineExplorer(dev, model, np.arange(8), calib)

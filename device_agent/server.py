@@ -11,8 +11,8 @@ import json
 import os
 import platform
 import queue
-import threading
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 

@@ -141,9 +141,7 @@ class FlashStore:
     def close(self) -> None:
         """Finish every queued chunk write (and its sidecar) before the process exits: the writer threads are
         daemons, so an agent told to stop right after a put_blob would otherwise lose the last chunks."""
-        ev = threading.Event()
-        self._write_q.put(("", -1, None, 0, ev.set))
-        ev.wait(timeout=60)
+        self._drain("")  # the queues are FIFO: a marker behind every chunk of every upload
 
     def _finalize(self, sha: str, spec: dict, on_done) -> None:
         """On the hash thread, after the last chunk: verify the sha256, fsync, rename into place."""

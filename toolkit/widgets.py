@@ -1,7 +1,7 @@
 """Live controls for a notebook: change the chunk length, scheduler, outlier prune rate or scheme, re-run the
 prefill on the agent and redraw the timeline in place (a plotly FigureWidget whose traces are swapped).
 
-    ex = TimelineExplorer(dev, model, prompt, calib)   # calib: an ActivationProfile for the w8a8 schemes
+    ex = TimelineExplorer(dev, model, prompt, calib)   # calib: OutlierStats (calibration_profile) for w8a8*
     ex                                                 # the panel; its Run button re-runs on the agent
     ex.set(chunk=64, scheduler="in-order"); ex.run()   # the same from code (returns the RunResult)
 
@@ -47,7 +47,7 @@ class TimelineExplorer:
             raise ValueError(f"the prompt has {len(self.prompt)} tokens; give at least {min(CHUNKS)} to chunk it")
         chunks = [c for c in CHUNKS if c <= len(self.prompt)]
         self._qms: dict = {}
-        self.result = None
+        self.result = self.error = None  # the last run's RunResult, or the exception it raised
         self.history: list[dict] = []  # one row per run: the settings and what was measured
         style = {"description_width": "initial"}
         self.controls = {
@@ -121,6 +121,7 @@ class TimelineExplorer:
         self.button.disabled = True
         self.status.value = f"<i>running {html.escape(self.describe(s))} on the agent…</i>"
         t0 = time.perf_counter()
+        self.error = None
         try:
             qm = self._quantized(s["scheme"], s["prune_rate"])
             if s["scheduler"] == "layer":
@@ -135,7 +136,6 @@ class TimelineExplorer:
             if raise_errors:
                 raise
             return None
-        self.error = None
         m = res.trace.metrics()
         row = {**s, "makespan_ms": m["makespan_ms"], "wall_s": time.perf_counter() - t0,
                **{f"{lane}_busy_pct": v["busy_pct"] for lane, v in m["lanes"].items()},

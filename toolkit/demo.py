@@ -46,6 +46,9 @@ def _cached(path: Path, make, load, save):
     return v, False
 
 
+_JSON_IO = (lambda p: json.loads(p.read_text()), lambda v, p: p.write_text(json.dumps(v)))  # load, save for _cached
+
+
 def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: int = 1024, chunk: int = 256,
              profile_tokens: int = 8192, eval_windows: int | None = 8, accuracy_windows: int = 4,
              print_fn=print, progress: bool = True, repeats: int = 2) -> dict:
@@ -93,7 +96,7 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     tag = Path(model).name  # caches are per model: a second model must not read the first one's numbers
     ev, hit_e = _cached(cache / f"{tag}-eval-{eval_windows}.json",
                     lambda: perplexity(m, held, window=512, max_windows=eval_windows, progress=progress).__dict__,
-                    lambda p: json.loads(p.read_text()), lambda v, p: p.write_text(json.dumps(v)))
+                    *_JSON_IO)
     print_fn(f"held-out    perplexity {ev['perplexity']:.3f} over {ev['tokens_scored']} tokens{' (cached)' if hit_e else ''}")
     step("profiles")
     outl, hit_o = _cached(cache / f"{tag}-outliers-{profile_tokens}.npz",
@@ -110,7 +113,7 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     acc, hit_a = _cached(cache / f"{tag}-accuracy-{accuracy_windows}-{profile_tokens}.json",
                      lambda: accuracy_table(m, held, outl, ["float", "w8a8", "w8a8-shadow", "q4_0-tile"], window=256,
                                             max_windows=accuracy_windows, progress=progress),
-                     lambda p: json.loads(p.read_text()), lambda v, p: p.write_text(json.dumps(v)))
+                     *_JSON_IO)
     print_fn(f"accuracy    {', '.join(r['scheme'] for r in acc)} on {accuracy_windows} held-out windows of 256"
              f"{' (cached)' if hit_a else ''}")
     step("quantize")
@@ -133,7 +136,7 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
                 runs[s].append(dev.prefill_chunked(qm, tokens, chunk, s, profile=prof, progress=False))
         measured = {s: min(rs, key=lambda r: r.trace.metrics()["makespan_ms"]) for s, rs in runs.items()}
     step("report")
-    mk = {s: r.trace.metrics() for s, r in measured.items()}
+    mk = {s: r.trace.metrics() for s, r in measured.items()}  # of the kept runs
     ratio = mk["ooo"]["makespan_ms"] / mk["in-order"]["makespan_ms"]
     mem = graph.memory()
     out.mkdir(parents=True, exist_ok=True)

@@ -230,13 +230,14 @@ def chunked_prefill_plan(manifest: dict, sched) -> dict:
                                                "attrs": attrs, "layer": layer, "chunk": chunk_i, "group": sub})
         return {"op": name}
 
+    def embed(sub, name, i):  # chunk i's token embeddings, computed in subgraph `sub`
+        return add(sub.name, name, "embed", sub.lane, [{"input": "tokens"}, {"blob": T["token_embd.weight"]}], 0, i,
+                   start=i * chunk, length=subs[f"c{i}.l0.qkv"].tokens)
+
     resid: dict = {}  # (chunk, layer) -> residual stream entering the layer
     subs = g.by_name()
     for i in range(g.n_chunks):
-        n_tok = subs[f"c{i}.l0.qkv"].tokens
-        first = f"c{i}.l0.qkv"
-        resid[(i, 0)] = add(first, f"c{i}.embed", "embed", subs[first].lane,
-                            [{"input": "tokens"}, {"blob": T["token_embd.weight"]}], 0, i, start=i * chunk, length=n_tok)
+        resid[(i, 0)] = embed(subs[f"c{i}.l0.qkv"], f"c{i}.embed", i)
     for l in range(c["n_layers"]):
         for i in range(g.n_chunks):
             p, x = f"c{i}.l{l}", resid[(i, l)]
@@ -254,11 +255,8 @@ def chunked_prefill_plan(manifest: dict, sched) -> dict:
                                    part="int8" if shadowed else "all")]
                 if shadowed:
                     if shadow_in is None:  # one norm for the Q/K/V shadows of this chunk and layer
-                        sx = x
-                        if l == 0:  # its own embedding: reading qkv's would be a dependency the schedule ignores
-                            sx = add(sh.name, f"{p}.shadow_embed", "embed", sh.lane,
-                                     [{"input": "tokens"}, {"blob": T["token_embd.weight"]}], 0, i, start=i * chunk,
-                                     length=qkv.tokens)
+                        # layer 0 embeds on its own: reading qkv's embedding is a dependency the schedule ignores
+                        sx = embed(sh, f"{p}.shadow_embed", i) if l == 0 else x
                         shadow_in = add(sh.name, f"{p}.shadow_norm", "rms_norm", sh.lane,
                                         [sx, {"blob": T[f"blk.{l}.attn_norm.weight"]}], l, i, eps=eps)
                     parts[proj].append(add(sh.name, f"{p}.{proj}.shadow", "linear", sh.lane, [shadow_in], l, i, rec=rec,

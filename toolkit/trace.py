@@ -7,6 +7,7 @@ for reads from flash. Events of emulated lanes (a phone NPU's kernels run on thi
 from __future__ import annotations
 
 import json
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -185,8 +186,6 @@ _EXTRA = ("#8c564b", "#e377c2", "#17becf", "#9467bd", "#2ca02c", "#d62728")
 
 def kind_color(kind: str) -> str:
     """A fixed colour for an op kind (unknown kinds get a stable one from their name)."""
-    import zlib
-
     return KIND_COLORS.get(kind) or _EXTRA[zlib.crc32(kind.encode()) % len(_EXTRA)]
 
 

@@ -192,6 +192,14 @@ def op_swiglu(inp, attrs, ctx):
     return swiglu_act(_arr(inp[0], "gate", 2), _arr(inp[1], "up", 2))
 
 
+def op_sigmoid_mul(inp, attrs, ctx):
+    """x float32[rows, n] * sigmoid(g float32[rows, 1]): Qwen-MoE's gate on its shared expert."""
+    x, g = _arr(inp[0], "x", 2), _arr(inp[1], "g", 2)
+    if g.shape != (x.shape[0], 1):
+        raise OpError("bad_input", f"sigmoid_mul gates rows of x {x.shape} by g[rows, 1], got g {g.shape}")
+    return x * (1.0 / (1.0 + np.exp(-g)))
+
+
 def op_lm_head(inp, attrs, ctx):
     """last_only: the last position of each of `batch` sequences -> float32[batch, vocab]."""
     x, w = _arr(inp[0], "x", 2), _arr(inp[1], "w", 2)
@@ -233,4 +241,4 @@ def _moe_ffn(inp, attrs, ctx):
 
 
 OPS = {"ffn_flash": _ffn_flash, "moe_ffn": _moe_ffn, "embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
-       "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat}
+       "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat, "sigmoid_mul": op_sigmoid_mul}

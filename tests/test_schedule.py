@@ -17,8 +17,18 @@ def test_chunk_graph_structure_and_dependencies(smollm):
     g = chunk_graph(smollm.config, 600, 256)
     assert g.n_chunks == 3 and len(g.subgraphs) == 3 * 30 * 4
     by = g.by_name()
-    # eq. 2, and the previous chunk's attention (where its keys get RoPE and its K/V enter the cache)
-    assert set(by["c2.l5.attn"].deps) == {f"c{k}.l5.{s}" for k in range(3) for s in ("qkv", "shadow")} | {"c1.l5.attn"}
+    # derived from data edges: chunk 2's attention reads its own Q/K/V (int8 + shadow) and the RoPE'd keys that
+    # chunks 0 and 1's attention subgraphs wrote; eq. 2 (every earlier chunk's qkv and shadow) follows transitively
+    assert set(by["c2.l5.attn"].deps) == {"c2.l5.qkv", "c2.l5.shadow", "c0.l5.attn", "c1.l5.attn"}
+
+    def closure(n, seen=None):
+        seen = set() if seen is None else seen
+        for d in by[n].deps:
+            if d not in seen:
+                seen.add(d)
+                closure(d, seen)
+        return seen
+    assert {f"c{k}.l5.{s}" for k in range(3) for s in ("qkv", "shadow")} <= closure("c2.l5.attn")
     assert by["c2.l5.qkv"].deps == ["c2.l4.ffn"] and by["c1.l0.qkv"].deps == []                    # eq. 3
     assert by["c2.l5.attn"].kv_len == 600 and by["c2.l5.attn"].tokens == 88
     assert not by["c0.l0.attn"].static and by["c0.l0.ffn"].static and by["c0.l0.qkv"].lane == "npu"

@@ -22,6 +22,8 @@ import numpy as np
 
 from edgeprobe_kernels.llama_ops import apply_rope, attention, rms_norm, route, swiglu_act
 from edgeprobe_kernels.llama_ops import rope_tables as _rope_tables
+from edgeprobe_kernels.names import ATTN_LINEARS, FFN_LINEARS
+from edgeprobe_kernels.names import ROUTERS  # noqa: F401  (re-exported: router linears stay float)
 
 from .errors import TokenRangeError
 from .models import Model, ModelConfig
@@ -110,9 +112,6 @@ def float_linear(model: Model) -> LinearFn:
     return linear
 
 
-ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # router linears: tiny, and they pick discrete experts
-
-
 def is_router(name: str) -> bool:
     return name.endswith(ROUTERS)
 
@@ -127,9 +126,9 @@ def linear_names(config: ModelConfig) -> list[str]:
     """Every linear the forward pass calls, in execution order (experts one by one, then shared)."""
     out = []
     for i in range(config.n_layers):
-        out += [f"blk.{i}.{op}" for op in ("attn_q", "attn_k", "attn_v", "attn_output")]
+        out += [f"blk.{i}.{op}" for op in ATTN_LINEARS]
         if not config.n_experts:
-            out += [f"blk.{i}.{op}" for op in ("ffn_gate", "ffn_up", "ffn_down")]
+            out += [f"blk.{i}.{op}" for op in FFN_LINEARS]
             continue
         out.append(f"blk.{i}.ffn_gate_inp")
         out += [f"blk.{i}.ffn_{op}_exps.{e}" for e in range(config.n_experts) for op in ("gate", "up", "down")]

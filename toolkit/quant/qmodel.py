@@ -45,7 +45,8 @@ class QuantizedModel:
         """A Model whose float tensors (embedding, norms) come from the blobs; linears go through `linear`."""
         if self._model is None:
             m = self.manifest
-            tok = Tokenizer.from_json(json.loads(self.store.get(m["tokenizer"]).tobytes().decode()))
+            tok = (Tokenizer.from_json(json.loads(self.store.get(m["tokenizer"]).tobytes().decode()))
+                   if m.get("tokenizer") else None)
             loaders = {n: (lambda sha=sha: self.store.get(sha)) for n, sha in m["tensors"].items()}
             self._model = Model(config=ModelConfig(**m["config"]), tokenizer=tok, weights=LazyWeights(loaders, None),
                                 source=f"quantized:{self.scheme}", sha256=m["model"]["sha256"],
@@ -165,7 +166,8 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
     linear_weights = {linear_tensor(n) for n in names}
     tensors = {n: store.put(np.asarray(model.weights[n], np.float32), "float")
                for n in model.weights if n not in linear_weights}
-    tok = store.put(np.frombuffer(json.dumps(model.tokenizer.to_json()).encode(), np.uint8), "tokenizer")
+    tok = (store.put(np.frombuffer(json.dumps(model.tokenizer.to_json()).encode(), np.uint8), "tokenizer")
+           if model.tokenizer is not None else None)  # a toy model built in code has no tokenizer
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "edgeprobe_version": __version__, "scheme": scheme,
         "model": {"name": model.name, "sha256": model.sha256}, "config": dataclasses.asdict(c),

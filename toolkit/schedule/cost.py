@@ -1,7 +1,8 @@
 """Cost models: how long a subgraph takes on a lane. Every time from here is *modelled*, and says so.
 
-A DeviceProfile prices each GEMM-like op of a subgraph by its FLOPs at a per-lane, per-kind rate, plus
-a fixed launch cost per subgraph and a sync cost when a dependency crosses lanes.
+A DeviceProfile prices each op of a subgraph (graph.template's cost: kind and FLOPs — int8_linear, linear,
+float_sparse, attention, elementwise) at a per-lane, per-kind rate, plus a fixed launch cost per subgraph and a
+sync cost when a dependency crosses lanes.
 
 Named profiles are built from the papers' published numbers (documented per profile). Profiles measured on
 an agent (HeteroLLM's "real" and "predicted" modes) live in measure.py and load here from their JSON files.
@@ -23,18 +24,28 @@ class DeviceProfile:
     modelled: bool = True
     notes: dict = field(default_factory=dict)
 
-    def time_us(self, g: Subgraph, lane: str | None = None) -> float:
-        lane = lane or g.lane
+    def rate(self, lane: str, kind: str) -> float:
         r = self.rates.get(lane)
         if r is None:
             raise ScheduleError(f"device profile {self.name!r} has no lane {lane!r} (lanes: {', '.join(self.rates)})")
+        rate = r.get(kind) or r.get("default")
+        if rate is None:
+            raise ScheduleError(f"device profile {self.name!r} cannot price {kind!r} on {lane}")
+        return rate
+
+    def op_time_us(self, op: dict, lane: str | None = None) -> float:
+        """One template op (graph.template: cost [kind, FLOPs, bytes]) on a lane, launch cost excluded."""
+        kind, flops, _ = op["cost"]
+        return flops / (self.rate(lane or op["lane"], kind) * 1e3)  # GFLOP/s -> FLOP/µs
+
+    def time_us(self, g: Subgraph, lane: str | None = None) -> float:
+        """A subgraph: its lane's launch cost plus each op's FLOPs at the lane's rate for the op's cost kind."""
+        lane = lane or g.lane
+        if lane not in self.rates:
+            raise ScheduleError(f"device profile {self.name!r} has no lane {lane!r} (lanes: {', '.join(self.rates)})")
         t = self.launch_us.get(lane, 0.0)
-        for kind, m, k, n in g.ops:
-            rate = r.get(kind) or r.get("default")
-            if rate is None:
-                raise ScheduleError(f"device profile {self.name!r} cannot price {kind!r} on {lane}")
-            flops = (4 if kind == "attention" else 2) * m * k * n  # attention: QK^T and PV
-            t += flops / (rate * 1e3)  # GFLOP/s -> FLOP/µs
+        for kind, flops in g.costs:
+            t += flops / (self.rate(lane, kind) * 1e3)
         return t
 
 

@@ -1,23 +1,23 @@
 """Chunk graphs (mllm-NPU §3.2): a prompt cut into fixed chunks, each layer of each chunk cut into
-subgraphs by where they run, with the dependencies of §3.4 (eq. 2, 3).
+subgraphs by where they run — a view that groups the ops of the one template (graph.template).
 
-Per chunk i and layer l, four subgraphs (stage order within a layer):
+Per chunk i and layer l, up to four subgraphs (stage order within a layer):
     qkv     attn_norm + Q/K/V linears, int8                    -> npu   static (shared by all chunks)
     shadow  the shadow-outlier GEMMs of those linears, float    -> cpu   static
     attn    RoPE + attention over keys 0..end of chunk i, float -> cpu   dynamic (one per chunk index)
-    ffn     output projection + ffn_norm + FFN linears, int8    -> npu   static
-Intra-chunk: a subgraph waits for the previous stage of its chunk (eq. 3). Cross-chunk: attention of
-chunk i waits for the Q/K/V (and shadow) subgraphs of chunks 0..i of its layer (eq. 2): it reads their K/V.
+    ffn     output projection + ffn_norm + FFN (or experts)     -> npu   static
+Dependencies are not kept by hand: subgraph A depends on B when one of A's ops reads an output of one of
+B's (eq. 2 and 3 follow: attention of chunk i reads the keys of chunks 0..i).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from ..errors import EdgeprobeError
+from ..graph import DEFAULT_STAGE_LANES, STAGES, GraphError, Weights, model_ops, place_by_stage
 from ..models import ModelConfig
 
-STAGES = ("qkv", "shadow", "attn", "ffn")
-DEFAULT_LANES = {"qkv": "npu", "shadow": "cpu", "attn": "cpu", "ffn": "npu"}
+DEFAULT_LANES = DEFAULT_STAGE_LANES
 
 
 class ScheduleError(EdgeprobeError, ValueError):
@@ -26,8 +26,9 @@ class ScheduleError(EdgeprobeError, ValueError):
 
 @dataclass
 class Subgraph:
-    """One schedulable unit. flops / bytes are what the cost model prices; `static` says whether one
-    pre-built graph serves every chunk (mllm-NPU's chunk-shared graph) or each chunk index needs its own."""
+    """One schedulable unit: a group of template ops on one lane. flops / bytes are what the cost model prices;
+    `static` says whether one pre-built graph serves every chunk (mllm-NPU's chunk-shared graph) or each chunk
+    index needs its own."""
 
     name: str
     chunk: int
@@ -39,9 +40,10 @@ class Subgraph:
     kv_len: int          # keys attended (attention), else 0
     flops: int
     weight_bytes: int    # weights the subgraph reads (int8 linears: 1 byte per weight)
-    act_bytes: int       # activation buffers it needs
-    ops: list = field(default_factory=list)   # [(op kind, M, K, N)] of its GEMMs, for the cost model
-    deps: list = field(default_factory=list)  # names
+    act_bytes: int       # activation buffers it writes (float32)
+    ops: list = field(default_factory=list)   # names of its template ops, in program order
+    deps: list = field(default_factory=list)  # subgraph names, from the ops' data edges
+    costs: list = field(default_factory=list)  # [(cost kind, FLOPs)] of its ops, for the cost model
 
 
 @dataclass
@@ -50,6 +52,7 @@ class ChunkGraph:
     prompt_len: int
     chunk_len: int
     subgraphs: list
+    ops: list = field(default_factory=list)  # the placed template ops (op dicts), program order
 
     @property
     def n_chunks(self) -> int:
@@ -57,6 +60,13 @@ class ChunkGraph:
 
     def by_name(self) -> dict:
         return {g.name: g for g in self.subgraphs}
+
+    def ops_of(self) -> dict:
+        """subgraph name -> its op dicts, in program order."""
+        out: dict = {}
+        for op in self.ops:
+            out.setdefault(op["group"], []).append(op)
+        return out
 
     def memory(self, dtype_bytes: int = 4) -> dict:
         """Bytes of pre-built graphs: one graph per chunk (each with its own weights and buffers) against
@@ -77,51 +87,51 @@ class ChunkGraph:
 
 
 def chunk_graph(config: ModelConfig, prompt_len: int, chunk_len: int = 256, lanes: dict | None = None,
-                shadow=True) -> ChunkGraph:
+                shadow=True, manifest: dict | None = None) -> ChunkGraph:
     """The subgraphs of every chunk and layer of a prompt (see module doc). lanes: stage -> lane.
-    shadow: True (every layer has shadow-outlier GEMMs), False (none), or the layers that keep theirs
-    (mllm-NPU prunes the outliers of the 85% least important layers)."""
+    shadow: True (every layer keeps shadow-outlier GEMMs), False (none), or the layers that keep theirs
+    (mllm-NPU prunes the outliers of the 85% least important layers). manifest: a QuantizedModel's, whose
+    records (kinds, shadows, blob sizes) then decide the ops instead of `shadow`."""
     if not isinstance(chunk_len, int) or chunk_len < 1:
         raise ScheduleError(f"chunk length must be a positive number of tokens, got {chunk_len!r}")
     if not isinstance(prompt_len, int) or prompt_len < 1:
         raise ScheduleError(f"prompt length must be a positive number of tokens, got {prompt_len!r}")
     if prompt_len > config.context_length:
         raise ScheduleError(f"prompt length {prompt_len} exceeds the model's context length {config.context_length}")
-    if config.n_experts:
-        raise ScheduleError("chunk graphs of MoE models are not built yet; schedule a dense model")
-    lanes = {**DEFAULT_LANES, **(lanes or {})}
-    c = config
-    h, d = c.hidden, c.head_dim
-    q_out, kv_out = c.n_heads * d, c.n_kv_heads * d
-    n_chunks = -(-prompt_len // chunk_len)
-    shadow_layers = set(range(c.n_layers)) if shadow is True else set() if shadow is False else set(shadow)
-    subs: list[Subgraph] = []
-    for i in range(n_chunks):
-        T = min(chunk_len, prompt_len - i * chunk_len)
-        Tp = chunk_len  # pre-built static graphs run the full chunk length (the last chunk is padded)
-        end = i * chunk_len + T
-        for l in range(c.n_layers):
-            p = f"c{i}.l{l}"
-            qkv_ops = [("int8_linear", Tp, h, q_out), ("int8_linear", Tp, h, kv_out), ("int8_linear", Tp, h, kv_out)]
-            ffn_ops = [("int8_linear", Tp, q_out, h), ("int8_linear", Tp, h, c.ffn), ("int8_linear", Tp, h, c.ffn),
-                       ("int8_linear", Tp, c.ffn, h)]
-            attn_flops = 4 * c.n_heads * T * end * d  # QK^T and PV over `end` keys
-            prev_ffn = [f"c{i}.l{l - 1}.ffn"] if l else []
-            has_shadow = l in shadow_layers
-            subs.append(Subgraph(f"{p}.qkv", i, l, "qkv", lanes["qkv"], True, T, 0, sum(2 * m * k * n for _, m, k, n in qkv_ops),
-                                 h * (q_out + 2 * kv_out), 4 * Tp * (h + q_out + 2 * kv_out), qkv_ops, list(prev_ffn)))
-            if has_shadow:
-                subs.append(Subgraph(f"{p}.shadow", i, l, "shadow", lanes["shadow"], True, T, 0,
-                                     2 * T * 8 * (q_out + 2 * kv_out),  # a few outlier channels per token (Fig. 10)
-                                     4 * 8 * (q_out + 2 * kv_out), 4 * Tp * (q_out + 2 * kv_out),
-                                     [("float_sparse", T, 8, q_out + 2 * kv_out)], list(prev_ffn)))
-            attn_deps = [f"c{k}.l{l}.qkv" for k in range(i + 1)] + ([f"c{k}.l{l}.shadow" for k in range(i + 1)] if has_shadow else [])
-            # beyond eq. 2: the previous chunk's attention subgraph is where its keys get RoPE and its K/V (int8 +
-            # shadow parts) are summed into the cache this chunk reads
-            attn_deps += [f"c{i - 1}.l{l}.attn"] if i else []
-            subs.append(Subgraph(f"{p}.attn", i, l, "attn", lanes["attn"], False, T, end, attn_flops, 0,
-                                 4 * (T * q_out + c.n_heads * T * end + T * q_out),
-                                 [("attention", T, end, c.n_heads * d)], attn_deps))
-            subs.append(Subgraph(f"{p}.ffn", i, l, "ffn", lanes["ffn"], True, T, 0, sum(2 * m * k * n for _, m, k, n in ffn_ops),
-                                 q_out * h + 3 * h * c.ffn, 4 * Tp * (q_out + 2 * h + 3 * c.ffn), ffn_ops, [f"{p}.attn"]))
-    return ChunkGraph(c, prompt_len, chunk_len, subs)
+    bad = set(lanes or {}) - set(STAGES)
+    if bad:
+        raise ScheduleError(f"lanes are given per stage ({', '.join(STAGES)}), not {sorted(bad)}")
+    w = Weights.of(manifest) if manifest is not None else Weights(config, shadow=shadow)
+    try:
+        ops = place_by_stage(model_ops(w, prompt_len, chunk=chunk_len), lanes)
+    except GraphError as e:
+        raise ScheduleError(str(e)) from None
+    return ChunkGraph(config, prompt_len, chunk_len, group_ops(ops), ops)
+
+
+def group_ops(ops: list) -> list:
+    """Template ops (placed, with groups) -> Subgraphs in program order, dependencies from data edges."""
+    group_of = {op["name"]: op["group"] for op in ops}
+    subs: dict = {}
+    for op in ops:
+        g = op["group"]
+        s = subs.get(g)
+        if s is None:
+            s = subs[g] = Subgraph(g, op["chunk"], int(g.split(".")[1][1:]), op["stage"], op["lane"],
+                                   op["stage"] != "attn", op["shape"][0], 0, 0, 0, 0)
+        if op["lane"] != s.lane:
+            raise ScheduleError(f"subgraph {g} spans lanes {s.lane} and {op['lane']}; a subgraph runs on one lane")
+        kind, fl, wb = op["cost"]
+        s.ops.append(op["name"])
+        s.costs.append((kind, fl))
+        s.flops += fl
+        if op["layer"] >= 0:  # the output norm and LM head are outside the chunk graphs' memory (Fig. 7)
+            s.weight_bytes += wb
+            s.act_bytes += 4 * op["shape"][0] * op["shape"][1]
+        if op["kind"] == "attention":
+            s.kv_len = int(op["attrs"].get("start", 0)) + op["shape"][0]
+        for ref in op["inputs"]:
+            d = group_of.get(ref.get("op")) if isinstance(ref, dict) else None
+            if d is not None and d != g and d not in s.deps:
+                s.deps.append(d)
+    return list(subs.values())

@@ -47,14 +47,27 @@ class Schedule:
         return out
 
     def to_trace(self):
-        """A predicted Trace in the measured traces' format (events marked modelled)."""
+        """A predicted Trace in the measured traces' format, op for op: each subgraph's slot shared among its
+        template ops in program order, in proportion to their modelled times (FLOPs for a measured profile),
+        with the same names, kinds and groups as the agent's events (events marked modelled/predicted)."""
         from ..trace import Trace
 
-        g = self.graph.by_name()
-        events = [{"name": n, "kind": g[n].stage, "lane": lane, "layer": g[n].layer, "chunk": g[n].chunk,
-                   "start_us": s, "end_us": e, "bytes_in": g[n].weight_bytes + g[n].act_bytes, "bytes_out": 0,
-                   "flops": g[n].flops, "emulated": False, "modelled": self.profile.modelled, "predicted": True, "deps": list(g[n].deps), "shape": [g[n].tokens]}
-                  for n, (lane, s, e) in sorted(self.slots.items(), key=lambda kv: kv[1][1])]
+        g, ops_of = self.graph.by_name(), self.graph.ops_of()
+        op_time = getattr(self.profile, "op_time_us", None)
+        events = []
+        for n, (lane, s, e) in sorted(self.slots.items(), key=lambda kv: kv[1][1]):
+            ops = ops_of.get(n, [])
+            w = [max(op_time(op, lane) if op_time else op["cost"][1], 1e-9) for op in ops]
+            t, total = s, sum(w) or 1.0
+            for op, wi in zip(ops, w):
+                d = (e - s) * wi / total
+                deps = sorted({r["op"] for r in op["inputs"] if isinstance(r, dict) and "op" in r})
+                events.append({"name": op["name"], "kind": op["kind"], "lane": lane, "layer": op["layer"],
+                               "chunk": op["chunk"], "group": n, "start_us": t, "end_us": t + d,
+                               "bytes_in": 0, "bytes_out": 4 * op["shape"][0] * op["shape"][1], "flops": op["cost"][1],
+                               "emulated": False, "modelled": self.profile.modelled, "predicted": True, "deps": deps,
+                               "shape": list(op["shape"])})
+                t += d
         how = "modelled" if self.profile.modelled else "fitted to agent measurements"
         return Trace(events, {"title": f"predicted: {self.scheduler} on {self.profile.name} ({how})",
                               "modelled": self.profile.modelled, "predicted": True, "profile": self.profile.name,

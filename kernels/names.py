@@ -1,0 +1,48 @@
+"""Tensor names and op kinds: one table that the forward pass, the graph template and the agent import.
+
+Tensor names follow GGUF (llama.cpp's gguf-py `constants.py`): `blk.{i}.attn_q.weight` etc. A *linear*
+is named without `.weight` ("blk.0.attn_q"); an expert's slice of a stacked tensor is
+"blk.0.ffn_up_exps.3". Op kinds are what a plan may ask the agent to run (`edgeprobe_agent.ops.OPS`
+implements exactly these).
+"""
+from __future__ import annotations
+
+TOKEN_EMBD = "token_embd.weight"
+OUTPUT = "output.weight"          # absent when tied to the embedding
+OUTPUT_NORM = "output_norm.weight"
+
+ATTN_IN = ("attn_q", "attn_k", "attn_v")       # linears reading attn_norm's output (mllm-NPU's qkv subgraph)
+ATTN_LINEARS = ATTN_IN + ("attn_output",)
+FFN_LINEARS = ("ffn_gate", "ffn_up", "ffn_down")
+ROUTERS = ("ffn_gate_inp", "ffn_gate_inp_shexp")  # router linears: tiny, and they pick discrete experts
+
+
+def blk(i: int, name: str) -> str:
+    """blk(3, "attn_q") -> "blk.3.attn_q" (a linear or a hook point); add ".weight" for the tensor."""
+    return f"blk.{i}.{name}"
+
+
+def weight(name: str) -> str:
+    return f"{name}.weight"
+
+
+def matmul_of(linear: str) -> str:
+    """"blk.3.attn_q" -> "attn_q": the per-layer matmul a HeteroLLM partition choice is keyed by."""
+    return linear.rsplit(".", 1)[-1]
+
+
+# op kind -> what it computes (x: float32[rows, features]); the agent's registry must match these keys
+OP_KINDS = {
+    "embed": "tokens int32[rows], table [vocab, hidden] -> float32[rows, hidden] (attrs start/length: a slice)",
+    "rms_norm": "x, w[hidden] -> x / rms(x) * w",
+    "linear": "x -> x @ W^T as a quantized record computes it (attrs rec, part all|int8|shadow, rows/cols/pad_to)",
+    "concat": "pieces of one linear's output joined on axis 0 (sequence cut) or 1 (row cut)",
+    "rope": "q or k rows -> rotated at their positions (start, or the session's length)",
+    "attention": "q, k.., v.. -> causal softmax attention (over a decode session's cache with attrs session)",
+    "add": "a + b + ...",
+    "swiglu": "gate, up -> silu(gate) * up",
+    "sigmoid_mul": "x, g[rows, 1] -> x * sigmoid(g) (Qwen-MoE's shared-expert gate)",
+    "moe_ffn": "x, router -> routed top-k SwiGLU experts mixed by router weights (EdgeMoE streaming in attrs)",
+    "ffn_flash": "x, predictor A, B, b -> the FFN from the predicted-active neurons read from flash (LLM in a flash)",
+    "lm_head": "x, W -> logits of the last position of each sequence (or every row)",
+}

@@ -53,7 +53,7 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
              profile_tokens: int = 8192, eval_windows: int | None = 8, accuracy_windows: int = 4,
              print_fn=print, progress: bool = True, repeats: int = 2) -> dict:
     from .device import Device
-    from .plan import shadow_layers
+    from .graph import GRAPH_VERSION
     from .profile.jobs import profile_outliers, profile_sparsity
     from .profile.outliers import OutlierStats
     from .profile.sparsity import SparsityStats
@@ -121,12 +121,13 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     tokens = np.asarray(held[:prompt_len], np.int32)
     step("agent")
     with _local_agent(cache / "agent-store", print_fn) as dev:
-        prof_path = cache / f"{tag}-profile-w8a8-shadow-{profile_tokens}.json"
+        # the cost model is fitted on the template's FLOPs: a new template version measures again
+        prof_path = cache / f"{tag}-profile-w8a8-shadow-{profile_tokens}-g{GRAPH_VERSION}.json"
         prof, hit_p = _cached(prof_path, lambda: dev.measure_profile(qm, held, progress=progress),
                               MeasuredProfile.from_json, lambda v, p: v.to_json(p))
         print_fn(f"agent       {dev.url}: lanes {', '.join(dev.info['lanes'])} (npu emulated); cost model "
                  f"{'cached' if hit_p else 'measured'}")
-        graph = chunk_graph(m.config, prompt_len, chunk, shadow=shadow_layers(qm.manifest))
+        graph = chunk_graph(m.config, prompt_len, chunk, manifest=qm.manifest)
         predicted = {s: schedule(graph, prof, s) for s in ("in-order", "ooo")}
         dev.prefill_chunked(qm, tokens[:chunk], chunk, "in-order", profile=prof, progress=progress)  # warm
         # best of `repeats` alternating runs per scheduler: one run on two shared cores swings by ±15%

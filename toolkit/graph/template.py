@@ -30,6 +30,7 @@ from edgeprobe_kernels.linear_records import weight_blobs
 
 from ..errors import EdgeprobeError
 
+GRAPH_VERSION = 2  # bump when ops, names or costs change: measured cost models are fitted on them
 STAGES = ("qkv", "shadow", "attn", "ffn")
 INT8_KINDS = {"w8a8", "w8a8-shadow", "smoothquant", "llm-int8"}   # records whose GEMM is int8 x int8
 NPU_KINDS = {"w8a8", "w8a8-shadow", "smoothquant", "q4_0-tile"}  # what a mobile NPU runs (NPU TTS paper §3)

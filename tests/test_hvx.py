@@ -108,3 +108,17 @@ def test_build_is_cached_by_content(tmp_path, monkeypatch):
         (src / p.name).write_bytes(p.read_bytes() + (b"\n/* changed */\n" if p.name == "main.c" else b""))
     monkeypatch.setattr(hvx_bridge, "SOURCE_DIR", src)
     assert hvx_bridge.build(tmp_path) != a
+
+
+def test_cli_kernels_check(capsys, monkeypatch):
+    import json
+
+    from edgeprobe.cli import main
+
+    if hvx_bridge.available():
+        assert main(["kernels", "check", "--backend", "hvx", "--json"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["ok"] and out["kernels"]["exp_lut"]["bit_exact"] and out["kernels"]["gemm_s8s32"]["cases"] >= 6
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert main(["kernels", "check", "--backend", "hvx", "--json"]) == 2
+    assert "apt-get install clang-15 lld-15 qemu-user" in capsys.readouterr().err

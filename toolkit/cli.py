@@ -440,6 +440,25 @@ def cmd_agent(args) -> int:
     return agent_main(argv)
 
 
+def cmd_kernels(args) -> int:
+    """kernels check: every kernel of a backend against its numpy reference; exit 1 on any mismatch."""
+    from edgeprobe_kernels.check import BackendUnavailable, check
+
+    try:
+        res = check(args.backend, seed=args.seed)
+    except BackendUnavailable as e:
+        print(f"edgeprobe: error: backend {args.backend} is unavailable here: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for name, r in res["kernels"].items():
+            verdict = "ok" if r["ok"] else "MISMATCH"
+            print(f"{args.backend:7s} {name:22s} {r['cases']:3d} cases  bit-exact {str(r['bit_exact']):5s}  "
+                  f"max |err| {r['max_abs_err']:.3g}  {verdict}")
+    return 0 if res["ok"] else 1
+
+
 def cmd_demo(args) -> int:
     from .demo import DemoError, run_demo
 
@@ -566,6 +585,15 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--curve-keys", help="folder with server.key_secret; required off loopback")
     a.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: all this machine has)")
     a.set_defaults(fn=cmd_agent)
+
+    k = sub.add_parser("kernels", help="check a backend's kernels against their numpy references")
+    k.add_argument("action", choices=["check"])
+    k.add_argument("--backend", default="numba", choices=["numba", "hvx", "opencl"],
+                   help="numba: NPU semantics on this CPU; hvx: Hexagon v67 HVX code under qemu-hexagon; opencl: the gpu lane")
+    k.add_argument("--seed", type=int, default=0, help="random cases' seed")
+    k.add_argument("--json", action="store_true", help="print one JSON object: {kernels: {name: {cases, bit_exact, "
+                                                       "max_abs_err}}, ok}")
+    k.set_defaults(fn=cmd_kernels)
 
     d = sub.add_parser("demo", help="the main job: profile, quantize, schedule, run on a local agent, report")
     d.add_argument("--model", default="smollm2-135m")

@@ -38,6 +38,15 @@ def w8a8_ref(x, wt, scale_a, scale_w, smooth=None) -> np.ndarray:
     return c.astype(np.float32) * np.float32(scale_a * scale_w)
 
 
+def gemm_f16w_seq_ref(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
+    """float16(x) @ w16^T with float32 sums taken over k in order (the DSP's scalar kernel): float32[M, N]."""
+    xh, wf = x.astype(np.float16).astype(np.float32), w16.astype(np.float32)
+    y = np.zeros((x.shape[0], w16.shape[0]), np.float32)
+    for k in range(x.shape[1]):
+        y += xh[:, k:k + 1] * wf[:, k][None, :]  # exact products, one rounding per add, as the kernel does
+    return y
+
+
 def exp_ref(bits: np.ndarray) -> np.ndarray:
     """float16 exp(-|x|) from float64 for FP16 bit patterns; NaN patterns give 0 (the table's convention)."""
     v = np.abs(bits.view(np.float16).astype(np.float64))
@@ -141,7 +150,7 @@ def _backend_kernels(backend: str):
             raise BackendUnavailable(why)
         dsp = hvx_bridge.shared()
         table = exp_table()
-        return {"gemm_s8s32": dsp.gemm_s8s32, "quantize_per_tensor": dsp.quantize,
+        return {"gemm_s8s32": dsp.gemm_s8s32, "quantize_per_tensor": dsp.quantize, "gemm_f16w_seq": dsp.gemm_f16w,
                 "w8a8_linear": lambda x, wt, sa, sw, smooth=None: dsp.w8a8(x, wt, sa, sw, smooth),
                 "q4_tile_dequant": dsp.q4_tile_dequant,
                 "exp_lut": lambda bits: dsp.exp_lut(bits.view(np.float16), table)}
@@ -188,6 +197,13 @@ def check(backend: str, seed: int = 0) -> dict:
     if "exp_lut" in kernels:
         bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)  # every FP16 pattern: the whole range
         out["exp_lut"] = _compare("exp_lut", [(kernels["exp_lut"](bits), exp_ref(bits))])
+    if "gemm_f16w_seq" in kernels:  # the W4A16 GEMM in k order: exact against that order's reference
+        res = []
+        for M, K, N in LINEAR_SHAPES[:3]:
+            x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
+            w = rng.standard_normal((N, K)).astype(np.float16)
+            res.append((kernels["gemm_f16w_seq"](x, w), gemm_f16w_seq_ref(x, w)))
+        out["gemm_f16w_seq"] = _compare("gemm_f16w_seq", res)
     for name, cast in (("gemm_f32", np.float32), ("gemm_f16w", np.float16)):
         if name in kernels:
             res = []

@@ -35,7 +35,7 @@ INSTALL_HINT = "apt-get install clang-15 lld-15 qemu-user (or run scripts/setup.
 # kernels/hvx/hvx_msg.h, mirrored: keep the two in step (a PING checks the struct size at start)
 MSG = struct.Struct("<20I")
 MAGIC, VERSION = 0x31585648, 1
-OP_INIT, OP_PING, OP_QUANTIZE, OP_GEMM_S8S32, OP_W8A8, OP_Q4_TILE_DEQUANT, OP_EXP_LUT, OP_EXIT = range(1, 9)
+OP_INIT, OP_PING, OP_QUANTIZE, OP_GEMM_S8S32, OP_W8A8, OP_Q4_TILE_DEQUANT, OP_EXP_LUT, OP_EXIT, OP_GEMM_F16W = range(1, 10)
 FLAG_SMOOTH = 1
 STATUS = {0: "ok", 1: "bad magic", 2: "unknown op", 3: "buffer outside the arena", 4: "shape not allowed",
           5: "vector buffer not 128-byte aligned", 6: "arena not mapped", 7: "arena mmap failed"}
@@ -401,6 +401,35 @@ class HvxDsp:
                 self._run(OP_Q4_TILE_DEQUANT, counters, m=len(b), bufs=(boff, 0, ooff))
                 out[s0 * 256:(s0 + len(b)) * 256] = self._get(ooff, np.float16, (len(b) * 256,))
         return out
+
+    def gemm_f16w(self, x: np.ndarray, w16: np.ndarray, key=None, counters: dict | None = None) -> np.ndarray:
+        """x float32[M, K] -> float16(x) @ w16^T as float32[M, N]; w16 float16[N, K]. Summed in k order on the
+        Hexagon scalar core (HMX's job on a phone): close to BLAS, not bit-identical (the order of float adds)."""
+        x = _check_x(x, None)
+        if not isinstance(w16, np.ndarray) or w16.dtype != np.float16 or w16.ndim != 2 or w16.shape[1] != x.shape[1]:
+            raise ValueError(f"gemm_f16w needs w16 float16[N, {x.shape[1]}], got {getattr(w16, 'dtype', type(w16))}"
+                             f"{getattr(w16, 'shape', '')}")
+        M, K = x.shape
+        N = w16.shape[0]
+        y = np.empty((M, N), np.float32)
+        with self.lock:
+            self._ensure()
+            make = lambda: w16.astype(np.float32)  # exact widening: the layout the scalar loop reads
+            woff = None if key is None else self.weight(key, make)
+            rows = max(1, min(M, (self.scratch_bytes - N * K * 4 * (woff is None) - 4 * VEC) // (K * 8 + N * 4)))
+            for m0 in range(0, M, rows):
+                xs = x[m0:m0 + rows]
+                r = len(xs)
+                xoff, yoff, hoff, toff = self._scratch(xs.nbytes, r * N * 4, xs.nbytes, 0 if woff is not None else N * K * 4)
+                if key is None:
+                    woff = toff
+                    self._put(woff, make())
+                self._put(xoff, xs)
+                self._run(OP_GEMM_F16W, counters, m=r, k=K, n=N, bufs=(xoff, woff, yoff, 0, hoff))
+                y[m0:m0 + r] = self._get(yoff, np.float32, (r, N))
+                if key is None:
+                    woff = None
+        return y
 
     def exp_lut(self, x: np.ndarray, table: np.ndarray, counters: dict | None = None) -> np.ndarray:
         """float16 x (any shape, meant <= 0) -> float16 table[bits(x) & 0x7fff] (vgather). table: float16[32768]."""

@@ -33,7 +33,7 @@ def test_missing_toolchain_is_reported_with_the_install_command(monkeypatch):
 def test_kernel_check_is_bit_exact():
     r = check("hvx")
     assert r["ok"] and set(r["kernels"]) == {"gemm_s8s32", "quantize_per_tensor", "w8a8_linear", "q4_tile_dequant",
-                                             "exp_lut"}
+                                             "exp_lut", "gemm_f16w_seq"}
     assert all(k["bit_exact"] and k["max_abs_err"] == 0 and k["cases"] >= 1 for k in r["kernels"].values())
 
 

@@ -35,6 +35,10 @@ void hvx_w8a8(const uint32_t *x, const uint32_t *smooth, const uint8_t *bp, uint
    vlut16: one 16-entry table per group of 32, (i - 8) * d rounded to float16 (NPU TTS paper §5.1). */
 void hvx_q4_tile_dequant(const uint8_t *blocks, uint16_t *out, uint32_t S);
 
+/* y float32[M][N] = fp16(x) @ w^T, x float32[M][K] rounded to float16 here (into xh float32[M][K]), w float32[N][K]
+   holding float16 values; sums in k order on the scalar core (the W4A16 GEMM, HMX's work on a phone) */
+void hvx_gemm_f16w(const uint32_t *x, const float *w, float *y, float *xh, uint32_t M, uint32_t K, uint32_t N);
+
 /* out[i] = table[x[i] & 0x7fff] for float16 bit patterns, n % 64 == 0, through vgather (NPU TTS paper §5.2) */
 void hvx_exp_lut(const uint16_t *x, const uint16_t *table, uint16_t *out, uint32_t n);
 

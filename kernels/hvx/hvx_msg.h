@@ -22,6 +22,7 @@ enum hvx_op {
     HVX_OP_Q4_TILE_DEQUANT = 6, /* buf0 super-blocks u8[m,144] -> buf2 f16[m*256] (vlut16) */
     HVX_OP_EXP_LUT = 7,         /* buf0 f16[n] (n%64 == 0), buf1 table f16[32768] -> buf2 f16[n] (vgather) */
     HVX_OP_EXIT = 8,
+    HVX_OP_GEMM_F16W = 9,       /* buf0 x f32[m,k], buf1 w f32[n,k] (float16 values), buf4 scratch f32[m,k] -> buf2 y f32[m,n] */
 };
 
 enum hvx_status {

@@ -94,6 +94,16 @@ static uint32_t run(struct hvx_msg *msg) {
         hvx_q4_tile_dequant(blocks, out, M);
         return HVX_OK;
     }
+    case HVX_OP_GEMM_F16W: {
+        if (!M || !K || !N) return HVX_E_SHAPE;
+        const uint32_t *x = span(msg->buf[0], m * k * 4, 4, &st);
+        const float *w = span(msg->buf[1], n * k * 4, 4, &st);
+        float *y = span(msg->buf[2], m * n * 4, 4, &st);
+        float *xh = span(msg->buf[4], m * k * 4, 4, &st);
+        if (st) return st;
+        hvx_gemm_f16w(x, w, y, xh, M, K, N);
+        return HVX_OK;
+    }
     case HVX_OP_EXP_LUT: {
         if (!N || N % 64) return HVX_E_SHAPE;
         const uint16_t *x = span(msg->buf[0], n * 2, HVX_BYTES, &st);

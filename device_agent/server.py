@@ -20,7 +20,8 @@ import numpy as np
 import zmq
 
 from . import __version__
-from .executor import LANES, Context, PlanError, execute, validate, Cancelled
+from .backends import check_backend, lane_backends
+from .executor import EMULATED_LANES, LANES, Context, PlanError, execute, validate, Cancelled
 from .ops import OpError
 from .session import KVSession
 from .protocol import (HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, PROTOCOL_VERSION, ProtocolError, check_request,
@@ -93,10 +94,12 @@ class _Run:
 
 class Agent:
     def __init__(self, bind: str, store_dir, memory_budget: int | None = None, curve_secret: bytes | None = None,
-                 curve_public: bytes | None = None, lanes=None, parent_pid: int | None = None):
+                 curve_public: bytes | None = None, lanes=None, parent_pid: int | None = None,
+                 npu_backend: str = "numba"):
         if not is_loopback(bind) and not curve_secret:
             raise ValueError(f"refusing to bind {bind}: outside loopback the agent needs CURVE keys "
                              "(--curve-keys DIR made with zmq.auth.create_certificates); or bind tcp://127.0.0.1:PORT")
+        self.npu_backend = check_backend("npu", npu_backend)  # before the socket: a missing toolchain stops here
         self.flash_events: list = []
         self.store = FlashStore(store_dir, memory_budget, on_read=self._on_read)
         self.ctx = zmq.Context.instance()
@@ -212,7 +215,8 @@ class Agent:
         import numba
 
         return {"agent_version": __version__, "protocol": PROTOCOL_VERSION, "lanes": self.lanes,
-                "emulated_lanes": ["npu"], "cpu": platform.processor() or platform.machine(),
+                "emulated_lanes": list(EMULATED_LANES), "backends": lane_backends({"npu": self.npu_backend}, self.lanes),
+                "cpu": platform.processor() or platform.machine(),
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
                 "memory_bytes": _memory_bytes(), "opencl": opencl_devices(), "clock_us": now_us(),
                 "numpy": np.__version__, "numba": numba.__version__, "store": self.store.stats()}
@@ -387,7 +391,8 @@ class Agent:
                                              "done": state["done"], "total": total}, ()))
         try:
             ctx = Context(get=self.store.get, counters=self.counters, runners=self.runners, session=run.session,
-                          read_rows=self.store.read_rows, read_blob=self.store.read_cold)
+                          read_rows=self.store.read_rows, read_blob=self.store.read_cold,
+                          backends={"npu": self.npu_backend})
             before = dict(self.counters)
             t0 = now_us()
             outs, events = execute(plan, inputs, ctx, run.cancel, on_op)

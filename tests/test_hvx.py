@@ -97,6 +97,20 @@ def test_a_killed_dsp_process_gives_a_clear_error_then_a_new_one(dsp):
     assert dsp.pid != old and np.array_equal(after, before)
 
 
+@needs_hvx
+def test_a_hung_dsp_call_times_out_and_is_stopped():
+    d = hvx_bridge.HvxDsp(arena_mb=64, scratch_mb=16).start()
+    d.timeout_s = 0.05  # after start: QEMU's own start-up may take longer than that on a busy machine
+    try:
+        a = rng.integers(-127, 128, (256, 2048), dtype=np.int8)
+        b = rng.integers(-127, 128, (2048, 1024), dtype=np.int8)  # ~5 M packets: 0.5-1 s under QEMU, 10x the timeout
+        with pytest.raises(hvx_bridge.HvxError, match="gave no reply in 0 s and was stopped"):
+            d.gemm_s8s32(a, b)
+        assert d.proc is None
+    finally:
+        d.close()
+
+
 def test_build_is_cached_by_content(tmp_path, monkeypatch):
     if not hvx_bridge.available():
         pytest.skip(hvx_bridge.unavailable_reason())

@@ -9,8 +9,8 @@ from __future__ import annotations
 BACKENDS = {"cpu": ("numba", "numpy"), "npu": ("numba", "hvx"), "gpu": ("opencl",)}
 
 
-def _why_not(lane: str, name: str) -> str | None:
-    """None when `name` can run here, else why not (with how to install it)."""
+def _why_not(lane: str, name: str, opencl=None) -> str | None:
+    """None when `name` can run here, else why not (with how to install it). opencl: the devices, if known."""
     if name in ("numba",):
         try:
             import numba  # noqa: F401
@@ -24,9 +24,11 @@ def _why_not(lane: str, name: str) -> str | None:
 
         return hvx_bridge.unavailable_reason()
     if name == "opencl":
-        from .server import opencl_devices
+        if opencl is None:
+            from .server import opencl_devices
 
-        return None if opencl_devices() else "no OpenCL device (Debian: pocl-opencl-icd; pip install pyopencl)"
+            opencl = opencl_devices()
+        return None if opencl else "no OpenCL device (Debian: pocl-opencl-icd; pip install pyopencl)"
     return f"unknown backend {name!r}"
 
 
@@ -44,12 +46,12 @@ def check_backend(lane: str, name: str) -> str:
     return name
 
 
-def lane_backends(chosen: dict, lanes) -> dict:
+def lane_backends(chosen: dict, lanes, opencl=None) -> dict:
     """hello's view: {lane: {"available": [...], "chosen": name, "unavailable": {name: why}}} for the agent's lanes."""
     out = {}
     for lane in lanes:
         names = BACKENDS.get(lane, ())
-        why = {n: _why_not(lane, n) for n in names}
+        why = {n: _why_not(lane, n, opencl) for n in names}
         avail = [n for n in names if why[n] is None]
         default = chosen.get(lane) or (avail[0] if avail else None)
         out[lane] = {"available": avail, "chosen": default, "unavailable": {n: w for n, w in why.items() if w}}

@@ -214,11 +214,12 @@ class Agent:
     def do_hello(self, ident, rid, h, arrays):
         import numba
 
+        cl = opencl_devices()
         return {"agent_version": __version__, "protocol": PROTOCOL_VERSION, "lanes": self.lanes,
-                "emulated_lanes": list(EMULATED_LANES), "backends": lane_backends({"npu": self.npu_backend}, self.lanes),
+                "emulated_lanes": list(EMULATED_LANES), "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
                 "cpu": platform.processor() or platform.machine(),
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
-                "memory_bytes": _memory_bytes(), "opencl": opencl_devices(), "clock_us": now_us(),
+                "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),
                 "numpy": np.__version__, "numba": numba.__version__, "store": self.store.stats()}
 
     def do_heartbeat(self, ident, rid, h, arrays):

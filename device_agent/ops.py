@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeprobe_kernels.linear_records import RUNNERS, run_w8a8, shadow_delta, x_wt
-from edgeprobe_kernels.llama_ops import apply_rope, attention, rms_norm, rope_tables, swiglu_act
+from edgeprobe_kernels.llama_ops import apply_rope, attention, geglu_act, head_rms_norm, rms_norm, rope_tables, swiglu_act
 
 
 class OpError(ValueError):
@@ -33,11 +33,19 @@ def op_embed(inp, attrs, ctx):
         tokens = tokens[int(attrs["start"]):int(attrs["start"]) + int(attrs["length"])]
     if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
         raise OpError("bad_input", f"token ids outside [0, {table.shape[0]})")
-    return np.asarray(table[tokens.astype(np.int64)], np.float32)
+    x = np.asarray(table[tokens.astype(np.int64)], np.float32)
+    return x * np.float32(attrs["scale"]) if "scale" in attrs else x  # Gemma scales by sqrt(hidden)
 
 
 def op_rms_norm(inp, attrs, ctx):
-    return rms_norm(_arr(inp[0], "x", 2), _arr(inp[1], "w", 1), float(attrs["eps"]))
+    """attrs eps; head_dim: normalize each head's slice of x (Gemma 3's q/k norm) with w float32[head_dim]."""
+    x, w = _arr(inp[0], "x", 2), _arr(inp[1], "w", 1)
+    if "head_dim" in attrs:
+        d = int(attrs["head_dim"])
+        if d < 1 or x.shape[1] % d or w.shape[0] != d:
+            raise OpError("bad_input", f"rms_norm per head of {d} needs x[rows, heads*{d}] and w[{d}], got {x.shape}, {w.shape}")
+        return head_rms_norm(x, w, float(attrs["eps"]), d)
+    return rms_norm(x, w, float(attrs["eps"]))
 
 
 def _runner(ctx, rec, part, cols=None):
@@ -178,7 +186,7 @@ def op_attention(inp, attrs, ctx):
     else:
         kk = k.reshape(B, S, KV, d).transpose(0, 2, 1, 3)
         vv = v.reshape(B, S, KV, d).transpose(0, 2, 1, 3)
-    return attention(q.reshape(B, T, H, d), kk, vv, start).reshape(B * T, H * d)
+    return attention(q.reshape(B, T, H, d), kk, vv, start, int(attrs.get("window", 0))).reshape(B * T, H * d)
 
 
 def op_add(inp, attrs, ctx):
@@ -190,6 +198,10 @@ def op_add(inp, attrs, ctx):
 
 def op_swiglu(inp, attrs, ctx):
     return swiglu_act(_arr(inp[0], "gate", 2), _arr(inp[1], "up", 2))
+
+
+def op_geglu(inp, attrs, ctx):
+    return geglu_act(_arr(inp[0], "gate", 2), _arr(inp[1], "up", 2))
 
 
 def op_sigmoid_mul(inp, attrs, ctx):
@@ -241,4 +253,5 @@ def _moe_ffn(inp, attrs, ctx):
 
 
 OPS = {"ffn_flash": _ffn_flash, "moe_ffn": _moe_ffn, "embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
-       "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat, "sigmoid_mul": op_sigmoid_mul}
+       "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat, "sigmoid_mul": op_sigmoid_mul,
+       "geglu": op_geglu}

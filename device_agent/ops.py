@@ -160,7 +160,7 @@ def op_rope(inp, attrs, ctx):
     if x.shape[0] % B:
         raise OpError("bad_input", f"{x.shape[0]} rows do not split into batch {B}")
     T = x.shape[0] // B
-    cos, sin = rope_tables(d, float(attrs["theta"]), _session_start(attrs, ctx), T)
+    cos, sin = rope_tables(d, float(attrs["theta"]), _session_start(attrs, ctx), T, attrs.get("freq_factors"))
     return apply_rope(x.reshape(B, T, h, d), cos, sin).reshape(x.shape[0], h * d)
 
 

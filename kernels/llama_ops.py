@@ -14,10 +14,13 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + eps))[:, None].astype(np.float32) * w
 
 
-def rope_tables(head_dim: int, theta: float, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: float32[length, head_dim/2] for positions start..start+length-1 (RoFormer eq. 34)."""
+def rope_tables(head_dim: int, theta: float, start: int, length: int, factors=None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: float32[length, head_dim/2] for positions start..start+length-1 (RoFormer eq. 34).
+    factors: float[head_dim/2] dividing each frequency (Llama 3's RoPE scaling, llama.cpp's rope_freqs)."""
     d = head_dim
     inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if factors is not None and len(factors):
+        inv_freq = inv_freq / np.asarray(factors, np.float64)
     ang = np.arange(start, start + length, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
@@ -67,6 +70,16 @@ def geglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """gelu_tanh(g) * u: GeGLU (Shazeer 2020) with GELU's tanh approximation, as Gemma computes it."""
     c = np.float32(np.sqrt(2.0 / np.pi))
     return (np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g)))) * u
+
+
+def llama3_freq_factors(head_dim: int, theta: float, factor: float, low: float, high: float, original: int):
+    """Llama 3.1's RoPE scaling as per-frequency divisors: long wavelengths slowed by `factor`, short ones kept,
+    a smooth ramp between (wavelengths original/high .. original/low)."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / inv
+    smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
+    scaled = (1 - smooth) * inv / factor + smooth * inv
+    return inv / scaled
 
 
 GATED_ACTS = {"silu": swiglu_act, "gelu_tanh": geglu_act}  # the FFN gate activations, by ModelConfig.act_fn

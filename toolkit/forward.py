@@ -99,7 +99,8 @@ class KVCache:
 
 def rope_tables(config: ModelConfig, start: int, length: int, layer: int = -1) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin: float32[length, head_dim/2] for positions start..start+length-1 (layer: its own RoPE base)."""
-    return _rope_tables(config.head_dim, config.theta(layer) if layer >= 0 else config.rope_theta, start, length)
+    return _rope_tables(config.head_dim, config.theta(layer) if layer >= 0 else config.rope_theta, start, length,
+                        config.rope_freq_factors)
 
 
 def float_linear(model: Model) -> LinearFn:
@@ -250,7 +251,7 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
     x = np.asarray(W["token_embd.weight"][toks.reshape(-1)], dtype=np.float32)  # [N, hidden]
     if c.embed_scale != 1.0:
         x = x * np.float32(c.embed_scale)  # Gemma: embeddings times sqrt(hidden)
-    tables = {th: _rope_tables(c.head_dim, th, start, T) for th in {c.theta(i) for i in range(c.n_layers)}}
+    tables = {th: _rope_tables(c.head_dim, th, start, T, c.rope_freq_factors) for th in {c.theta(i) for i in range(c.n_layers)}}
     if cache is not None:
         cache.reserve(start + T)
     ffn = FFN_KINDS[ffn_kind(c)]
@@ -258,12 +259,14 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
     for i in range(c.n_layers):
         h = rms_norm(x, W[f"blk.{i}.attn_norm.weight"], c.rms_eps)
         h = _hook(hooks, f"blk.{i}.attn_in", h)
-        q, k = linear(f"blk.{i}.attn_q", h), linear(f"blk.{i}.attn_k", h)
+        q, k, v = linear(f"blk.{i}.attn_q", h), linear(f"blk.{i}.attn_k", h), linear(f"blk.{i}.attn_v", h)
+        if c.attn_bias:  # Qwen2: biases on Q, K and V
+            q, k, v = (y + W[f"blk.{i}.{n}.bias"] for y, n in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
         if c.qk_norm:  # Gemma 3: each query and key head RMS-normalized before RoPE
             q = head_rms_norm(q, W[f"blk.{i}.attn_q_norm.weight"], c.rms_eps, d)
             k = head_rms_norm(k, W[f"blk.{i}.attn_k_norm.weight"], c.rms_eps, d)
         q, k = q.reshape(B, T, c.n_heads, d), k.reshape(B, T, c.n_kv_heads, d)
-        v = linear(f"blk.{i}.attn_v", h).reshape(B, T, c.n_kv_heads, d)
+        v = v.reshape(B, T, c.n_kv_heads, d)
         cos, sin = tables[c.theta(i)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:

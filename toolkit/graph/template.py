@@ -218,16 +218,20 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
             q, k, v = (linear(p, lname, n, l, ci, "qkv", R, sn) for lname in N.ATTN_IN)
             sess = {"session": True} if session else {}
             pos = {"start": start} if chunk is not None else {}
-            if cfg.qk_norm:  # Gemma 3: RMSNorm of each query / key head before RoPE
+            if cfg.attn_bias:  # Qwen2: biases on Q, K and V (float, on the attention's lane)
+                q, k, v = (add(f"{p}.{n}.bias", "add", [y, w.tensor(f"blk.{l}.{n}.bias")], l, ci, "attn", (R, width))
+                           for y, n, width in ((q, "attn_q", H * d), (k, "attn_k", KV * d), (v, "attn_v", KV * d)))
+            if cfg.qk_norm:  # Gemma 3, Qwen3: RMSNorm of each query / key head before RoPE
                 q = add(f"{p}.q_norm", "rms_norm", [q, w.tensor(N.weight(N.blk(l, "attn_q_norm")))], l, ci, "attn",
                         (R, H * d), eps=eps, head_dim=d)
                 k = add(f"{p}.k_norm", "rms_norm", [k, w.tensor(N.weight(N.blk(l, "attn_k_norm")))], l, ci, "attn",
                         (R, KV * d), eps=eps, head_dim=d)
             theta = cfg.theta(l)
+            freqs = {"freq_factors": list(cfg.rope_freq_factors)} if cfg.rope_freq_factors else {}
             q = add(f"{p}.rope_q", "rope", [q], l, ci, "attn", (R, H * d), heads=H, head_dim=d, theta=theta,
-                    batch=batch, **pos, **sess)
+                    batch=batch, **pos, **sess, **freqs)
             k = add(f"{p}.rope_k", "rope", [k], l, ci, "attn", (R, KV * d), heads=KV, head_dim=d, theta=theta,
-                    batch=batch, **pos, **sess)
+                    batch=batch, **pos, **sess, **freqs)
             kv[(ci, l)] = (k, v)
             keys = start + T  # keys attended by the chunk's last query (a session's cache adds its length)
             win = cfg.window(l)

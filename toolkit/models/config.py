@@ -47,9 +47,13 @@ class ModelConfig:
     sliding_window: int = 0
     swa_pattern: int = 0
     rope_theta_local: float = 0.0
+    # Qwen2: biases on the Q/K/V projections; Llama 3: RoPE frequency divisors (rope_freqs / rope_scaling llama3)
+    attn_bias: bool = False
+    rope_freq_factors: tuple = ()
     name: str = ""
 
     def __post_init__(self):
+        object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:

@@ -18,7 +18,8 @@ from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, default_cache_dir, file_sha256
 
-SUPPORTED_ARCHS = ("llama", "gemma3")
+SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
+HALVES_ARCHS = ("gemma3", "qwen2", "qwen3")  # llama.cpp runs these with NEOX RoPE: Q/K rows stay in the halves layout
 # llama.cpp's values for Gemma 3 files that lack the keys (src/llama-model.cpp): 5 local layers to 1 global, local RoPE base
 GEMMA3_SWA_PATTERN, GEMMA3_ROPE_LOCAL = 6, 10000.0
 _MAGIC = b"GGUF"
@@ -100,6 +101,8 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         sliding_window=window,
         swa_pattern=int(get(f"{arch}.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN if gemma and window else 0)),
         rope_theta_local=float(get(f"{arch}.rope.freq_base_swa", GEMMA3_ROPE_LOCAL if gemma else 0.0)),
+        attn_bias="blk.0.attn_q.bias" in names,
+        rope_freq_factors=tuple(_rope_freqs(names.get("rope_freqs.weight"))),
         n_experts=n_experts,
         n_experts_used=int(get(f"{arch}.expert_used_count", 0) or 0),
         expert_ffn=int(get(f"{arch}.expert_feed_forward_length", 0) or 0),
@@ -123,20 +126,23 @@ def _dequantizer(get_reader, name: str, shape: tuple, transform=None):
     return load
 
 
-def _rope_transforms(cfg: ModelConfig) -> dict:
-    """Per-tensor reorderings into the forward pass's "adjacent" RoPE layout. llama.cpp's converter permutes
-    Llama's Q/K rows already; Gemma's files keep the halves layout (NEOX RoPE), q/k norm weights included."""
-    from .hf_loader import halves_to_adjacent
+def _rope_freqs(t) -> np.ndarray:
+    """Llama 3's RoPE frequency divisors, stored by llama.cpp's converter as the tensor rope_freqs.weight."""
+    if t is None:
+        return np.zeros(0)
+    return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(-1).astype(np.float64)
 
-    if cfg.arch != "gemma3":
+
+def _rope_transforms(cfg: ModelConfig, names) -> dict:
+    """Per-tensor reorderings into the forward pass's "adjacent" RoPE layout. llama.cpp's converter permutes
+    Llama's Q/K rows already; Gemma's and Qwen's files keep the halves layout (NEOX RoPE): their Q/K rows,
+    biases and per-head norms are reordered here."""
+    from .hf_loader import rope_layout_transform
+
+    if cfg.arch not in HALVES_ARCHS:
         return {}
-    out = {}
-    for i in range(cfg.n_layers):
-        out[f"blk.{i}.attn_q.weight"] = lambda w: halves_to_adjacent(w, cfg.n_heads)
-        out[f"blk.{i}.attn_k.weight"] = lambda w: halves_to_adjacent(w, cfg.n_kv_heads)
-        for n in ("attn_q_norm", "attn_k_norm"):
-            out[f"blk.{i}.{n}.weight"] = lambda w: halves_to_adjacent(w[:, None], 1)[:, 0]
-    return out
+    out = {n: rope_layout_transform(n, cfg) for n in names}
+    return {n: f for n, f in out.items() if f is not None}
 
 
 class _Reader:
@@ -211,7 +217,7 @@ def load_gguf(path: Path, cache_dir: Path | None | bool = True, name: str = "") 
             types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
         _write_meta(cache_dir, {"config": dataclasses.asdict(cfg), "tokenizer": tok.to_json(),
                                 "shapes": shapes, "tensor_types": types, "source": str(path)})
-    tf = _rope_transforms(cfg)
+    tf = _rope_transforms(cfg, shapes)
     loaders = {n: _dequantizer(get_reader, n, tuple(s), tf.get(n)) for n, s in shapes.items()}
     return Model(config=cfg, tokenizer=tok, weights=LazyWeights(loaders, cache_dir), source=str(path),
                  sha256=sha, name=name or cfg.name, meta={"format": "gguf", "tensor_types": types})

@@ -93,6 +93,9 @@ class ProtocolError(AgentError):
 def pack(header: dict, arrays=()) -> list:
     """header + arrays -> frames; arrays go raw (zero-copy where contiguous), described in header["frames"]."""
     arrays = [np.ascontiguousarray(a) for a in arrays]
+    bad = [a.dtype.name for a in arrays if a.dtype.name not in ALLOWED_DTYPES]
+    if bad:  # an object array's buffer is pointers: never put it on the wire
+        raise ValueError(f"cannot send arrays of dtype {', '.join(bad)}; dtypes are {sorted(ALLOWED_DTYPES)}")
     h = dict(header)
     if arrays:
         h["frames"] = [{"dtype": a.dtype.name, "shape": list(a.shape)} for a in arrays]

@@ -63,6 +63,7 @@ class StderrTail:
 
     def __init__(self, stream, limit: int = STDERR_TAIL_BYTES):
         self.limit = limit
+        self.seen = 0  # bytes drained in all
         self._buf = bytearray()
         self._lock = threading.Lock()  # the drain thread appends, any caller reads
         self._thread = threading.Thread(target=self._drain, args=(stream,), daemon=True, name="agent-stderr")
@@ -78,6 +79,7 @@ class StderrTail:
             if not chunk:
                 break
             with self._lock:
+                self.seen += len(chunk)
                 self._buf += chunk
                 if len(self._buf) > self.limit:
                     del self._buf[:len(self._buf) - self.limit]

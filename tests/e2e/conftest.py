@@ -1,0 +1,42 @@
+import numpy as np
+import pytest
+
+
+class _ToyTokenizer:
+    def __init__(self, tag):
+        self.tag = tag
+
+    def to_json(self):
+        return {"toy": self.tag}  # a distinct tokenizer blob per model
+
+
+def tiny_llm(n_layers: int, seed: int, scheme: str = "float", **quantize_kw):
+    """A random Llama of `n_layers` layers, hidden 16, vocab 64, quantized under `scheme`: a decode step on the
+    agent costs about a millisecond. Every weight (norms too) is random, so no two models share a blob."""
+    from edgeprobe.models import LazyWeights
+    from edgeprobe.models.config import ModelConfig
+    from edgeprobe.models.model import Model
+    from edgeprobe.quant import quantize
+
+    rng = np.random.default_rng(seed)
+    h, f, V = 16, 32, 64
+    cfg = ModelConfig(arch="llama", n_layers=n_layers, hidden=h, ffn=f, n_heads=2, n_kv_heads=1, head_dim=8,
+                      vocab_size=V, context_length=4096)
+    norm = lambda: 1 + 0.1 * rng.normal(size=h)
+    w = {"token_embd.weight": rng.normal(size=(V, h)), "output_norm.weight": norm()}
+    for i in range(n_layers):
+        w.update({f"blk.{i}.attn_norm.weight": norm(), f"blk.{i}.ffn_norm.weight": norm(),
+                  f"blk.{i}.attn_q.weight": rng.normal(size=(16, h)) * .3, f"blk.{i}.attn_k.weight": rng.normal(size=(8, h)) * .3,
+                  f"blk.{i}.attn_v.weight": rng.normal(size=(8, h)) * .3,
+                  f"blk.{i}.attn_output.weight": rng.normal(size=(h, 16)) * .3,
+                  f"blk.{i}.ffn_gate.weight": rng.normal(size=(f, h)) * .3, f"blk.{i}.ffn_up.weight": rng.normal(size=(f, h)) * .3,
+                  f"blk.{i}.ffn_down.weight": rng.normal(size=(h, f)) * .3})
+    loaders = {n: (lambda a=a: np.asarray(a, np.float32)) for n, a in w.items()}
+    m = Model(config=cfg, tokenizer=_ToyTokenizer(seed), weights=LazyWeights(loaders, None), source="toy",
+              sha256=f"{seed:064x}", name=f"toy{seed}")
+    return quantize(m, scheme, **quantize_kw)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return tiny_llm

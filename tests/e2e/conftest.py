@@ -40,3 +40,13 @@ def tiny_llm(n_layers: int, seed: int, scheme: str = "float", **quantize_kw):
 @pytest.fixture(scope="session")
 def tiny():
     return tiny_llm
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory):
+    """A local agent of this test module, on its own store."""
+    from edgeprobe.device import Device
+
+    d = Device.local(store=tmp_path_factory.mktemp("store"))
+    yield d
+    d.close()

@@ -28,13 +28,6 @@ def qm(smollm):
     return quantize(smollm, "w8a8-shadow", prof)
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory):
-    d = Device.local(store=tmp_path_factory.mktemp("store"))
-    yield d
-    d.close()
-
-
 def test_hello_reports_the_device(dev):
     h = dev.info
     assert h["protocol"] == PROTOCOL_VERSION and h["agent_version"]

@@ -8,18 +8,11 @@ import numpy as np
 import pytest
 import zmq
 
-from edgeprobe.device import Device, DeviceError
+from edgeprobe.device import DeviceError
 from edgeprobe_agent.protocol import NO_ID, PROTOCOL_VERSION, pack, unpack
 
 N = 10_000
 BATCH = 500  # below the ROUTER's send high-water mark (1000): the agent never has to drop a reply
-
-
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory):
-    d = Device.local(store=tmp_path_factory.mktemp("store"))
-    yield d
-    d.close()
 
 
 def _raw(dev):

@@ -5,9 +5,7 @@ import hashlib
 import threading
 import time
 import zlib
-from collections import Counter
 
-import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -21,13 +19,6 @@ def _chain(n, shape=(64, 64), fan=1):
     return {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
                      "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}] + [{"input": "x"}] * fan}
                     for i in range(n)]}
-
-
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory):
-    d = Device.local(store=tmp_path_factory.mktemp("store"))
-    yield d
-    d.close()
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,9 @@ Who owns what (no state is shared without an owner):
 - A run's worker thread owns its Context (its own counters and flash-read log) and, while the run is in
   flight, its session (the loop refuses any other request on a busy session). It hands the loop exactly one
   item at its end, through the outbox: ("run_done", run, header, arrays). The store's threads hand
-  put_blob's deferred reply the same way ("final", ...).
+  put_blob's deferred reply the same way ("final", ...), and so does the thread that validates a plan
+  ("done", ...: a plan of many thousand ops takes seconds on a busy phone, and the loop must keep answering
+  heartbeats meanwhile; the loop files the plan and replies).
 - On a run's done item the loop removes the run from `runs` and moves its session on (only after a whole,
   successful run) and only then sends the final reply: a client that sends its next decode step the moment
   it reads a reply finds the session idle. A lock around the registries would serve as well, but the loop
@@ -262,6 +264,17 @@ class Agent:
                 self._send(item[1], item[2])
             elif kind == "final":    # a deferred final reply (put_blob's last chunk)
                 self._final(item[1], item[2], item[3])
+            elif kind == "done":     # work done off the loop: the loop commits it to its registries, then replies
+                ident, rid, result, commit = item[1:]
+                try:
+                    if isinstance(result, BaseException):
+                        raise result
+                    header = {"id": rid, "final": True, "ok": True, **commit(result)}
+                except AgentError as e:
+                    header = error_reply(rid, e.code, str(e))
+                except BaseException as e:
+                    header = error_reply(rid, "internal", f"{type(e).__name__}: {e}")
+                self._final(ident, header)
             else:                    # "run_done": settle the registry and the session, then reply
                 run, header, arrays = item[1:]
                 self.runs.pop((run.ident, run.rid), None)
@@ -427,11 +440,30 @@ class Agent:
             raise ProtocolError("busy", "the session has a run in flight")
         return sess
 
+    def _off_loop(self, ident, rid, name: str, work, commit) -> None:
+        """Run work() on a thread (long, CPU-bound) so the loop keeps answering; its result or exception comes
+        back through the outbox, where the loop applies commit(result) -> reply fields and sends the reply."""
+        def worker():
+            try:
+                result = work()
+            except BaseException as e:  # delivered to the loop, which replies with it
+                result = e
+            self.outbox.put(("done", ident, rid, result, commit))
+        threading.Thread(target=worker, daemon=True, name=f"{name}-{rid}").start()
+
     def do_put_plan(self, ident, rid, h, arrays):
-        plan = validate(h.get("plan"), self.store.has, self.lanes)
-        plan_id = hashlib.sha256(json.dumps(h.get("plan"), sort_keys=True, default=str).encode()).hexdigest()[:16]
-        self.plans[plan_id] = plan
-        return {"plan_id": plan_id, "ops": len(plan.order), "lanes": {k: len(v) for k, v in plan.lane_order.items()}}
+        raw = h.get("plan")
+
+        def work():  # reads only the message, the store and the lanes: nothing the loop changes
+            plan = validate(raw, self.store.has, self.lanes)
+            return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16], plan
+
+        def commit(result):
+            plan_id, plan = result
+            self.plans[plan_id] = plan
+            return {"plan_id": plan_id, "ops": len(plan.order), "lanes": {k: len(v) for k, v in plan.lane_order.items()}}
+        self._off_loop(ident, rid, "plan", work, commit)
+        return None  # validated off the loop; the loop files it and replies
 
     def do_cancel(self, ident, rid, h, arrays):
         target = h.get("target")

@@ -50,3 +50,14 @@ def dev(tmp_path_factory):
     d = Device.local(store=tmp_path_factory.mktemp("store"))
     yield d
     d.close()
+
+
+@pytest.fixture(scope="session")
+def slow_plan():
+    """make(n) -> (plan, inputs): a chain of n matrix-vector products with a 16 MB matrix (a few ms each, 8 kB
+    kept per op), so a run lasts long enough to cancel or to outlive a heartbeat timeout, from a small plan."""
+    def make(n: int):
+        ops = [{"name": f"mv{i}", "kind": "lm_head", "lane": "cpu",
+                "inputs": [{"input": "x"} if i == 0 else {"op": f"mv{i - 1}"}, {"input": "w"}]} for i in range(n)]
+        return {"ops": ops}, {"x": np.ones((1, 2048), np.float32), "w": np.eye(2048, dtype=np.float32)}
+    return make

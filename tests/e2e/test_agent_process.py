@@ -13,15 +13,14 @@ from edgeprobe.device import AgentLostError, Device, DeviceError
 from edgeprobe.client import STDERR_TAIL_BYTES
 
 
-def test_a_chatty_agent_never_blocks_and_its_last_words_are_quoted(tmp_path, monkeypatch):
+def test_a_chatty_agent_never_blocks_and_its_last_words_are_quoted(tmp_path, monkeypatch, slow_plan):
     monkeypatch.setenv("PYTHONVERBOSE", "1")  # every import, to stderr: far more than a pipe holds (64 KiB)
     dev = Device.local(store=tmp_path / "st")
     try:
-        pid = dev.put_plan({"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
-                                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]}
-                                    for i in range(50_000)]})
+        plan, inputs = slow_plan(4000)
+        pid = dev.put_plan(plan)
         assert dev.stderr.seen > 2 * STDERR_TAIL_BYTES and len(dev.stderr.text().encode()) <= STDERR_TAIL_BYTES
-        rid = dev.send("run", [np.ones((64, 64), np.float32)], plan_id=pid, inputs=["x"])
+        rid = dev.send("run", list(inputs.values()), plan_id=pid, inputs=list(inputs))
         time.sleep(0.2)
         os.kill(dev.process.pid, signal.SIGKILL)
         t0 = time.monotonic()

@@ -14,13 +14,6 @@ from edgeprobe.device import Device, DeviceError
 from edgeprobe_agent.protocol import HEARTBEAT_TIMEOUT_S, PROTOCOL_VERSION, pack, unpack
 
 
-def _chain(n, shape=(64, 64), fan=1):
-    """A plan of n adds in a row: long enough to cancel, or to outlive a heartbeat timeout."""
-    return {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
-                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}] + [{"input": "x"}] * fan}
-                    for i in range(n)]}
-
-
 @pytest.fixture(scope="module")
 def toy(tiny):
     return tiny(2, seed=7)
@@ -30,7 +23,11 @@ def _length(dev, name):
     return dev.request("session_reorder", session=name, indices=[0])[0]["length"]
 
 
-def test_a_failed_or_cancelled_step_answers_under_its_id_and_leaves_the_session_as_it_was(dev, toy):
+def _send_run(d, plan_id, inputs, **fields):
+    return d.send("run", list(inputs.values()), plan_id=plan_id, inputs=list(inputs), **fields)
+
+
+def test_a_failed_or_cancelled_step_answers_under_its_id_and_leaves_the_session_as_it_was(dev, toy, slow_plan):
     with dev.session(toy, 16, name="fail", progress=False) as s:
         s.prefill([1, 2, 3])
         step = s._plan(1, 1)
@@ -39,8 +36,8 @@ def test_a_failed_or_cancelled_step_answers_under_its_id_and_leaves_the_session_
         with pytest.raises(DeviceError, match="token ids outside") as e:
             dev.wait(rid)
         assert e.value.code == "bad_input" and _length(dev, "fail") == 3  # not moved on, not busy
-        long = dev.put_plan(_chain(50_000))
-        rid = dev.send("run", [np.ones((64, 64), np.float32)], plan_id=long, inputs=["x"], session="fail", advance=1)
+        plan, inputs = slow_plan(4000)
+        rid = _send_run(dev, dev.put_plan(plan), inputs, session="fail", advance=1)
         time.sleep(0.2)
         busy = dev.send("run", [np.array([1], np.int32)], plan_id=step, inputs=["tokens"], session="fail", advance=1,
                         phase="decode")
@@ -59,13 +56,13 @@ def test_a_failed_or_cancelled_step_answers_under_its_id_and_leaves_the_session_
         assert e.value.code == "unknown_target"
 
 
-def test_a_request_id_already_running_is_refused_and_the_run_still_answers_once(dev):
+def test_a_request_id_already_running_is_refused_and_the_run_still_answers_once(dev, slow_plan):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(dev.url)
-    pid = dev.put_plan(_chain(20_000))
-    head = {"v": PROTOCOL_VERSION, "op": "run", "plan_id": pid, "inputs": ["x"]}
-    x = [np.ones((64, 64), np.float32)]
+    plan, inputs = slow_plan(4000)
+    head = {"v": PROTOCOL_VERSION, "op": "run", "plan_id": dev.put_plan(plan), "inputs": list(inputs)}
+    x = list(inputs.values())
     sock.send_multipart(pack({**head, "id": 5}, x))
     sock.send_multipart(pack({**head, "id": 5}, x))
     sock.send_multipart(pack({"v": PROTOCOL_VERSION, "op": "cancel", "id": 6, "target": 5}))
@@ -79,6 +76,32 @@ def test_a_request_id_already_running_is_refused_and_the_run_still_answers_once(
     assert not sock.poll(300)
     assert sorted(finals, key=str) == sorted([(5, False, "bad_id"), (6, True, None), (5, False, "cancelled")], key=str)
     sock.close(0)
+
+
+def test_a_big_plan_is_validated_off_the_loop_which_keeps_answering(dev):
+    socks = []
+    for _ in range(2):
+        s_ = zmq.Context.instance().socket(zmq.DEALER)
+        s_.setsockopt(zmq.LINGER, 0)
+        s_.connect(dev.url)
+        socks.append(s_)
+    big = {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
+                    "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]} for i in range(50_000)]}
+    socks[0].send_multipart(pack({"v": PROTOCOL_VERSION, "id": 1, "op": "put_plan", "plan": big}))
+    time.sleep(0.05)
+    socks[1].send_multipart(pack({"v": PROTOCOL_VERSION, "id": 2, "op": "heartbeat"}))
+    poller = zmq.Poller()
+    for s_ in socks:
+        poller.register(s_, zmq.POLLIN)
+    order = []
+    deadline = time.monotonic() + 60
+    while len(order) < 2 and time.monotonic() < deadline:
+        for s_, _ in poller.poll(200):
+            h, _ = unpack(s_.recv_multipart())
+            order.append((h["id"], h["ok"]))
+    assert order == [(2, True), (1, True)]  # the heartbeat did not wait for 50,000 ops to be checked
+    for s_ in socks:
+        s_.close(0)
 
 
 def test_put_blob_replies_from_the_store_thread_carry_their_ids(dev):
@@ -124,7 +147,7 @@ def test_the_store_threads_survive_failures_and_still_answer(tmp_path, monkeypat
     assert np.array_equal(st.get(sha), np.frombuffer(raw, np.float32))
 
 
-def test_a_client_that_leaves_mid_upload_or_mid_run_leaves_nothing_stuck(dev, toy):
+def test_a_client_that_leaves_mid_upload_or_mid_run_leaves_nothing_stuck(dev, toy, slow_plan):
     raw = np.random.default_rng(1).standard_normal(3000).astype(np.float32).tobytes()
     sha = hashlib.sha256(raw).hexdigest()
     cb = 4096
@@ -139,9 +162,9 @@ def test_a_client_that_leaves_mid_upload_or_mid_run_leaves_nothing_stuck(dev, to
                                   "chunk_crc32": zlib.crc32(piece)}, [piece]))
     with dev.session(toy, 8, name="left", progress=False) as s:  # and a run in a session, abandoned too
         s.prefill([1, 2])
-        pid = dev.put_plan(_chain(30_000, (256, 256), fan=8))
-        gone.send_multipart(pack({"v": PROTOCOL_VERSION, "id": 102, "op": "run", "plan_id": pid, "inputs": ["x"],
-                                  "session": "left", "advance": 1}, [np.ones((256, 256), np.float32)]))
+        plan, inputs = slow_plan(6000)  # longer than the heartbeat timeout, even on an idle machine
+        gone.send_multipart(pack({"v": PROTOCOL_VERSION, "id": 102, "op": "run", "plan_id": dev.put_plan(plan),
+                                  "inputs": list(inputs), "session": "left", "advance": 1}, list(inputs.values())))
         gone.close()
         deadline = time.monotonic() + 5
         while dev.request("has_blobs", ids=[sha])[0]["partial"].get(sha) != [0, 1] and time.monotonic() < deadline:
@@ -164,12 +187,12 @@ def test_a_client_that_leaves_mid_upload_or_mid_run_leaves_nothing_stuck(dev, to
         assert _length(dev, "left") == 3
 
 
-def test_a_stopping_agent_ends_runs_in_flight_with_cancelled_under_their_ids(tmp_path):
+def test_a_stopping_agent_ends_runs_in_flight_with_cancelled_under_their_ids(tmp_path, slow_plan):
     owner = Device.local(store=tmp_path / "st")
     other = Device.connect(owner.url)
     try:
-        pid = other.put_plan(_chain(50_000))
-        rid = other.send("run", [np.ones((64, 64), np.float32)], plan_id=pid, inputs=["x"])
+        plan, inputs = slow_plan(4000)
+        rid = _send_run(other, other.put_plan(plan), inputs)
         time.sleep(0.3)
         owner.close()  # bye with shutdown
         with pytest.raises(DeviceError, match="cancelled") as e:

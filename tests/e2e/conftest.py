@@ -54,10 +54,11 @@ def dev(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def slow_plan():
-    """make(n) -> (plan, inputs): a chain of n matrix-vector products with a 16 MB matrix (a few ms each, 8 kB
-    kept per op), so a run lasts long enough to cancel or to outlive a heartbeat timeout, from a small plan."""
+    """make(n) -> (plan, inputs): a chain of n matrix-vector products with a 64 MB matrix (2.5 ms each on one
+    idle core here, 16 kB kept per op), so a run lasts long enough to cancel or to outlive a heartbeat timeout,
+    from a small plan."""
     def make(n: int):
         ops = [{"name": f"mv{i}", "kind": "lm_head", "lane": "cpu",
                 "inputs": [{"input": "x"} if i == 0 else {"op": f"mv{i - 1}"}, {"input": "w"}]} for i in range(n)]
-        return {"ops": ops}, {"x": np.ones((1, 2048), np.float32), "w": np.eye(2048, dtype=np.float32)}
+        return {"ops": ops}, {"x": np.ones((1, 4096), np.float32), "w": np.eye(4096, dtype=np.float32)}
     return make

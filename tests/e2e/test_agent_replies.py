@@ -162,7 +162,7 @@ def test_a_client_that_leaves_mid_upload_or_mid_run_leaves_nothing_stuck(dev, to
                                   "chunk_crc32": zlib.crc32(piece)}, [piece]))
     with dev.session(toy, 8, name="left", progress=False) as s:  # and a run in a session, abandoned too
         s.prefill([1, 2])
-        plan, inputs = slow_plan(6000)  # longer than the heartbeat timeout, even on an idle machine
+        plan, inputs = slow_plan(8000)  # 20 s on an idle core: far longer than the heartbeat timeout
         gone.send_multipart(pack({"v": PROTOCOL_VERSION, "id": 102, "op": "run", "plan_id": dev.put_plan(plan),
                                   "inputs": list(inputs), "session": "left", "advance": 1}, list(inputs.values())))
         gone.close()
@@ -177,6 +177,9 @@ def test_a_client_that_leaves_mid_upload_or_mid_run_leaves_nothing_stuck(dev, to
             class store:
                 get = staticmethod(lambda s_: np.frombuffer(raw, np.float32))
         assert dev.upload(OneBlob, progress=False, chunk_bytes=cb) == len(raw) - 2 * cb  # the missing chunk only
+        t0 = time.monotonic()
+        while not dev.stats()["runs_in_flight"] and time.monotonic() - t0 < 10:
+            time.sleep(0.05)  # its 64 MB input may still be arriving
         assert dev.stats()["runs_in_flight"] == 1
         t0 = time.monotonic()
         while dev.stats()["runs_in_flight"] and time.monotonic() - t0 < HEARTBEAT_TIMEOUT_S + 10:

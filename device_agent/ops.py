@@ -2,20 +2,23 @@
 
 Ops compute with `edgeprobe_kernels` (the same functions the host's forward pass and quantization
 simulation use), so a plan run here matches the host. `ctx.get(sha)` reads a blob (resident or from
-flash); `ctx.counters` collects kernel events (outliers, cold shadow rows read).
+flash); `ctx.counters` collects kernel events (outliers, cold shadow rows read) of this run's lane alone:
+cached runners are built without counters and get the calling run's at each call.
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
 from edgeprobe_kernels.linear_records import RUNNERS, run_w8a8, shadow_delta, x_wt
 from edgeprobe_kernels.llama_ops import apply_rope, attention, geglu_act, head_rms_norm, rms_norm, rope_tables, swiglu_act
 
+from .protocol import AgentError
 
-class OpError(ValueError):
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+
+class OpError(AgentError):
+    """An op that cannot run on its inputs or attrs."""
 
 
 def _arr(x, name: str, ndim: int | None = None) -> np.ndarray:
@@ -48,21 +51,42 @@ def op_rms_norm(inp, attrs, ctx):
     return rms_norm(x, w, float(attrs["eps"]))
 
 
+class RunnerCache:
+    """Compiled linear runners (dequantized weights, float32 copies) kept across runs and shared by every
+    run's lanes. One lock guards the dict; a runner is built outside it (builds read blobs), and when two
+    lanes build the same one at once the first stored wins."""
+
+    def __init__(self):
+        self._fns: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key, build):
+        with self._lock:
+            fn = self._fns.get(key)
+        if fn is None:
+            fn = build()
+            with self._lock:
+                fn = self._fns.setdefault(key, fn)
+        return fn
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._fns)
+
+
 def _runner(ctx, rec, part, cols=None):
+    """The cached runner of a linear record; built with counters=None: callers pass their run's counters."""
     key = (part, cols, tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
-    fn = ctx.runners.get(key)
-    if fn is None:
-        kind = rec.get("kind")
-        if part == "int8" or (kind == "w8a8" and part == "all"):  # the emulated NPU keeps float32 copies
-            fn = run_w8a8(rec, ctx.get, ctx.counters, cols, keep_f32=True)
-        elif part == "shadow":
-            fn = shadow_delta(rec, ctx.get, ctx.counters)
-        elif kind in RUNNERS:
-            fn = RUNNERS[kind](rec, ctx.get, ctx.counters)
-        else:
-            raise OpError("unknown_record", f"linear record kind {kind!r} is unknown to this agent")
-        ctx.runners[key] = fn
-    return fn
+    kind = rec.get("kind")
+    if part == "int8" or (kind == "w8a8" and part == "all"):  # the emulated NPU keeps float32 copies
+        build = lambda: run_w8a8(rec, ctx.get, None, cols, keep_f32=True)
+    elif part == "shadow":
+        build = lambda: shadow_delta(rec, ctx.get, None)
+    elif kind in RUNNERS:
+        build = lambda: RUNNERS[kind](rec, ctx.get, None)
+    else:
+        raise OpError("unknown_record", f"linear record kind {kind!r} is unknown to this agent")
+    return ctx.runners.get(key, build)
 
 
 def _span(attrs, key, size):
@@ -95,7 +119,7 @@ def op_linear(inp, attrs, ctx):
     if ctx.lane == "gpu":
         y = _gpu_linear(rec, part, x, ctx, cols)
     else:
-        y = _runner(ctx, rec, part, cols)(x)
+        y = _runner(ctx, rec, part, cols)(x, counters=ctx.counters)
     return y[:m] if pad is not None else y
 
 
@@ -136,9 +160,7 @@ def _gpu_linear(rec, part, x, ctx, cols=None):
             make = lambda: q4_0_dequant(ctx.get(key), N, rec["padded_k"])[:, :K]
         else:
             make = lambda: dequantize_tiles(ctx.get(key), N, K)
-        w16 = ctx.runners.get(("f16", key))
-        if w16 is None:
-            w16 = ctx.runners[("f16", key)] = np.ascontiguousarray(make(), dtype=np.float16)
+        w16 = ctx.runners.get(("f16", key), lambda: np.ascontiguousarray(make(), dtype=np.float16))
         return g.gemm_f16w(x.astype(np.float16).astype(np.float32), w16, key=key)
     raise OpError("no_gpu_kernel", f"linear record kind {kind!r} (part {part}) has no OpenCL kernel; "
                                    "put it on the cpu or npu lane")

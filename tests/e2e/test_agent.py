@@ -9,15 +9,13 @@ import sys
 import time
 import zlib
 
-import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from edgeprobe.device import AgentLostError, Device, DeviceError
 from edgeprobe.plan import prefill_plan
 from edgeprobe.trace import Trace, cosine
-from edgeprobe_agent.protocol import PROTOCOL_VERSION, pack, unpack
+from edgeprobe_agent.protocol import PROTOCOL_VERSION
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +26,6 @@ def qm(smollm):
     prof = calibration_profile(smollm, smollm.tokenizer.encode(read_corpus("train")), tokens=512, window=256,
                                progress=False)
     return quantize(smollm, "w8a8-shadow", prof)
-
-
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory):
-    d = Device.local(store=tmp_path_factory.mktemp("store"))
-    yield d
-    d.close()
 
 
 def test_hello_reports_the_device(dev):
@@ -68,55 +59,6 @@ def test_prefill_on_the_agent_matches_the_host_and_traces_both_lanes(dev, qm, he
     again = dev.prefill(qm, toks, progress=False)  # nothing to upload the second time
     assert np.array_equal(again.logits, res.logits)
     Trace.load(res.trace.save(tmp_path / "t.json"))
-
-
-def _raw(dev):
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(dev.url)
-    return s
-
-
-def _ask(sock, frames, timeout_ms=5000):
-    sock.send_multipart(frames)
-    assert sock.poll(timeout_ms), "the agent did not answer"
-    return unpack(sock.recv_multipart())
-
-
-def test_a_thousand_malformed_messages_each_get_an_error_and_the_agent_lives(dev):
-    rng = np.random.default_rng(1234)
-    sock = _raw(dev)
-    good = {"v": PROTOCOL_VERSION, "id": 1, "op": "hello"}
-    kinds = 0
-    for i in range(1000):
-        k = i % 10
-        if k == 0:
-            frames = [rng.bytes(int(rng.integers(0, 200)))]
-        elif k == 1:
-            frames = [msgpack.packb([1, 2, 3])]
-        elif k == 2:
-            frames = [msgpack.packb({**good, "id": "x"})]
-        elif k == 3:
-            frames = [msgpack.packb({**good, "v": 99})]
-        elif k == 4:
-            frames = [msgpack.packb({**good, "op": rng.bytes(8).hex()})]
-        elif k == 5:
-            frames = [msgpack.packb({**good, "op": "put_blob", "sha": "0" * 64})]
-        elif k == 6:
-            frames = [msgpack.packb({**good, "op": "put_plan", "plan": {"ops": [{"name": "a", "kind": "nope"}]}})]
-        elif k == 7:
-            frames = [msgpack.packb({**good, "frames": [{"dtype": "float32", "shape": [4]}]}), b"abc"]
-        elif k == 8:
-            frames = [msgpack.packb({**good, "op": "has_blobs", "ids": [rng.bytes(4).hex()]})]
-        else:
-            frames = [msgpack.packb({**good, "op": "run", "plan_id": "missing"})]
-        h, _ = _ask(sock, frames)
-        assert h["final"] and h["ok"] is False and h["error"]["code"] and h["error"]["message"]
-        kinds += 1
-    h, _ = _ask(sock, pack(good))
-    assert h["ok"] and h["protocol"] == PROTOCOL_VERSION
-    assert dev.stats()["errors"] >= 1000
-    sock.close(0)
 
 
 def test_bad_plans_get_error_replies(dev, qm):
@@ -277,7 +219,7 @@ def test_gpu_lane_runs_w4a16_linears_in_opencl(dev, smollm, heldout_ids):
 
 
 def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
-    from edgeprobe_agent.store import FlashStore
+    from edgeprobe_agent.store import FlashStore, StoreError
 
     reads = []
     st = FlashStore(tmp_path / "f", memory_budget=3000, on_read=reads.append)
@@ -296,7 +238,7 @@ def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
     assert np.array_equal(st.get(shas[0]), blobs[0]) and len(reads) == 5  # evicted: read from flash again
     assert all(e["kind"] == "flash_read" and e["bytes_in"] == 1000 and e["end_us"] >= e["start_us"] for e in reads)
     assert not list((tmp_path / "f" / "blobs").glob(".*tmp"))
-    with pytest.raises(Exception, match="not a lowercase hex sha256"):
+    with pytest.raises(StoreError, match="not a lowercase hex sha256"):
         st.get("../../etc/passwd")
 
 

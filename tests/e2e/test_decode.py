@@ -21,13 +21,6 @@ def qm(smollm):
     return quantize(smollm, "q4_0-tile")
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory):
-    d = Device.local(store=tmp_path_factory.mktemp("store"))
-    yield d
-    d.close()
-
-
 def _min_cos(a, b):
     return min(cosine(a[j], b[j]) for j in range(a.shape[0]))
 

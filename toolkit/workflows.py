@@ -129,11 +129,11 @@ def prefill_chunked(dev: Client, qm, tokens, chunk: int = 256, scheduler: str = 
     """Chunked prefill (mllm-NPU §3.2) laid out by a scheduler (§3.4) over `profile`: a named modelled
     profile, a measured profile's .json, or a profile object (e.g. from `measure_profile`)."""
     from .models import ModelConfig
-    from .plan import chunked_prefill_plan, shadow_layers
+    from .plan import chunked_prefill_plan
     from .schedule import chunk_graph, device_profile, schedule
 
     tokens = np.asarray(tokens, np.int32)
-    graph = chunk_graph(ModelConfig(**qm.manifest["config"]), len(tokens), chunk, shadow=shadow_layers(qm.manifest))
+    graph = chunk_graph(ModelConfig(**qm.manifest["config"]), len(tokens), chunk, manifest=qm.manifest)
     sched = schedule(graph, device_profile(profile), scheduler)
     lacking = {g.lane for g in sched.graph.subgraphs} - set(dev.info.get("lanes", []))
     if lacking:

@@ -277,7 +277,7 @@ def test_gpu_lane_runs_w4a16_linears_in_opencl(dev, smollm, heldout_ids):
 
 
 def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
-    from edgeprobe_agent.store import FlashStore
+    from edgeprobe_agent.store import FlashStore, StoreError
 
     reads = []
     st = FlashStore(tmp_path / "f", memory_budget=3000, on_read=reads.append)
@@ -296,8 +296,9 @@ def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
     assert np.array_equal(st.get(shas[0]), blobs[0]) and len(reads) == 5  # evicted: read from flash again
     assert all(e["kind"] == "flash_read" and e["bytes_in"] == 1000 and e["end_us"] >= e["start_us"] for e in reads)
     assert not list((tmp_path / "f" / "blobs").glob(".*tmp"))
-    with pytest.raises(Exception, match="not a lowercase hex sha256"):
+    with pytest.raises(StoreError, match="not a lowercase hex sha256") as e:  # a path, never opened
         st.get("../../etc/passwd")
+    assert e.value.code == "bad_sha"
 
 
 def test_a_run_longer_than_the_heartbeat_timeout_completes(dev):

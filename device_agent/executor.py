@@ -19,7 +19,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .ops import OPS, OpError, flops
+from .ops import OPS, OpError, RunnerCache, flops
+from .protocol import AgentError
 from .store import now_us
 
 LANES = ("cpu", "npu", "gpu")
@@ -27,10 +28,8 @@ LANES = ("cpu", "npu", "gpu")
 EMULATED_LANES = {"npu": "semantics"}
 
 
-class PlanError(ValueError):
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+class PlanError(AgentError):
+    """A plan the agent refuses before running anything."""
 
 
 class Cancelled(Exception):
@@ -134,9 +133,11 @@ def _check_acyclic(edges: dict) -> None:
 
 @dataclass
 class Context:
+    """What a run's ops may reach. One Context per run: its counters (and the reads get / read_rows /
+    read_blob report) belong to that run alone; runners is the cache shared across runs."""
     get: object                      # sha -> array
     counters: dict = field(default_factory=dict)
-    runners: dict = field(default_factory=dict)
+    runners: RunnerCache = field(default_factory=RunnerCache)
     lane: str = "cpu"                # which processor the op runs on (ops pick their kernels by it)
     session: object = None           # the run's decode session (KV cache kept on the agent), if any
     read_rows: object = None         # (sha, rows, lane=) -> rows of a blob read from flash, not kept resident
@@ -149,7 +150,8 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
             on_op=None) -> tuple[dict, list]:
     """Run `plan` with one thread per lane. Returns ({output name: array}, trace events).
 
-    on_op(event) is called after each op (progress). Raises OpError / PlanError / Cancelled.
+    on_op(event) is called after each op (progress). Raises AgentError (OpError, StoreError, ...) / Cancelled.
+    Each lane counts into its own dict (one owner per dict); they are added into ctx.counters after the join.
     """
     cancel = cancel or threading.Event()
     done = {n: threading.Event() for n in plan.order}
@@ -157,6 +159,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
     events: list = []
     failure: list = []
     lock = threading.Lock()
+    lane_counters = {lane: {} for lane in plan.lane_order}
 
     def resolve(ref):
         (k, v), = ref.items()
@@ -169,7 +172,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
         return inputs[v]
 
     def lane_worker(lane, names):
-        lane_ctx = replace(ctx, lane=lane)  # shares counters and runner caches
+        lane_ctx = replace(ctx, lane=lane, counters=lane_counters[lane])  # shares the runner cache
         try:
             for name in names:
                 op = plan.ops[name]
@@ -184,7 +187,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                 t0 = now_us()
                 try:
                     out = OPS[op["kind"]](args, op.get("attrs", {}), lane_ctx)
-                except (OpError, Cancelled):
+                except (AgentError, Cancelled):
                     raise
                 except Exception as e:  # a kernel failing on bad shapes must not kill the agent
                     raise OpError("op_failed", f"op {name!r} ({op['kind']}) failed: {type(e).__name__}: {e}") from None
@@ -212,6 +215,9 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
         t.start()
     for t in threads:
         t.join()
+    for counts in lane_counters.values():
+        for k, v in counts.items():
+            ctx.counters[k] = ctx.counters.get(k, 0) + v
     if failure:
         real = [f for f in failure if not isinstance(f, Cancelled)]
         raise (real[0] if real else Cancelled())

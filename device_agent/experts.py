@@ -5,11 +5,13 @@ buffer keeps `capacity` experts under a policy of edgeprobe_kernels.expert_cache
 edgemoe) — the same code the host simulator replays traces with. With preloading, once a layer has routed,
 the predictor's top-n experts of the next layer are read on the session's I/O thread (the `io` lane of the
 trace) while this layer computes; a routed expert still in flight is waited for, not read twice.
-Every read is cold (FlashStore.read_rows drops the pages from the OS page cache).
+Every read is cold (FlashStore.read_rows drops the pages from the OS page cache). The buffer lives across
+runs but reads through the calling run's reader (so each flash read is traced in the run that issued it),
+and a run settles its preloads before it replies (so no read of a run lands after its reply).
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -29,18 +31,19 @@ def _blobs(recs: dict) -> list:
 class ExpertBuffer:
     """capacity 0: no buffer (every use reads the expert; preloads are staged until their layer runs)."""
 
-    def __init__(self, capacity: int, policy: str, freq, n_layers: int, read):
+    def __init__(self, capacity: int, policy: str, freq, n_layers: int):
         self.cache = ExpertCache(capacity, policy, freq, n_layers) if capacity else None
-        self.read = read                       # sha -> array, from flash
         self.arrays: dict = {}                 # key -> {sha: array} of resident (or staged) experts
         self.pending: dict = {}                # key -> Future of a preload
         self.io = ThreadPoolExecutor(1, thread_name_prefix="io-lane")
         self.stats = {"uses": 0, "hits": 0, "demand_reads": 0, "preload_reads": 0, "preload_used": 0}
 
-    def _load(self, shas) -> dict:
-        return {s: self.read(s) for s in shas}
+    @staticmethod
+    def _load(shas, read) -> dict:
+        return {s: read(s) for s in shas}
 
-    def need(self, key, shas, layer: int, pinned) -> dict:
+    def need(self, key, shas, layer: int, pinned, read) -> dict:
+        """read: sha -> array from flash, the calling run's (its reads are traced in that run)."""
         self.stats["uses"] += 1
         fut = self.pending.pop(key, None)
         if fut is not None:
@@ -52,25 +55,29 @@ class ExpertBuffer:
                 self.stats["hits"] += 1
                 return got
             self.stats["demand_reads"] += 1
-            return self._load(shas)
+            return self._load(shas, read)
         hit = self.cache.access(key, layer, pinned) and key in self.arrays
         if hit:
             self.stats["hits"] += 1
         else:
             self.stats["demand_reads"] += 1
-            self.arrays[key] = self._load(shas)
+            self.arrays[key] = self._load(shas, read)
         got = self.arrays[key]
         for k in [k for k in self.arrays if k not in self.cache.slots]:  # evicted (or never kept)
             del self.arrays[k]
         return got
 
-    def preload(self, key, shas, layer: int, pinned) -> None:
+    def preload(self, key, shas, layer: int, pinned, read) -> None:
         if key in self.arrays or key in self.pending:
             return
         if self.cache is not None and not self.cache.preload(key, layer, pinned):
             return
         self.stats["preload_reads"] += 1
-        self.pending[key] = self.io.submit(self._load, shas)
+        self.pending[key] = self.io.submit(self._load, shas, read)
+
+    def settle(self) -> None:
+        """Wait for every preload in flight (a run calls this before its reply; the results stay pending)."""
+        wait(list(self.pending.values()))
 
     def close(self):
         self.io.shutdown(wait=True)
@@ -99,10 +106,10 @@ def op_moe_ffn(inp, attrs, ctx):
         buf = st.get("buffer")
         if buf is None:
             freq = tables["p0"] if tables else None
-            buf = st["buffer"] = ExpertBuffer(int(flash["capacity"]), flash.get("policy", "lru"), freq, L,
-                                              ctx.read_blob)
+            buf = st["buffer"] = ExpertBuffer(int(flash["capacity"]), flash.get("policy", "lru"), freq, L)
+        before = dict(buf.stats)
         pinned = {(layer, int(e)) for e in np.unique(ex)}
-        get_expert = lambda e: buf.need((layer, e), _blobs(experts[e]), layer, pinned)
+        get_expert = lambda e: buf.need((layer, e), _blobs(experts[e]), layer, pinned, ctx.read_blob)
         # read ahead for the next layer (the next token's first layer after the last) while this one computes
         n_pre = int(flash.get("preload_n", 0))
         top1 = st.setdefault("top1", {})
@@ -113,7 +120,7 @@ def op_moe_ffn(inp, attrs, ctx):
             prev2 = top1.get(nl - 2) if nl >= 2 else None
             s = preload_scores(tables, nl, prev1, prev2)[-1]
             for e in np.argsort(-s, kind="stable")[:n_pre]:
-                buf.preload((nl, int(e)), _blobs(attrs["next_experts"][int(e)]), layer, pinned)
+                buf.preload((nl, int(e)), _blobs(attrs["next_experts"][int(e)]), layer, pinned, ctx.read_blob)
     y = np.zeros_like(x)
     for e in np.unique(ex):
         rows, slot = np.nonzero(ex == e)
@@ -122,6 +129,7 @@ def op_moe_ffn(inp, attrs, ctx):
         f = {p: RUNNERS[experts[e][p]["kind"]](experts[e][p], get, ctx.counters) for p in PROJ}
         xr = x[rows]
         y[rows] += w[rows, slot, None] * f["down"](swiglu_act(f["gate"](xr), f["up"](xr)))
-    if buf is not None:
-        ctx.counters.update({f"experts_{k_}": v for k_, v in buf.stats.items()})
+    if buf is not None:  # this op's share of the buffer's events, so a run's counters are its own
+        for k_, v in buf.stats.items():
+            ctx.counters[f"experts_{k_}"] = ctx.counters.get(f"experts_{k_}", 0) + v - before[k_]
     return y

@@ -2,20 +2,23 @@
 
 Ops compute with `edgeprobe_kernels` (the same functions the host's forward pass and quantization
 simulation use), so a plan run here matches the host. `ctx.get(sha)` reads a blob (resident or from
-flash); `ctx.counters` collects kernel events (outliers, cold shadow rows read).
+flash); `ctx.counters` collects kernel events (outliers, cold shadow rows read) of this run's lane alone:
+cached runners are built without counters and get the calling run's at each call.
 """
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
 from edgeprobe_kernels.linear_records import RUNNERS, run_w8a8, shadow_delta, x_wt
-from edgeprobe_kernels.llama_ops import apply_rope, attention, rms_norm, rope_tables, swiglu_act
+from edgeprobe_kernels.llama_ops import apply_rope, attention, geglu_act, head_rms_norm, rms_norm, rope_tables, swiglu_act
+
+from .protocol import AgentError
 
 
-class OpError(ValueError):
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+class OpError(AgentError):
+    """An op that cannot run on its inputs or attrs."""
 
 
 def _arr(x, name: str, ndim: int | None = None) -> np.ndarray:
@@ -33,28 +36,57 @@ def op_embed(inp, attrs, ctx):
         tokens = tokens[int(attrs["start"]):int(attrs["start"]) + int(attrs["length"])]
     if tokens.size and (tokens.min() < 0 or tokens.max() >= table.shape[0]):
         raise OpError("bad_input", f"token ids outside [0, {table.shape[0]})")
-    return np.asarray(table[tokens.astype(np.int64)], np.float32)
+    x = np.asarray(table[tokens.astype(np.int64)], np.float32)
+    return x * np.float32(attrs["scale"]) if "scale" in attrs else x  # Gemma scales by sqrt(hidden)
 
 
 def op_rms_norm(inp, attrs, ctx):
-    return rms_norm(_arr(inp[0], "x", 2), _arr(inp[1], "w", 1), float(attrs["eps"]))
+    """attrs eps; head_dim: normalize each head's slice of x (Gemma 3's q/k norm) with w float32[head_dim]."""
+    x, w = _arr(inp[0], "x", 2), _arr(inp[1], "w", 1)
+    if "head_dim" in attrs:
+        d = int(attrs["head_dim"])
+        if d < 1 or x.shape[1] % d or w.shape[0] != d:
+            raise OpError("bad_input", f"rms_norm per head of {d} needs x[rows, heads*{d}] and w[{d}], got {x.shape}, {w.shape}")
+        return head_rms_norm(x, w, float(attrs["eps"]), d)
+    return rms_norm(x, w, float(attrs["eps"]))
+
+
+class RunnerCache:
+    """Compiled linear runners (dequantized weights, float32 copies) kept across runs and shared by every
+    run's lanes. One lock guards the dict; a runner is built outside it (builds read blobs), and when two
+    lanes build the same one at once the first stored wins."""
+
+    def __init__(self):
+        self._fns: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key, build):
+        with self._lock:
+            fn = self._fns.get(key)
+        if fn is None:
+            fn = build()
+            with self._lock:
+                fn = self._fns.setdefault(key, fn)
+        return fn
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._fns)
 
 
 def _runner(ctx, rec, part, cols=None):
+    """The cached runner of a linear record; built with counters=None: callers pass their run's counters."""
     key = (part, cols, tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
-    fn = ctx.runners.get(key)
-    if fn is None:
-        kind = rec.get("kind")
-        if part == "int8" or (kind == "w8a8" and part == "all"):  # the emulated NPU keeps float32 copies
-            fn = run_w8a8(rec, ctx.get, ctx.counters, cols, keep_f32=True)
-        elif part == "shadow":
-            fn = shadow_delta(rec, ctx.get, ctx.counters)
-        elif kind in RUNNERS:
-            fn = RUNNERS[kind](rec, ctx.get, ctx.counters)
-        else:
-            raise OpError("unknown_record", f"linear record kind {kind!r} is unknown to this agent")
-        ctx.runners[key] = fn
-    return fn
+    kind = rec.get("kind")
+    if part == "int8" or (kind == "w8a8" and part == "all"):  # the emulated NPU keeps float32 copies
+        build = lambda: run_w8a8(rec, ctx.get, None, cols, keep_f32=True)
+    elif part == "shadow":
+        build = lambda: shadow_delta(rec, ctx.get, None)
+    elif kind in RUNNERS:
+        build = lambda: RUNNERS[kind](rec, ctx.get, None)
+    else:
+        raise OpError("unknown_record", f"linear record kind {kind!r} is unknown to this agent")
+    return ctx.runners.get(key, build)
 
 
 def _span(attrs, key, size):
@@ -89,19 +121,16 @@ def op_linear(inp, attrs, ctx):
     elif ctx.lane == "npu" and ctx.backends.get("npu") == "hvx" and (fn := _hvx_runner(ctx, rec, part, cols)):
         y = _hvx_call(fn, x, ctx)
     else:
-        y = _runner(ctx, rec, part, cols)(x)
+        y = _runner(ctx, rec, part, cols)(x, counters=ctx.counters)
     return y[:m] if pad is not None else y
 
 
 def _hvx_runner(ctx, rec, part, cols):
-    """The record's runner on the Hexagon DSP (kernels/hvx_linear.py), or None when it is not NPU work."""
+    """The record's runner on the Hexagon DSP (kernels/hvx_linear.py), or False when it is not NPU work."""
     from edgeprobe_kernels import hvx_linear
 
     key = ("hvx", part, cols, tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
-    fn = ctx.runners.get(key)
-    if fn is None:
-        fn = ctx.runners[key] = hvx_linear.runner(rec, part, ctx.get, cols, counters=ctx.counters) or False
-    return fn
+    return ctx.runners.get(key, lambda: hvx_linear.runner(rec, part, ctx.get, cols) or False)
 
 
 def _hvx_call(fn, x, ctx):
@@ -110,7 +139,7 @@ def _hvx_call(fn, x, ctx):
     from edgeprobe_kernels.hvx_bridge import ISA, dsp_estimate
 
     c = {}
-    y = fn(x, counters=c)
+    y = fn(x, counters=ctx.counters, dsp_counts=c)
     if ctx.event is not None:
         ctx.event.update({"emulated": "isa", "isa": ISA, **dsp_estimate(c)})
     for name, k in (("hvx_packets", "packets"), ("hvx_insns", "hvx_insns")):
@@ -155,9 +184,7 @@ def _gpu_linear(rec, part, x, ctx, cols=None):
             make = lambda: q4_0_dequant(ctx.get(key), N, rec["padded_k"])[:, :K]
         else:
             make = lambda: dequantize_tiles(ctx.get(key), N, K)
-        w16 = ctx.runners.get(("f16", key))
-        if w16 is None:
-            w16 = ctx.runners[("f16", key)] = np.ascontiguousarray(make(), dtype=np.float16)
+        w16 = ctx.runners.get(("f16", key), lambda: np.ascontiguousarray(make(), dtype=np.float16))
         return g.gemm_f16w(x.astype(np.float16).astype(np.float32), w16, key=key)
     raise OpError("no_gpu_kernel", f"linear record kind {kind!r} (part {part}) has no OpenCL kernel; "
                                    "put it on the cpu or npu lane")
@@ -179,7 +206,7 @@ def op_rope(inp, attrs, ctx):
     if x.shape[0] % B:
         raise OpError("bad_input", f"{x.shape[0]} rows do not split into batch {B}")
     T = x.shape[0] // B
-    cos, sin = rope_tables(d, float(attrs["theta"]), _session_start(attrs, ctx), T)
+    cos, sin = rope_tables(d, float(attrs["theta"]), _session_start(attrs, ctx), T, attrs.get("freq_factors"))
     return apply_rope(x.reshape(B, T, h, d), cos, sin).reshape(x.shape[0], h * d)
 
 
@@ -205,7 +232,7 @@ def op_attention(inp, attrs, ctx):
     else:
         kk = k.reshape(B, S, KV, d).transpose(0, 2, 1, 3)
         vv = v.reshape(B, S, KV, d).transpose(0, 2, 1, 3)
-    return attention(q.reshape(B, T, H, d), kk, vv, start).reshape(B * T, H * d)
+    return attention(q.reshape(B, T, H, d), kk, vv, start, int(attrs.get("window", 0))).reshape(B * T, H * d)
 
 
 def op_add(inp, attrs, ctx):
@@ -217,6 +244,10 @@ def op_add(inp, attrs, ctx):
 
 def op_swiglu(inp, attrs, ctx):
     return swiglu_act(_arr(inp[0], "gate", 2), _arr(inp[1], "up", 2))
+
+
+def op_geglu(inp, attrs, ctx):
+    return geglu_act(_arr(inp[0], "gate", 2), _arr(inp[1], "up", 2))
 
 
 def op_sigmoid_mul(inp, attrs, ctx):
@@ -268,4 +299,5 @@ def _moe_ffn(inp, attrs, ctx):
 
 
 OPS = {"ffn_flash": _ffn_flash, "moe_ffn": _moe_ffn, "embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
-       "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat, "sigmoid_mul": op_sigmoid_mul}
+       "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat, "sigmoid_mul": op_sigmoid_mul,
+       "geglu": op_geglu}

@@ -1,8 +1,24 @@
-"""The agent's ZeroMQ ROUTER loop: one final reply per request, heartbeats, runs on a worker thread.
+"""The agent's ZeroMQ ROUTER loop: exactly one final reply per request, heartbeats, runs on worker threads.
 
-The loop never dies on a message: anything malformed gets an error reply naming the problem and the
-agent keeps serving. Runs execute on a worker thread (lanes inside are threads too), so hello,
-heartbeat, stats and cancel are answered while a run is in flight. See docs/protocol.md.
+The loop never dies on a message: anything malformed gets an error reply naming the problem, under the
+request's own id whenever the header parses to a map with an integer id, and the agent keeps serving. Runs
+execute on worker threads (lanes inside are threads too), so hello, heartbeat, stats and cancel are answered
+while runs are in flight. See docs/protocol.md.
+
+Who owns what (no state is shared without an owner):
+- The loop thread owns the socket and every registry: `runs`, `sessions`, `models`, `plans`, and the
+  served/errors counts. No other thread reads or writes them, so the loop never iterates a dict another
+  thread changes, and check-then-act steps (is the session busy? then register the run) need no lock.
+- A run's worker thread owns its Context (its own counters and flash-read log) and, while the run is in
+  flight, its session (the loop refuses any other request on a busy session). It hands the loop exactly one
+  item at its end, through the outbox: ("run_done", run, header, arrays). The store's threads hand
+  put_blob's deferred reply the same way ("final", ...), and so does the thread that validates a plan
+  ("done", ...: a plan of many thousand ops takes seconds on a busy phone, and the loop must keep answering
+  heartbeats meanwhile; the loop files the plan and replies).
+- On a run's done item the loop removes the run from `runs` and moves its session on (only after a whole,
+  successful run) and only then sends the final reply: a client that sends its next decode step the moment
+  it reads a reply finds the session idle. A lock around the registries would serve as well, but the loop
+  is where replies are sent anyway; with one owner the order "settle, then reply" is simply program order.
 """
 from __future__ import annotations
 
@@ -15,20 +31,24 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import zmq
 
 from . import __version__
 from .backends import check_backend, lane_backends
-from .executor import EMULATED_LANES, LANES, Context, PlanError, execute, validate, Cancelled
-from .ops import OpError
+from .executor import EMULATED_LANES, LANES, Cancelled, Context, execute, validate
+from .ops import RunnerCache
+from .protocol import (ALLOWED_DTYPES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, AgentError,
+                       ProtocolError, check_request, error_reply, is_shape, pack, request_id, unpack_frames,
+                       unpack_header)
 from .session import KVSession
-from .protocol import (HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, PROTOCOL_VERSION, ProtocolError, check_request,
-                       error_reply, pack, unpack)
 from .store import FlashStore, StoreError, check_sha, now_us
 
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
+RECV_BATCH = 256           # messages read per loop turn before the outbox is served again
+STOP_GRACE_S = 5.0         # at shutdown, how long runs in flight get to end (cancelled) and send their reply
 
 
 def is_loopback(url: str) -> bool:
@@ -50,6 +70,15 @@ def opencl_devices() -> list[dict]:
         return []
 
 
+def numba_version() -> str | None:
+    """numba's version, or None where it is missing (a phone under Termux may lack it; kernels fall back)."""
+    try:
+        import numba
+    except ImportError:  # absent: the kernels' numpy versions run
+        return None
+    return numba.__version__
+
+
 def _memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -58,8 +87,8 @@ def _memory_bytes() -> int | None:
 
 
 class _Outbox(queue.Queue):
-    """Messages from worker threads to the loop (only the loop touches the socket); each put also
-    writes a byte to a pipe the loop polls, so replies go out at once, not at the next poll timeout."""
+    """Items from worker threads to the loop (only the loop touches the socket); each put also writes a
+    byte to a pipe the loop polls, so replies go out at once, not at the next poll timeout."""
 
     def __init__(self):
         super().__init__()
@@ -82,12 +111,29 @@ class _Outbox(queue.Queue):
             pass
 
 
+class _FlashLog:
+    """One run's flash-read events: appended by its lane threads and its session's I/O thread, read by its
+    worker once they are all done."""
+
+    def __init__(self):
+        self._events: list = []
+        self._lock = threading.Lock()
+
+    def add(self, ev: dict) -> None:
+        with self._lock:
+            self._events.append(ev)
+
+    def events(self) -> list:
+        with self._lock:
+            return list(self._events)
+
+
 @dataclass
 class _Run:
     rid: int
     ident: bytes
     cancel: threading.Event = field(default_factory=threading.Event)
-    last_seen: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)  # written and read by the loop only
     session: object = None   # the KVSession the run reads and extends
     advance: int = 0         # positions it adds to the session on success
 
@@ -100,9 +146,13 @@ class Agent:
             raise ValueError(f"refusing to bind {bind}: outside loopback the agent needs CURVE keys "
                              "(--curve-keys DIR made with zmq.auth.create_certificates); or bind tcp://127.0.0.1:PORT")
         self.npu_backend = check_backend("npu", npu_backend)  # before the socket: a missing toolchain stops here
-        self.flash_events: list = []
-        self.store = FlashStore(store_dir, memory_budget, on_read=self._on_read)
-        self.ctx = zmq.Context.instance()
+        if lanes is not None and (not lanes or set(lanes) - set(LANES)):
+            raise ValueError(f"lanes must be some of {', '.join(LANES)}, got {', '.join(lanes) or 'none'}")
+        if lanes is not None and "gpu" in lanes and not opencl_devices():
+            raise ValueError("the gpu lane needs an OpenCL device and none was found (Debian: pocl-opencl-icd)")
+        self.lanes = [l for l in LANES if (l in lanes if lanes is not None else (l != "gpu" or opencl_devices()))]
+        self.store = FlashStore(store_dir, memory_budget)
+        self.ctx = zmq.Context()  # the agent's own: term() at exit waits for its last replies to leave
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
@@ -111,27 +161,18 @@ class Agent:
         self.sock.bind(bind)
         self.url = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.outbox = _Outbox()
+        # the loop's registries (see the module docstring: only the loop thread touches them)
         self.models: dict = {}
         self.plans: dict = {}
-        self.runs: dict[int, _Run] = {}
-        # compiled linear runners (dequantized weights, OpenCL buffers) live across runs; counters too,
-        # and each run reports its own difference
-        self.runners: dict = {}
-        self.counters: dict = {}
+        self.runs: dict[tuple, _Run] = {}
         self.sessions: dict[str, KVSession] = {}  # decode sessions: KV caches kept across runs
-        self.served = 0
-        self.errors = 0
-        if lanes is not None and (not lanes or set(lanes) - set(LANES)):
-            raise ValueError(f"lanes must be some of {', '.join(LANES)}, got {', '.join(lanes) or 'none'}")
-        if lanes is not None and "gpu" in lanes and not opencl_devices():
-            raise ValueError("the gpu lane needs an OpenCL device and none was found (Debian: pocl-opencl-icd)")
-        self.lanes = [l for l in LANES if (l in lanes if lanes is not None else (l != "gpu" or opencl_devices()))]
+        self.served = 0   # final replies sent with ok true
+        self.errors = 0   # final replies sent with ok false
+        # compiled linear runners (dequantized weights, OpenCL buffers) live across runs, shared under a lock
+        self.runners = RunnerCache()
         self._stop = False
         self.parent_pid = parent_pid
         self._parent_is_ppid = parent_pid is not None and os.getppid() == parent_pid
-
-    def _on_read(self, ev):
-        self.flash_events.append(ev)
 
     # ---- the loop -------------------------------------------------------------------------------
     def serve_forever(self) -> None:
@@ -140,27 +181,44 @@ class Agent:
         poller.register(self.outbox.wake_r, zmq.POLLIN)  # replies from worker threads wake the loop at once
         last_hb = time.monotonic()
         while not self._stop:
-            ready = dict(poller.poll(int(HEARTBEAT_S * 1000 / 5)))
-            if ready.get(self.sock):
-                self._handle(self.sock.recv_multipart(copy=False))
-            if ready.get(self.outbox.wake_r):
-                self.outbox.clear_wake()
-            self._flush_outbox()
+            poller.poll(int(HEARTBEAT_S * 1000 / 5))
+            self._serve_outbox()  # finished runs leave the registry before the next requests are read
+            for _ in range(RECV_BATCH):
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+                if self._stop:
+                    break
+            self._serve_outbox()
             now = time.monotonic()
             if now - last_hb >= HEARTBEAT_S:
                 last_hb = now
                 if self._host_gone():
                     print(f"edgeprobe-agent: the host process {self.parent_pid} is gone; stopping", file=sys.stderr, flush=True)
-                    for r in list(self.runs.values()):
-                        r.cancel.set()
                     break
-                for r in list(self.runs.values()):
-                    self._send(r.ident, {"id": r.rid, "final": False, "event": "heartbeat", "clock_us": now_us()})
+                for r in self.runs.values():
+                    self._send(r.ident, pack({"id": r.rid, "final": False, "event": "heartbeat", "clock_us": now_us()}))
                     if now - r.last_seen > HEARTBEAT_TIMEOUT_S:
                         r.cancel.set()  # the client went silent: stop its work
-        self._flush_outbox()
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Cancel the runs in flight and let each send its final reply (cancelled), finish queued uploads
+        (their replies too), then close the socket, giving the last replies a moment to leave."""
+        for r in self.runs.values():
+            r.cancel.set()
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self.runs and time.monotonic() < deadline:
+            zmq.select([self.outbox.wake_r], [], [], 0.05)
+            self._serve_outbox()
         self.store.close()
-        self.sock.close(0)
+        self._serve_outbox()
+        for sess in self.sessions.values():
+            sess.close()
+        self.sock.close(linger=1000)
+        self.ctx.term()
 
     def _host_gone(self) -> bool:
         """Has the process named by --parent-pid exited? A dead direct parent re-parents us (it may linger as a
@@ -177,57 +235,96 @@ class Agent:
             pass
         return False
 
-    def _send(self, ident: bytes, header: dict, arrays=()) -> None:
-        self.sock.send_multipart([ident] + pack(header, arrays), copy=False)
+    def _send(self, ident: bytes, frames: list) -> None:
+        try:
+            self.sock.send_multipart([ident] + frames, copy=False)
+        except zmq.ZMQError as e:  # the loop must survive a send it cannot make
+            print(f"edgeprobe-agent: a reply could not be sent ({e})", file=sys.stderr, flush=True)
 
-    def _flush_outbox(self) -> None:
+    def _final(self, ident: bytes, header: dict, arrays=()) -> None:
+        """Send a request's one final reply and count it. A reply that cannot be packed becomes an internal
+        error under the same id, so the request is still answered."""
+        try:
+            frames = pack(header, arrays)
+        except Exception as e:
+            header = error_reply(header.get("id"), "internal", f"the reply could not be packed ({type(e).__name__}: {e})")
+            frames = pack(header)
+        if header.get("ok"):
+            self.served += 1
+        else:
+            self.errors += 1
+        self._send(ident, frames)
+
+    def _serve_outbox(self) -> None:
+        self.outbox.clear_wake()  # before draining: an item put after the drain wakes the next poll
         while True:
             try:
-                ident, header, arrays = self.outbox.get_nowait()
+                item = self.outbox.get_nowait()
             except queue.Empty:
                 return
-            self._send(ident, header, arrays)
+            kind = item[0]
+            if kind == "send":       # a non-final message (progress)
+                self._send(item[1], item[2])
+            elif kind == "final":    # a deferred final reply (put_blob's last chunk)
+                self._final(item[1], item[2], item[3])
+            elif kind == "done":     # work done off the loop: the loop commits it to its registries, then replies
+                ident, rid, result, commit = item[1:]
+                try:
+                    if isinstance(result, BaseException):
+                        raise result
+                    header = {"id": rid, "final": True, "ok": True, **commit(result)}
+                except AgentError as e:
+                    header = error_reply(rid, e.code, str(e))
+                except BaseException as e:
+                    header = error_reply(rid, "internal", f"{type(e).__name__}: {e}")
+                self._final(ident, header)
+            else:                    # "run_done": settle the registry and the session, then reply
+                run, header, arrays = item[1:]
+                self.runs.pop((run.ident, run.rid), None)
+                if header.get("ok") and run.session is not None:
+                    run.session.length += run.advance  # only a whole, successful run moves the cache on
+                self._final(run.ident, header, arrays)
 
     def _handle(self, frames) -> None:
         ident = bytes(frames[0])
-        rid = -1
+        rid = NO_ID
         try:
-            header, arrays = unpack([f.buffer for f in frames[1:]])
-            rid = header.get("id", -1)
-            rid, op = check_request(header)
+            if len(frames) < 2:
+                raise ProtocolError("empty", "empty message")
+            header = unpack_header(frames[1])
+            rid = request_id(header)  # from here on every reply, error or not, carries the request's id
+            arrays = unpack_frames(header, [f.buffer for f in frames[2:]])
+            _, op = check_request(header)
+            now = time.monotonic()
             for r in self.runs.values():
                 if r.ident == ident:
-                    r.last_seen = time.monotonic()
+                    r.last_seen = now
             reply = getattr(self, f"do_{op}")(ident, rid, header, arrays)
-            self.served += 1
             if reply is not None:
                 hdr, out = reply if isinstance(reply, tuple) else (reply, ())
-                self._send(ident, {"id": rid, "final": True, "ok": True, **hdr}, out)
-        except (ProtocolError, StoreError, PlanError, OpError) as e:
-            self.errors += 1
-            self._send(ident, error_reply(rid, e.code, str(e)))
+                self._final(ident, {"id": rid, "final": True, "ok": True, **hdr}, out)
+        except AgentError as e:
+            self._final(ident, error_reply(rid, e.code, str(e)))
         except Exception as e:  # the agent survives anything a message can provoke
-            self.errors += 1
-            self._send(ident, error_reply(rid, "internal", f"{type(e).__name__}: {e}"))
+            self._final(ident, error_reply(rid, "internal", f"{type(e).__name__}: {e}"))
 
     # ---- requests ---------------------------------------------------------------------------------
     def do_hello(self, ident, rid, h, arrays):
-        import numba
-
         cl = opencl_devices()
         return {"agent_version": __version__, "protocol": PROTOCOL_VERSION, "lanes": self.lanes,
                 "emulated_lanes": list(EMULATED_LANES), "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
                 "cpu": platform.processor() or platform.machine(),
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
                 "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),
-                "numpy": np.__version__, "numba": numba.__version__, "store": self.store.stats()}
+                "numpy": np.__version__, "numba": numba_version(), "store": self.store.stats()}
 
     def do_heartbeat(self, ident, rid, h, arrays):
         return {"clock_us": now_us()}
 
     def do_stats(self, ident, rid, h, arrays):
+        """served / errors count the final replies sent before this one."""
         return {"store": self.store.stats(), "served": self.served, "errors": self.errors, "models": len(self.models),
-                "plans": len(self.plans), "runs_in_flight": len(self.runs)}
+                "plans": len(self.plans), "runs_in_flight": len(self.runs), "sessions": len(self.sessions)}
 
     def do_bye(self, ident, rid, h, arrays):
         if h.get("shutdown"):
@@ -253,26 +350,27 @@ class Agent:
         need = {"sha": str, "dtype": str, "shape": list, "nbytes": int, "chunk": int, "n_chunks": int,
                 "chunk_bytes": int, "chunk_crc32": int}
         for k, t in need.items():
-            if not isinstance(h.get(k), t):
+            if not isinstance(h.get(k), t) or isinstance(h.get(k), bool):
                 raise ProtocolError("bad_request", f"put_blob needs {k!r} ({t.__name__})")
         if len(arrays) != 1 or arrays[0].dtype != np.uint8:
             raise ProtocolError("bad_request", "put_blob carries exactly one uint8 frame: the chunk's bytes")
         if h["chunk_bytes"] <= 0:
             raise ProtocolError("bad_request", "chunk_bytes must be positive")
-        try:
-            np.dtype(h["dtype"])
-        except TypeError:
-            raise ProtocolError("bad_request", f"unknown dtype {h['dtype'][:20]!r}") from None
+        if h["dtype"] not in ALLOWED_DTYPES:
+            raise ProtocolError("bad_request", f"blob dtype {h['dtype'][:20]!r} is not one of {sorted(ALLOWED_DTYPES)}")
+        if not is_shape(h["shape"]):
+            raise ProtocolError("bad_request", "put_blob's 'shape' must be a list of non-negative ints")
         chunk = h["chunk"]
 
-        def done(result):  # called here, or from the store's worker once the last chunk's blob is finished
+        def done(result):  # called here, or from the store's hash thread once the last chunk's blob is finished
             if isinstance(result, StoreError):
-                self.outbox.put((ident, error_reply(rid, result.code, str(result)), ()))
+                self.outbox.put(("final", ident, error_reply(rid, result.code, str(result)), ()))
             else:
-                self.outbox.put((ident, {"id": rid, "final": True, "ok": True, "chunk": chunk, "complete": bool(result)}, ()))
+                self.outbox.put(("final", ident, {"id": rid, "final": True, "ok": True, "chunk": chunk,
+                                                  "complete": bool(result)}, ()))
         self.store.put_chunk(h["sha"], h["dtype"], h["shape"], h["nbytes"], chunk, h["n_chunks"], h["chunk_bytes"],
                              h["chunk_crc32"], arrays[0], on_done=done)
-        return None
+        return None  # the reply goes through the outbox, from whichever thread finished the chunk
 
     def do_load_model(self, ident, rid, h, arrays):
         m = h.get("manifest")
@@ -285,11 +383,11 @@ class Agent:
         model_id = hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()[:16]
         self.models[model_id] = m
         return {"model_id": model_id, "blobs": len(m["blobs"]),
-                "bytes": int(sum(b.get("nbytes", 0) for b in m["blobs"].values()))}
+                "bytes": int(sum(b.get("nbytes", 0) for b in m["blobs"].values() if isinstance(b, dict)))}
 
     def do_open_session(self, ident, rid, h, arrays):
         """A KV cache for `batch` sequences of up to `capacity` positions of the loaded `model_id`."""
-        m = self.models.get(h.get("model_id"))
+        m = self.models.get(h.get("model_id")) if isinstance(h.get("model_id"), str) else None
         if m is None:
             raise ProtocolError("unknown_model", f"no model {str(h.get('model_id'))[:20]!r}; load_model first")
         sid, batch, cap = h.get("session"), h.get("batch"), h.get("capacity")
@@ -297,9 +395,15 @@ class Agent:
             raise ProtocolError("bad_request", "open_session needs 'session', a name of 1-64 characters")
         if not isinstance(batch, int) or batch < 1 or not isinstance(cap, int) or cap < 1:
             raise ProtocolError("bad_request", "open_session needs 'batch' and 'capacity', positive integers")
-        c = m["config"]
+        c = m.get("config")
+        keys = ("n_layers", "n_kv_heads", "head_dim", "context_length")
+        if not isinstance(c, dict) or not all(isinstance(c.get(k), int) and c[k] > 0 for k in keys):
+            raise ProtocolError("bad_request", f"the model's manifest has no config with positive {', '.join(keys)}")
         if cap > c["context_length"]:
             raise ProtocolError("bad_request", f"capacity {cap} exceeds the model's context length {c['context_length']}")
+        old = self.sessions.get(sid)
+        if old is not None and self._busy(old):
+            raise ProtocolError("busy", f"session {sid!r} has a run in flight; it cannot be replaced now")
         need = KVSession.nbytes_for(c["n_layers"], c["n_kv_heads"], c["head_dim"], batch, cap)
         budget = self.store.memory_budget
         if budget is not None:
@@ -314,6 +418,8 @@ class Agent:
                                                      f"{need / 1e6:.1f} MB; the budget of {budget / 1e6:.1f} MB leaves "
                                                      f"{max(budget - resident - others, 0) / 1e6:.1f} MB beside the resident "
                                                      "weights and other sessions; lower the batch or raise --memory-budget")
+        if old is not None:
+            old.close()  # its I/O thread
         self.sessions[sid] = KVSession(c["n_layers"], c["n_kv_heads"], c["head_dim"], batch, cap)
         return {"session": sid, "kv_bytes": need}
 
@@ -324,36 +430,56 @@ class Agent:
 
     def do_close_session(self, ident, rid, h, arrays):
         sess = self._session(h.get("session"))
-        buf = sess.extras.get("experts", {}).get("buffer")
-        if buf is not None:
-            buf.close()  # its I/O thread
+        sess.close()
         del self.sessions[h["session"]]
         return {}
+
+    def _busy(self, sess: KVSession) -> bool:
+        return any(r.session is sess for r in self.runs.values())
 
     def _session(self, sid) -> KVSession:
         sess = self.sessions.get(sid) if isinstance(sid, str) else None
         if sess is None:
             raise ProtocolError("unknown_session", f"no session {str(sid)[:20]!r}; open_session first")
-        if any(r.session is sess for r in self.runs.values()):
+        if self._busy(sess):
             raise ProtocolError("busy", "the session has a run in flight")
         return sess
 
+    def _off_loop(self, ident, rid, name: str, work, commit) -> None:
+        """Run work() on a thread (long, CPU-bound) so the loop keeps answering; its result or exception comes
+        back through the outbox, where the loop applies commit(result) -> reply fields and sends the reply."""
+        def worker():
+            try:
+                result = work()
+            except BaseException as e:  # delivered to the loop, which replies with it
+                result = e
+            self.outbox.put(("done", ident, rid, result, commit))
+        threading.Thread(target=worker, daemon=True, name=f"{name}-{rid}").start()
+
     def do_put_plan(self, ident, rid, h, arrays):
-        plan = validate(h.get("plan"), self.store.has, self.lanes)
-        plan_id = hashlib.sha256(json.dumps(h.get("plan"), sort_keys=True, default=str).encode()).hexdigest()[:16]
-        self.plans[plan_id] = plan
-        return {"plan_id": plan_id, "ops": len(plan.order), "lanes": {k: len(v) for k, v in plan.lane_order.items()}}
+        raw = h.get("plan")
+
+        def work():  # reads only the message, the store and the lanes: nothing the loop changes
+            plan = validate(raw, self.store.has, self.lanes)
+            return hashlib.sha256(json.dumps(raw, sort_keys=True, default=str).encode()).hexdigest()[:16], plan
+
+        def commit(result):
+            plan_id, plan = result
+            self.plans[plan_id] = plan
+            return {"plan_id": plan_id, "ops": len(plan.order), "lanes": {k: len(v) for k, v in plan.lane_order.items()}}
+        self._off_loop(ident, rid, "plan", work, commit)
+        return None  # validated off the loop; the loop files it and replies
 
     def do_cancel(self, ident, rid, h, arrays):
         target = h.get("target")
-        r = self.runs.get((ident, target))
+        r = self.runs.get((ident, target)) if isinstance(target, int) else None
         if r is None:
-            raise ProtocolError("unknown_target", f"no run with id {target!r} in flight for this client")
+            raise ProtocolError("unknown_target", f"no run with id {str(target)[:20]!r} in flight for this client")
         r.cancel.set()
         return {"cancelled": target}
 
     def do_run(self, ident, rid, h, arrays):
-        plan = self.plans.get(h.get("plan_id"))
+        plan = self.plans.get(h.get("plan_id")) if isinstance(h.get("plan_id"), str) else None
         if plan is None:
             raise ProtocolError("unknown_plan", f"no plan {str(h.get('plan_id'))[:20]!r}; send it with put_plan first")
         names = h.get("inputs", [])
@@ -365,49 +491,60 @@ class Agent:
         if h.get("session") is not None:
             sess = self._session(h.get("session"))
             advance = h.get("advance")
-            if not isinstance(advance, int) or advance < 1:
+            if not isinstance(advance, int) or isinstance(advance, bool) or advance < 1:
                 raise ProtocolError("bad_request", "a run in a session needs 'advance', the positions it adds (>= 1)")
             if h.get("phase") == "decode" and sess.length == 0:
                 raise ProtocolError("no_prefill", "decode step on an empty session: prefill the prompt first")
             if sess.length + advance > sess.capacity:
                 raise ProtocolError("context_full", f"{sess.length + advance} positions exceed the session's capacity "
                                                     f"{sess.capacity}")
-        run = self.runs[(ident, rid)] = _Run(rid, ident)
-        run.session, run.advance = sess, advance
+        run = _Run(rid, ident, session=sess, advance=advance)
         inputs = {n: np.array(a) for n, a in zip(names, arrays)}  # own the bytes: frames are recycled
-        threading.Thread(target=self._run_worker, args=(run, plan, inputs), daemon=True, name=f"run-{rid}").start()
-        return None  # the worker sends the final reply
+        self.runs[(ident, rid)] = run
+        try:
+            threading.Thread(target=self._run_worker, args=(run, plan, inputs), daemon=True, name=f"run-{rid}").start()
+        except BaseException:
+            del self.runs[(ident, rid)]  # no worker: the error reply below is this request's one reply
+            raise
+        return None  # the worker hands its final reply to the loop
 
     def _run_worker(self, run: _Run, plan, inputs) -> None:
+        """Runs on its own thread; hands the loop exactly one ("run_done", ...) item, whatever happens."""
+        header, arrays = error_reply(run.rid, "internal", "the run ended without a result"), ()
         total = len(plan.order)
         state = {"done": 0, "last": 0.0}
-        self.flash_events.clear()
+        lock = threading.Lock()  # on_op runs on every lane thread
 
         def on_op(ev):
-            state["done"] += 1
-            t = time.monotonic()
-            if t - state["last"] > 0.2 or state["done"] == total:
+            with lock:
+                state["done"] += 1
+                t = time.monotonic()
+                if not (t - state["last"] > 0.2 or state["done"] == total):
+                    return
                 state["last"] = t
-                self.outbox.put((run.ident, {"id": run.rid, "final": False, "event": "progress",
-                                             "done": state["done"], "total": total}, ()))
+                msg = {"id": run.rid, "final": False, "event": "progress", "done": state["done"], "total": total}
+            self.outbox.put(("send", run.ident, pack(msg)))
         try:
-            ctx = Context(get=self.store.get, counters=self.counters, runners=self.runners, session=run.session,
-                          read_rows=self.store.read_rows, read_blob=self.store.read_cold,
+            flash = _FlashLog()
+            ctx = Context(get=partial(self.store.get, on_read=flash.add), counters={}, runners=self.runners,
+                          session=run.session, read_rows=partial(self.store.read_rows, on_read=flash.add),
+                          read_blob=partial(self.store.read_cold, on_read=flash.add),
                           backends={"npu": self.npu_backend})
-            before = dict(self.counters)
             t0 = now_us()
-            outs, events = execute(plan, inputs, ctx, run.cancel, on_op)
+            try:
+                outs, events = execute(plan, inputs, ctx, run.cancel, on_op)
+            finally:
+                if run.session is not None:
+                    run.session.settle()  # reads this run started (expert preloads) end before its reply
             t1 = now_us()
-            if run.session is not None:
-                run.session.length += run.advance  # only a whole, successful run moves the cache on
-            hdr = {"id": run.rid, "final": True, "ok": True, "outputs": list(outs), "events": events + list(self.flash_events),
-                   "counters": {k: int(v - before.get(k, 0)) for k, v in self.counters.items()}, "start_us": t0, "end_us": t1}
-            self.outbox.put((run.ident, hdr, [np.ascontiguousarray(a) for a in outs.values()]))
+            header = {"id": run.rid, "final": True, "ok": True, "outputs": list(outs), "events": events + flash.events(),
+                      "counters": {k: int(v) for k, v in ctx.counters.items()}, "start_us": t0, "end_us": t1}
+            arrays = [np.ascontiguousarray(a) for a in outs.values()]
         except Cancelled:
-            self.outbox.put((run.ident, error_reply(run.rid, "cancelled", "the run was cancelled"), ()))
-        except (OpError, PlanError, StoreError) as e:
-            self.outbox.put((run.ident, error_reply(run.rid, e.code, str(e)), ()))
-        except Exception as e:
-            self.outbox.put((run.ident, error_reply(run.rid, "internal", f"{type(e).__name__}: {e}"), ()))
+            header = error_reply(run.rid, "cancelled", "the run was cancelled")
+        except AgentError as e:
+            header = error_reply(run.rid, e.code, str(e))
+        except BaseException as e:  # a worker must end with a reply, whatever broke
+            header = error_reply(run.rid, "internal", f"{type(e).__name__}: {e}")
         finally:
-            self.runs.pop((run.ident, run.rid), None)
+            self.outbox.put(("run_done", run, header, arrays))

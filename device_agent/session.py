@@ -55,6 +55,18 @@ class KVSession:
         self.v[layer][:, :, start:start + T] = v.transpose(0, 2, 1, 3)
         return self.k[layer][:, :, :start + T], self.v[layer][:, :, :start + T]
 
+    def settle(self) -> None:
+        """Wait for I/O the session's runs started (expert preloads), so a run's reply reports all its reads."""
+        buf = self.extras.get("experts", {}).get("buffer")
+        if buf is not None:
+            buf.settle()
+
+    def close(self) -> None:
+        """Stop the session's I/O thread (expert buffer), if it has one."""
+        buf = self.extras.get("experts", {}).get("buffer")
+        if buf is not None:
+            buf.close()
+
     def reorder(self, indices) -> None:
         """New batch row j = old row indices[j] (any length: fork, prune, duplicate)."""
         idx = np.asarray(indices)

@@ -8,14 +8,17 @@ Layout under the store root:
 Writes go to a temporary file and are renamed into place, so a crash never leaves a half blob under
 its real name; a finished upload is re-hashed before it is renamed. Reads keep arrays resident in
 memory up to `memory_budget` bytes, evicting the least recently used; every read from flash is
-reported to `on_read(event)` with its bytes and time (EdgeMoE experts and cold shadow rows use this).
+reported with its bytes and time to the `on_read` the read was called with (the agent passes each run's
+own), else to the store's `on_read` (EdgeMoE experts and cold shadow rows use this).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import queue
+import sys
 import threading
 import zlib
 import time
@@ -24,13 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
+from .protocol import AgentError
+
 _HEX = set("0123456789abcdef")
 
 
-class StoreError(ValueError):
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
+class StoreError(AgentError):
+    """A blob the store cannot take or give."""
 
 
 def check_sha(sha) -> str:
@@ -115,22 +118,25 @@ class FlashStore:
                     # the chunk list is a hint (no fsync): after a crash the whole-blob hash catches any
                     # chunk it lists but the disk lost, and the upload starts over
                     _atomic_write(self.part_dir / f"{sha}.json", json.dumps(meta).encode(), sync=False)
-                except OSError as e:
-                    self._write_errors[sha] = str(e)
+                except Exception as e:  # the upload fails at its last chunk; this thread must live on
+                    self._write_errors[sha] = f"{type(e).__name__}: {e}"
             self._hash_q.put((sha, index, data, done))
 
     def _hash_worker(self) -> None:
         while True:
             sha, index, data, done = self._hash_q.get()
-            st = self._hashers.setdefault(sha, {"next": 0, "h": hashlib.sha256(), "ok": True})
             if data is not None:
+                st = self._hashers.setdefault(sha, {"next": 0, "h": hashlib.sha256(), "ok": True})
                 if st["ok"] and index == st["next"]:
                     st["h"].update(data)
                     st["next"] += 1
                 else:
                     st["ok"] = False  # out of order (a resumed upload): hash the file at the end
             if done is not None:
-                done()
+                try:
+                    done()  # _finalize reports its own failures to on_done; a drain marker only sets an event
+                except Exception as e:  # a failing callback must not stop every later upload
+                    print(f"edgeprobe-agent: upload callback failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
 
     def _drain(self, sha: str) -> None:
         """Wait until every queued chunk of `sha` is written and hashed."""
@@ -170,6 +176,8 @@ class FlashStore:
             result = e
         except OSError as e:
             result = StoreError("write_failed", f"finishing blob {sha[:12]} failed ({e}); upload it again")
+        except Exception as e:  # the upload still gets its one reply, and this thread lives on
+            result = StoreError("internal", f"finishing blob {sha[:12]} failed ({type(e).__name__}: {e})")
         finally:  # no lock here: put_chunk may hold it while it drains this thread
             self._metas.pop(sha, None)
             self._received.pop(sha, None)
@@ -195,7 +203,7 @@ class FlashStore:
         data = memoryview(data).cast("B")
         if zlib.crc32(data) != chunk_crc32:
             raise StoreError("chunk_checksum", f"chunk {index} of {sha[:12]} does not match its CRC-32; send it again")
-        if np.dtype(dtype).itemsize * int(np.prod(shape, dtype=np.int64)) != nbytes:
+        if np.dtype(dtype).itemsize * math.prod(shape) != nbytes:  # Python ints: no shape overflows into a match
             raise StoreError("bad_blob", f"blob {sha[:12]}: dtype {dtype} and shape {shape} do not make {nbytes} bytes")
         if not (isinstance(n_chunks, int) and n_chunks == max(1, -(-nbytes // chunk_bytes)) and 0 <= index < n_chunks):
             raise StoreError("bad_chunk", f"chunk {index} of {n_chunks} does not fit a {nbytes}-byte blob in "
@@ -229,8 +237,8 @@ class FlashStore:
             on_done(False)
 
     # ---- reads --------------------------------------------------------------------------------
-    def get(self, sha: str) -> np.ndarray:
-        """The blob as a read-only array; from memory if resident, else read from flash (an event)."""
+    def get(self, sha: str, on_read=None) -> np.ndarray:
+        """The blob as a read-only array; from memory if resident, else read from flash (an event to on_read)."""
         with self._lock:
             a = self._resident.get(sha)
             if a is not None:
@@ -253,12 +261,13 @@ class FlashStore:
                 while self.memory_budget is not None and self._resident_bytes > self.memory_budget:
                     _, old = self._resident.popitem(last=False)
                     self._resident_bytes -= old.nbytes
-        if self.on_read:
-            self.on_read({"name": f"read {sha[:8]}", "kind": "flash_read", "lane": "io", "start_us": t0, "end_us": t1,
-                          "bytes_in": a.nbytes, "bytes_out": 0, "flops": 0, "emulated": False, "blob": sha})
+        report = on_read or self.on_read
+        if report:
+            report({"name": f"read {sha[:8]}", "kind": "flash_read", "lane": "io", "start_us": t0, "end_us": t1,
+                    "bytes_in": a.nbytes, "bytes_out": 0, "flops": 0, "emulated": False, "blob": sha})
         return a
 
-    def read_rows(self, sha: str, rows, cold: bool = True, lane: str = "io") -> np.ndarray:
+    def read_rows(self, sha: str, rows, cold: bool = True, lane: str = "io", on_read=None) -> np.ndarray:
         """Rows `rows` (int array, first axis) of a blob read straight from its file — one pread per run of
         consecutive rows, never kept resident. cold: afterwards drop those pages from the OS page cache
         (posix_fadvise DONTNEED), so reading them again goes to the device, as on a phone whose DRAM cannot
@@ -293,20 +302,21 @@ class FlashStore:
         with self._lock:
             self.reads += 1
             self.read_bytes += len(rows) * row_bytes
-        if self.on_read:
-            self.on_read({"name": f"read {sha[:8]} rows", "kind": "flash_read", "lane": lane, "start_us": t0,
-                          "end_us": t1, "bytes_in": len(rows) * row_bytes, "bytes_out": 0, "flops": 0,
-                          "emulated": False, "blob": sha, "runs": len(breaks) + 1})
+        report = on_read or self.on_read
+        if report:
+            report({"name": f"read {sha[:8]} rows", "kind": "flash_read", "lane": lane, "start_us": t0,
+                    "end_us": t1, "bytes_in": len(rows) * row_bytes, "bytes_out": 0, "flops": 0,
+                    "emulated": False, "blob": sha, "runs": len(breaks) + 1})
         return out
 
-    def read_cold(self, sha: str, lane: str = "io") -> np.ndarray:
+    def read_cold(self, sha: str, lane: str = "io", on_read=None) -> np.ndarray:
         """A whole blob read from flash without keeping it resident, pages dropped after (see read_rows)."""
         if not self.has(sha):
             raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
         shape = self._meta_of(sha)["shape"]
         if not shape:
-            return self.get(sha)
-        return self.read_rows(sha, np.arange(shape[0]), lane=lane)
+            return self.get(sha, on_read)
+        return self.read_rows(sha, np.arange(shape[0]), lane=lane, on_read=on_read)
 
     def _meta_of(self, sha: str) -> dict:
         m = self._sidecars.get(sha)

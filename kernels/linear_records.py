@@ -4,7 +4,8 @@ A record is the JSON a scheme's builder (`edgeprobe.quant.schemes`) writes into 
 manifest; its blobs are raw arrays named by sha256. The host simulation and the device agent run the
 same functions from here, so they compute the same thing. Each `run_<kind>(rec, get, counters)`
 takes `get(sha) -> array` and a counters dict (events such as outliers and cold rows read), and
-returns linear(x: float32[M, K]) -> float32[M, N].
+returns linear(x: float32[M, K], counters=<that dict>) -> float32[M, N]. A caller that keeps one runner
+across many runs (the agent) passes each call's own counters, so every run counts only its own events.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def x_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 def run_float(rec, get, counters):
     w = get(rec["w"])
-    return lambda x: x_wt(x, w)
+    return lambda x, counters=counters: x_wt(x, w)
 
 
 def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
@@ -46,7 +47,8 @@ def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
     if cols is not None:
         wt = np.ascontiguousarray(wt[:, cols[0]:cols[1]])
     wf = wt.astype(np.float32) if keep_f32 else None
-    return lambda x: gemm_s8s32(quantize_per_tensor(x, sa), wt, wf).astype(np.float32) * np.float32(sa * sw)
+    scale = np.float32(sa * sw)
+    return lambda x, counters=counters: gemm_s8s32(quantize_per_tensor(x, sa), wt, wf).astype(np.float32) * scale
 
 
 def run_shadow(rec, get, counters):
@@ -54,19 +56,19 @@ def run_shadow(rec, get, counters):
     base, delta = run_w8a8(rec, get, counters), shadow_delta(rec, get, counters)
     if not rec["shadow"]:
         return base  # pruned layer: outliers are clipped, no CPU work
-    return lambda x: base(x) + delta(x)
+    return lambda x, counters=counters: base(x) + delta(x, counters)
 
 
 def run_smoothquant(rec, get, counters):
     inner = run_w8a8(rec, get, counters)
     s = get(rec["smooth"])
-    return lambda x: inner(x / s)
+    return lambda x, counters=counters: inner(x / s, counters)
 
 
 def run_llm_int8(rec, get, counters):
     wt, sw, thr = get(rec["wt"]), get(rec["scale_w_rows"]), rec["threshold"]
 
-    def linear(x):
+    def linear(x, counters=counters):
         cols = np.nonzero((np.abs(x) > thr).any(axis=0))[0]
         xi = x.copy()
         xi[:, cols] = 0.0
@@ -92,19 +94,19 @@ def q4_0_dequant(blocks: np.ndarray, N: int, Kp: int) -> np.ndarray:
 def run_q4_0(rec, get, counters):
     N, K = rec["shape"]
     w = q4_0_dequant(get(rec["blocks"]), N, rec["padded_k"])[:, :K].astype(np.float32)
-    return lambda x: x_wt(x.astype(np.float16).astype(np.float32), w)  # A16: FP16 activations
+    return lambda x, counters=counters: x_wt(x.astype(np.float16).astype(np.float32), w)  # A16: FP16 activations
 
 
 def run_q4_0_tile(rec, get, counters):
     N, K = rec["shape"]
     w = dequantize_tiles(get(rec["blocks"]), N, K).astype(np.float32)
-    return lambda x: x_wt(x.astype(np.float16).astype(np.float32), w)
+    return lambda x, counters=counters: x_wt(x.astype(np.float16).astype(np.float32), w)
 
 
 def run_moe_mixed(rec, get, counters):
     N, K = rec["shape"]
     w = dequantize_channels(get(rec["codes"]), get(rec["scales"]), rec["bits"], K)
-    return lambda x: x_wt(x, w)
+    return lambda x, counters=counters: x_wt(x, w)
 
 
 def shadow_delta(rec, get, counters):
@@ -112,11 +114,11 @@ def shadow_delta(rec, get, counters):
     can run on another lane than the int8 GEMM (zeros for a pruned layer)."""
     N = rec["shape"][0]
     if not rec["shadow"]:
-        return lambda x: np.zeros((x.shape[0], N), np.float32)
+        return lambda x, counters=counters: np.zeros((x.shape[0], N), np.float32)
     clip, slot = rec["clip"], get(rec["slot"])
     hot, cold = get(rec["hot"]), get(rec["cold"])
 
-    def delta(x):
+    def delta(x, counters=counters):
         y = np.zeros((x.shape[0], N), np.float32)
         rows, cols, vals = extract_outliers(x, clip)
         if len(rows):

@@ -14,10 +14,13 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x * (1.0 / np.sqrt(ms + eps))[:, None].astype(np.float32) * w
 
 
-def rope_tables(head_dim: int, theta: float, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: float32[length, head_dim/2] for positions start..start+length-1 (RoFormer eq. 34)."""
+def rope_tables(head_dim: int, theta: float, start: int, length: int, factors=None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: float32[length, head_dim/2] for positions start..start+length-1 (RoFormer eq. 34).
+    factors: float[head_dim/2] dividing each frequency (Llama 3's RoPE scaling, llama.cpp's rope_freqs)."""
     d = head_dim
     inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if factors is not None and len(factors):
+        inv_freq = inv_freq / np.asarray(factors, np.float64)
     ang = np.arange(start, start + length, dtype=np.float64)[:, None] * inv_freq[None, :]
     return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
@@ -34,11 +37,12 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out.reshape(B, T, H, d)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
-    """Causal grouped-query attention.
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0) -> np.ndarray:
+    """Causal grouped-query attention, optionally over a sliding window (Gemma 3's local layers).
 
     q: float32[B, T, n_heads, d] at positions start..start+T-1; k, v: float32[B, n_kv, S, d] with
-    S = start + T. Query head h reads KV head h // (n_heads / n_kv). Returns float32[B*T, n_heads*d].
+    S = start + T. Query head h reads KV head h // (n_heads / n_kv). window > 0: the query at position i
+    sees keys i - window + 1..i only. Returns float32[B*T, n_heads*d].
     """
     B, T, H, d = q.shape
     KV, S = k.shape[1], k.shape[2]
@@ -46,9 +50,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     # The G query heads of a KV head share its keys: one GEMM of M = G*T rows per KV head.
     qg = q.transpose(0, 2, 1, 3).reshape(B, KV, G * T, d) * np.float32(1.0 / np.sqrt(d))
     scores = np.matmul(qg, k.swapaxes(-1, -2))  # [B, KV, G*T, S]
-    if T > 1:
-        mask = np.where(np.arange(S)[None, :] > (start + np.arange(T))[:, None], -np.inf, 0.0).astype(np.float32)
-        scores.reshape(B, KV, G, T, S)[...] += mask
+    if T > 1 or (window and S > window):
+        pos, keys = (start + np.arange(T))[:, None], np.arange(S)[None, :]
+        hidden = (keys > pos) | ((keys <= pos - window) if window else False)
+        scores.reshape(B, KV, G, T, S)[...] += np.where(hidden, -np.inf, 0.0).astype(np.float32)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
@@ -59,6 +64,31 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
 def swiglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """silu(g) * u: the input of an FFN's down projection (Shazeer 2020)."""
     return g / (1.0 + np.exp(-g)) * u
+
+
+def geglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """gelu_tanh(g) * u: GeGLU (Shazeer 2020) with GELU's tanh approximation, as Gemma computes it."""
+    c = np.float32(np.sqrt(2.0 / np.pi))
+    return (np.float32(0.5) * g * (np.float32(1.0) + np.tanh(c * (g + np.float32(0.044715) * g * g * g)))) * u
+
+
+def llama3_freq_factors(head_dim: int, theta: float, factor: float, low: float, high: float, original: int):
+    """Llama 3.1's RoPE scaling as per-frequency divisors: long wavelengths slowed by `factor`, short ones kept,
+    a smooth ramp between (wavelengths original/high .. original/low)."""
+    inv = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    wavelen = 2 * np.pi / inv
+    smooth = np.clip((original / wavelen - low) / (high - low), 0.0, 1.0)
+    scaled = (1 - smooth) * inv / factor + smooth * inv
+    return inv / scaled
+
+
+GATED_ACTS = {"silu": swiglu_act, "gelu_tanh": geglu_act}  # the FFN gate activations, by ModelConfig.act_fn
+
+
+def head_rms_norm(x: np.ndarray, w: np.ndarray, eps: float, head_dim: int) -> np.ndarray:
+    """x: float32[N, heads * head_dim], RMSNorm of each head's slice with w float32[head_dim] (q/k norm)."""
+    n = x.shape[0]
+    return rms_norm(x.reshape(-1, head_dim), w, eps).reshape(n, -1)
 
 
 def route(logits: np.ndarray, k: int, norm_topk: bool = True) -> tuple[np.ndarray, np.ndarray]:

@@ -33,14 +33,15 @@ def matmul_of(linear: str) -> str:
 
 # op kind -> what it computes (x: float32[rows, features]); the agent's registry must match these keys
 OP_KINDS = {
-    "embed": "tokens int32[rows], table [vocab, hidden] -> float32[rows, hidden] (attrs start/length: a slice)",
-    "rms_norm": "x, w[hidden] -> x / rms(x) * w",
+    "embed": "tokens int32[rows], table [vocab, hidden] -> float32[rows, hidden] (attrs start/length: a slice; scale)",
+    "rms_norm": "x, w[hidden] -> x / rms(x) * w (attrs head_dim: each head's slice, w[head_dim])",
     "linear": "x -> x @ W^T as a quantized record computes it (attrs rec, part all|int8|shadow, rows/cols/pad_to)",
     "concat": "pieces of one linear's output joined on axis 0 (sequence cut) or 1 (row cut)",
     "rope": "q or k rows -> rotated at their positions (start, or the session's length)",
-    "attention": "q, k.., v.. -> causal softmax attention (over a decode session's cache with attrs session)",
+    "attention": "q, k.., v.. -> causal softmax attention (attrs session: over a decode session's cache; window)",
     "add": "a + b + ...",
     "swiglu": "gate, up -> silu(gate) * up",
+    "geglu": "gate, up -> gelu_tanh(gate) * up (Gemma)",
     "sigmoid_mul": "x, g[rows, 1] -> x * sigmoid(g) (Qwen-MoE's shared-expert gate)",
     "moe_ffn": "x, router -> routed top-k SwiGLU experts mixed by router weights (EdgeMoE streaming in attrs)",
     "ffn_flash": "x, predictor A, B, b -> the FFN from the predicted-active neurons read from flash (LLM in a flash)",

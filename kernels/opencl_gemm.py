@@ -102,7 +102,9 @@ class OpenCLGemm:
         xb = cl.Buffer(self.ctx, cl.mem_flags.READ_ONLY | cl.mem_flags.COPY_HOST_PTR, hostbuf=np.ascontiguousarray(x))
         y = np.empty((M, N), out_dtype)
         yb = cl.Buffer(self.ctx, cl.mem_flags.WRITE_ONLY, y.nbytes)
-        self._k[kernel](self.queue, (N, -(-M // 4)), self.local, xb, wbuf, yb, np.int32(M), np.int32(N), np.int32(K // kdiv))
+        with self._lock:  # setting a kernel's arguments and enqueueing it is one step: runs on two threads share it
+            self._k[kernel](self.queue, (N, -(-M // 4)), self.local, xb, wbuf, yb, np.int32(M), np.int32(N),
+                            np.int32(K // kdiv))
         cl.enqueue_copy(self.queue, y, yb)  # blocking: waits (GIL released) for the kernel
         return y
 
@@ -137,11 +139,14 @@ def _pad(a: np.ndarray, Kp: int) -> np.ndarray:
 
 
 _SHARED: OpenCLGemm | None = None
+_SHARED_LOCK = threading.Lock()
 
 
 def shared() -> OpenCLGemm:
-    """The process's OpenCL runtime (built once; program binaries cached by PoCL across processes)."""
+    """The process's OpenCL runtime (built once, even when two runs' gpu lanes ask at once; program binaries
+    cached by PoCL across processes)."""
     global _SHARED
-    if _SHARED is None:
-        _SHARED = OpenCLGemm()
-    return _SHARED
+    with _SHARED_LOCK:
+        if _SHARED is None:
+            _SHARED = OpenCLGemm()
+        return _SHARED

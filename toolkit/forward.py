@@ -20,7 +20,7 @@ from typing import Callable, Mapping, Union
 
 import numpy as np
 
-from edgeprobe_kernels.llama_ops import apply_rope, attention, rms_norm, route, swiglu_act
+from edgeprobe_kernels.llama_ops import GATED_ACTS, apply_rope, attention, head_rms_norm, rms_norm, route
 from edgeprobe_kernels.llama_ops import rope_tables as _rope_tables
 from edgeprobe_kernels.names import ATTN_LINEARS, FFN_LINEARS
 from edgeprobe_kernels.names import ROUTERS  # noqa: F401  (re-exported: router linears stay float)
@@ -97,9 +97,10 @@ class KVCache:
         return 2 * c.n_layers * self.batch * c.n_kv_heads * self.length * c.head_dim * 4
 
 
-def rope_tables(config: ModelConfig, start: int, length: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: float32[length, head_dim/2] for positions start..start+length-1."""
-    return _rope_tables(config.head_dim, config.rope_theta, start, length)
+def rope_tables(config: ModelConfig, start: int, length: int, layer: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: float32[length, head_dim/2] for positions start..start+length-1 (layer: its own RoPE base)."""
+    return _rope_tables(config.head_dim, config.theta(layer) if layer >= 0 else config.rope_theta, start, length,
+                        config.rope_freq_factors)
 
 
 def float_linear(model: Model) -> LinearFn:
@@ -140,8 +141,9 @@ def linear_names(config: ModelConfig) -> list[str]:
 
 
 def dense_ffn(model: Model, i: int, x: np.ndarray, hooks: Hooks, linear: LinearFn) -> np.ndarray:
-    """SwiGLU FFN (Shazeer 2020): down(silu(gate(x)) * up(x)); x: float32[N, hidden]."""
-    act = swiglu_act(linear(f"blk.{i}.ffn_gate", x), linear(f"blk.{i}.ffn_up", x))
+    """Gated FFN (Shazeer 2020): down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-GELU (GeGLU, Gemma);
+    x: float32[N, hidden]."""
+    act = GATED_ACTS[model.config.act_fn](linear(f"blk.{i}.ffn_gate", x), linear(f"blk.{i}.ffn_up", x))
     act = _hook(hooks, f"blk.{i}.ffn_act", act)
     return linear(f"blk.{i}.ffn_down", act)
 
@@ -168,7 +170,7 @@ def _router_hook(hooks: Hooks, name: str, logits: np.ndarray, k: int, norm: bool
 
 def swiglu(linear: LinearFn, prefix: str, suffix: str, x: np.ndarray) -> np.ndarray:
     """down(silu(gate(x)) * up(x)) through linears named f"{prefix}ffn_gate{suffix}" etc."""
-    act = swiglu_act(linear(f"{prefix}ffn_gate{suffix}", x), linear(f"{prefix}ffn_up{suffix}", x))
+    act = GATED_ACTS["silu"](linear(f"{prefix}ffn_gate{suffix}", x), linear(f"{prefix}ffn_up{suffix}", x))
     return linear(f"{prefix}ffn_down{suffix}", act)
 
 
@@ -247,7 +249,9 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
     linear = linear or float_linear(model)
     W = model.weights
     x = np.asarray(W["token_embd.weight"][toks.reshape(-1)], dtype=np.float32)  # [N, hidden]
-    cos, sin = rope_tables(c, start, T)
+    if c.embed_scale != 1.0:
+        x = x * np.float32(c.embed_scale)  # Gemma: embeddings times sqrt(hidden)
+    tables = {th: _rope_tables(c.head_dim, th, start, T, c.rope_freq_factors) for th in {c.theta(i) for i in range(c.n_layers)}}
     if cache is not None:
         cache.reserve(start + T)
     ffn = FFN_KINDS[ffn_kind(c)]
@@ -255,9 +259,15 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
     for i in range(c.n_layers):
         h = rms_norm(x, W[f"blk.{i}.attn_norm.weight"], c.rms_eps)
         h = _hook(hooks, f"blk.{i}.attn_in", h)
-        q = linear(f"blk.{i}.attn_q", h).reshape(B, T, c.n_heads, d)
-        k = linear(f"blk.{i}.attn_k", h).reshape(B, T, c.n_kv_heads, d)
-        v = linear(f"blk.{i}.attn_v", h).reshape(B, T, c.n_kv_heads, d)
+        q, k, v = linear(f"blk.{i}.attn_q", h), linear(f"blk.{i}.attn_k", h), linear(f"blk.{i}.attn_v", h)
+        if c.attn_bias:  # Qwen2: biases on Q, K and V
+            q, k, v = (y + W[f"blk.{i}.{n}.bias"] for y, n in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
+        if c.qk_norm:  # Gemma 3: each query and key head RMS-normalized before RoPE
+            q = head_rms_norm(q, W[f"blk.{i}.attn_q_norm.weight"], c.rms_eps, d)
+            k = head_rms_norm(k, W[f"blk.{i}.attn_k_norm.weight"], c.rms_eps, d)
+        q, k = q.reshape(B, T, c.n_heads, d), k.reshape(B, T, c.n_kv_heads, d)
+        v = v.reshape(B, T, c.n_kv_heads, d)
+        cos, sin = tables[c.theta(i)]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             cache.k[i][:, :, start:start + T] = k.transpose(0, 2, 1, 3)
@@ -265,12 +275,18 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
             kk, vv = cache.k[i][:, :, :start + T], cache.v[i][:, :, :start + T]
         else:
             kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        a = attention(q, kk, vv, start)
+        a = attention(q, kk, vv, start, c.window(i))
         a = _hook(hooks, f"blk.{i}.attn_out", a)
-        x = x + linear(f"blk.{i}.attn_output", a)
+        o = linear(f"blk.{i}.attn_output", a)
+        if c.post_norms:
+            o = rms_norm(o, W[f"blk.{i}.post_attention_norm.weight"], c.rms_eps)
+        x = x + o
         h = rms_norm(x, W[f"blk.{i}.ffn_norm.weight"], c.rms_eps)
         h = _hook(hooks, f"blk.{i}.ffn_in", h)
-        x = x + ffn(model, i, h, hooks, linear)
+        f = ffn(model, i, h, hooks, linear)
+        if c.post_norms:
+            f = rms_norm(f, W[f"blk.{i}.post_ffw_norm.weight"], c.rms_eps)
+        x = x + f
     if cache is not None:
         cache.length = start + T
     x = rms_norm(x, W["output_norm.weight"], c.rms_eps)

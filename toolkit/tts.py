@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .device import sample
+from .sampling import sample
 
 
 @dataclass

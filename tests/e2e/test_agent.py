@@ -9,15 +9,13 @@ import sys
 import time
 import zlib
 
-import msgpack
 import numpy as np
 import pytest
-import zmq
 
 from edgeprobe.device import AgentLostError, Device, DeviceError
 from edgeprobe.plan import prefill_plan
 from edgeprobe.trace import Trace, cosine
-from edgeprobe_agent.protocol import PROTOCOL_VERSION, pack, unpack
+from edgeprobe_agent.protocol import PROTOCOL_VERSION
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +28,6 @@ def qm(smollm):
     return quantize(smollm, "w8a8-shadow", prof)
 
 
-@pytest.fixture(scope="module")
-def dev(tmp_path_factory):
-    d = Device.local(store=tmp_path_factory.mktemp("store"))
-    yield d
-    d.close()
-
-
 def test_hello_reports_the_device(dev):
     h = dev.info
     assert h["protocol"] == PROTOCOL_VERSION and h["agent_version"]
@@ -45,12 +36,30 @@ def test_hello_reports_the_device(dev):
     assert abs(dev.clock_offset_us) < 1e13
 
 
-def test_prefill_on_the_agent_matches_the_host_and_traces_both_lanes(dev, qm, heldout_ids, tmp_path):
+def test_prefill_on_the_agent_matches_the_host_and_traces_both_lanes(dev, qm, smollm, heldout_ids, independent_linear,
+                                                                    tmp_path):
+    from edgeprobe.forward import forward
+
     toks = heldout_ids[:48]
     res = dev.prefill(qm, toks, progress=False)
     host = qm.forward(toks)[-1]
     assert res.logits.shape == (1, qm.model.config.vocab_size)
-    assert cosine(res.logits[0], host) >= 0.999
+    assert cosine(res.logits[0], host) >= 0.999  # the host's simulation: the agent's own kernels, composed by forward()
+    # independent: mllm-NPU eq. 1 recomputed in numpy from the float weights and the manifest's scales (tests/conftest.py).
+    # Per-tensor int8 amplifies one ulp (a 2e-7 relative nudge of every linear moves this cosine by up to 1e-2), so
+    # the reference rounds codes in float32 as the device does; then only the shadow sums' order can differ
+    ref = forward(smollm, toks, linear=independent_linear(qm, smollm), logits="last")
+    flt = forward(smollm, toks, logits="last")
+    got = res.logits[0]
+    cos_ref, near = cosine(got, ref), np.linalg.norm(got - ref) / np.linalg.norm(got - flt)
+    cos_flt = cosine(got - got.mean(), flt - flt.mean())  # centred: softmax ignores a common offset, raw cosine does not
+    print(f"\nw8a8-shadow prefill on the agent: cosine vs the numpy reference {cos_ref:.7f}, |agent - reference| = "
+          f"{near:.1e} x |agent - float|, centred cosine vs float {cos_flt:.4f}")
+    assert cos_ref >= 0.9999
+    # the agent ran the int8 scheme, not float: all of its distance from float is the scheme's (6e-7 seen) ...
+    assert near < 0.02
+    # ... and shadow outliers keep per-tensor int8 close to float (0.979 seen; plain W8A8 falls much further)
+    assert cos_flt > 0.95
     m = res.trace.metrics()
     assert m["lanes"]["npu"]["ops"] == 7 * 30 and m["lanes"]["npu"]["emulated"] and not m["lanes"]["cpu"]["emulated"]
     assert 0 < m["lanes"]["npu"]["busy_pct"] <= 100 and m["makespan_ms"] > 0
@@ -68,55 +77,6 @@ def test_prefill_on_the_agent_matches_the_host_and_traces_both_lanes(dev, qm, he
     again = dev.prefill(qm, toks, progress=False)  # nothing to upload the second time
     assert np.array_equal(again.logits, res.logits)
     Trace.load(res.trace.save(tmp_path / "t.json"))
-
-
-def _raw(dev):
-    s = zmq.Context.instance().socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(dev.url)
-    return s
-
-
-def _ask(sock, frames, timeout_ms=5000):
-    sock.send_multipart(frames)
-    assert sock.poll(timeout_ms), "the agent did not answer"
-    return unpack(sock.recv_multipart())
-
-
-def test_a_thousand_malformed_messages_each_get_an_error_and_the_agent_lives(dev):
-    rng = np.random.default_rng(1234)
-    sock = _raw(dev)
-    good = {"v": PROTOCOL_VERSION, "id": 1, "op": "hello"}
-    kinds = 0
-    for i in range(1000):
-        k = i % 10
-        if k == 0:
-            frames = [rng.bytes(int(rng.integers(0, 200)))]
-        elif k == 1:
-            frames = [msgpack.packb([1, 2, 3])]
-        elif k == 2:
-            frames = [msgpack.packb({**good, "id": "x"})]
-        elif k == 3:
-            frames = [msgpack.packb({**good, "v": 99})]
-        elif k == 4:
-            frames = [msgpack.packb({**good, "op": rng.bytes(8).hex()})]
-        elif k == 5:
-            frames = [msgpack.packb({**good, "op": "put_blob", "sha": "0" * 64})]
-        elif k == 6:
-            frames = [msgpack.packb({**good, "op": "put_plan", "plan": {"ops": [{"name": "a", "kind": "nope"}]}})]
-        elif k == 7:
-            frames = [msgpack.packb({**good, "frames": [{"dtype": "float32", "shape": [4]}]}), b"abc"]
-        elif k == 8:
-            frames = [msgpack.packb({**good, "op": "has_blobs", "ids": [rng.bytes(4).hex()]})]
-        else:
-            frames = [msgpack.packb({**good, "op": "run", "plan_id": "missing"})]
-        h, _ = _ask(sock, frames)
-        assert h["final"] and h["ok"] is False and h["error"]["code"] and h["error"]["message"]
-        kinds += 1
-    h, _ = _ask(sock, pack(good))
-    assert h["ok"] and h["protocol"] == PROTOCOL_VERSION
-    assert dev.stats()["errors"] >= 1000
-    sock.close(0)
 
 
 def test_bad_plans_get_error_replies(dev, qm):
@@ -262,7 +222,8 @@ def test_opencl_gemms_are_exact_where_integer():
     assert np.array_equal(g.gemm_s8s32(a, b), a.astype(np.int64) @ b.astype(np.int64).T)
 
 
-def test_gpu_lane_runs_w4a16_linears_in_opencl(dev, smollm, heldout_ids):
+def test_gpu_lane_runs_w4a16_linears_in_opencl(dev, smollm, heldout_ids, independent_linear):
+    from edgeprobe.forward import forward
     from edgeprobe.quant import quantize
 
     assert "gpu" in dev.info["lanes"], "PoCL (Debian pocl-opencl-icd) and pyopencl are installed by make test"
@@ -270,6 +231,17 @@ def test_gpu_lane_runs_w4a16_linears_in_opencl(dev, smollm, heldout_ids):
     toks = heldout_ids[:24]
     res = dev.prefill(qm, toks, progress=False, float_lane="gpu")
     assert cosine(res.logits[0], qm.forward(toks, logits="last")) >= 0.999
+    # independent: Q4_0 weights through gguf-py's own quantizer and dequantizer (not our vlut16 kernel), activations
+    # rounded to FP16; the OpenCL kernels sum in another order and keep FP16 products, hence 1e-4, not exact
+    ref = forward(smollm, toks, linear=independent_linear(qm, smollm), logits="last")
+    flt = forward(smollm, toks, logits="last")
+    got = res.logits[0]
+    cos_ref, near = cosine(got, ref), np.linalg.norm(got - ref) / np.linalg.norm(got - flt)
+    cos_flt = cosine(got - got.mean(), flt - flt.mean())  # centred: softmax ignores a common offset
+    print(f"\nq4_0 prefill on the gpu lane: cosine vs the gguf reference {cos_ref:.7f}, |agent - reference| = "
+          f"{near:.1e} x |agent - float|, centred cosine vs float {cos_flt:.4f}")
+    # the lane computed Q4_0 (2e-3 seen: FP16 products), not float; 4-bit weights still rank like float (0.938 seen)
+    assert cos_ref >= 0.9999 and near < 0.02 and cos_flt > 0.85
     m = res.trace.metrics()
     assert m["lanes"]["gpu"]["ops"] == 7 * 30 and not m["lanes"]["gpu"]["emulated"]
     df = res.trace.to_dataframe()
@@ -277,7 +249,7 @@ def test_gpu_lane_runs_w4a16_linears_in_opencl(dev, smollm, heldout_ids):
 
 
 def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
-    from edgeprobe_agent.store import FlashStore
+    from edgeprobe_agent.store import FlashStore, StoreError
 
     reads = []
     st = FlashStore(tmp_path / "f", memory_budget=3000, on_read=reads.append)
@@ -296,8 +268,9 @@ def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
     assert np.array_equal(st.get(shas[0]), blobs[0]) and len(reads) == 5  # evicted: read from flash again
     assert all(e["kind"] == "flash_read" and e["bytes_in"] == 1000 and e["end_us"] >= e["start_us"] for e in reads)
     assert not list((tmp_path / "f" / "blobs").glob(".*tmp"))
-    with pytest.raises(Exception, match="not a lowercase hex sha256"):
+    with pytest.raises(StoreError, match="not a lowercase hex sha256") as e:  # a path, never opened
         st.get("../../etc/passwd")
+    assert e.value.code == "bad_sha"
 
 
 def test_a_run_longer_than_the_heartbeat_timeout_completes(dev):

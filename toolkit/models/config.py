@@ -28,7 +28,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-5
     context_length: int = 2048
-    act_fn: str = "silu"  # the FFN gate activation; the forward pass implements SwiGLU (silu)
+    act_fn: str = "silu"  # the FFN gate activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
     rope_pairs: str = "adjacent"
     tie_embeddings: bool = True
     # Mixture-of-experts (0 experts = dense FFN); filled in by the MoE loaders.
@@ -38,9 +38,22 @@ class ModelConfig:
     norm_topk: bool = True
     shared_expert_ffn: int = 0
     shared_expert_gate: bool = False  # Qwen-MoE: shared expert scaled by sigmoid(ffn_gate_inp_shexp · x)
+    # Gemma 3 (all read from the checkpoint; the defaults are Llama's): embeddings scaled by sqrt(hidden),
+    # RMSNorm of each query / key head before RoPE, norms after attention and after the FFN too, and
+    # sliding-window attention on local layers (every `swa_pattern`-th layer global) with their own RoPE base.
+    embed_scale: float = 1.0
+    qk_norm: bool = False
+    post_norms: bool = False
+    sliding_window: int = 0
+    swa_pattern: int = 0
+    rope_theta_local: float = 0.0
+    # Qwen2: biases on the Q/K/V projections; Llama 3: RoPE frequency divisors (rope_freqs / rope_scaling llama3)
+    attn_bias: bool = False
+    rope_freq_factors: tuple = ()
     name: str = ""
 
     def __post_init__(self):
+        object.__setattr__(self, "rope_freq_factors", tuple(float(f) for f in self.rope_freq_factors))
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim % 2:
@@ -51,6 +64,18 @@ class ModelConfig:
                                    f"{self.n_experts} (fix num_experts_per_tok / expert_used_count)")
         if self.n_experts and not self.expert_ffn:
             object.__setattr__(self, "expert_ffn", self.ffn)  # Mixtral: intermediate_size is the expert's
+
+    def is_local(self, layer: int) -> bool:
+        """Does `layer` attend over a sliding window (Gemma 3: all but every swa_pattern-th layer)?"""
+        return bool(self.sliding_window and self.swa_pattern and (layer + 1) % self.swa_pattern)
+
+    def window(self, layer: int) -> int:
+        """Keys a query of `layer` may see, itself included (0: every earlier position)."""
+        return self.sliding_window if self.is_local(layer) else 0
+
+    def theta(self, layer: int) -> float:
+        """RoPE base of `layer` (local layers may have their own)."""
+        return self.rope_theta_local if self.is_local(layer) and self.rope_theta_local else self.rope_theta
 
     @property
     def group(self) -> int:
@@ -66,7 +91,7 @@ class ModelConfig:
             ff += 3 * h * self.shared_expert_ffn
         else:
             ff = 3 * h * f
-        per_layer = attn + ff + 2 * h
+        per_layer = attn + ff + 2 * h + (2 * h if self.post_norms else 0) + (2 * d if self.qk_norm else 0)
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.n_layers * per_layer + emb + h
 

@@ -18,7 +18,10 @@ from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, default_cache_dir, file_sha256
 
-SUPPORTED_ARCHS = ("llama",)
+SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
+HALVES_ARCHS = ("gemma3", "qwen2", "qwen3")  # llama.cpp runs these with NEOX RoPE: Q/K rows stay in the halves layout
+# llama.cpp's values for Gemma 3 files that lack the keys (src/llama-model.cpp): 5 local layers to 1 global, local RoPE base
+GEMMA3_SWA_PATTERN, GEMMA3_ROPE_LOCAL = 6, 10000.0
 _MAGIC = b"GGUF"
 
 
@@ -75,6 +78,8 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     if vocab is None:
         vocab = len(get("tokenizer.ggml.tokens", []))
     n_experts = int(get(f"{arch}.expert_count", 0) or 0)
+    gemma = arch == "gemma3"
+    window = int(get(f"{arch}.attention.sliding_window", 0) or 0)
     return ModelConfig(
         arch=arch,
         n_layers=int(need("block_count")),
@@ -87,8 +92,17 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         rope_theta=float(get(f"{arch}.rope.freq_base", 10000.0)),
         rms_eps=float(get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         context_length=int(get(f"{arch}.context_length", 2048)),
-        rope_pairs="adjacent",
+        rope_pairs="adjacent",  # Gemma's files keep Hugging Face's halves: the loader permutes Q/K (and their norms)
         tie_embeddings="output.weight" not in names,
+        act_fn="gelu_tanh" if gemma else "silu",
+        embed_scale=float(np.sqrt(np.float32(hidden))) if gemma else 1.0,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
+        post_norms="blk.0.post_attention_norm.weight" in names,
+        sliding_window=window,
+        swa_pattern=int(get(f"{arch}.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN if gemma and window else 0)),
+        rope_theta_local=float(get(f"{arch}.rope.freq_base_swa", GEMMA3_ROPE_LOCAL if gemma else 0.0)),
+        attn_bias="blk.0.attn_q.bias" in names,
+        rope_freq_factors=tuple(_rope_freqs(names.get("rope_freqs.weight"))),
         n_experts=n_experts,
         n_experts_used=int(get(f"{arch}.expert_used_count", 0) or 0),
         expert_ffn=int(get(f"{arch}.expert_feed_forward_length", 0) or 0),
@@ -99,7 +113,7 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     )
 
 
-def _dequantizer(get_reader, name: str, shape: tuple):
+def _dequantizer(get_reader, name: str, shape: tuple, transform=None):
     def load() -> np.ndarray:
         t = get_reader().tensor(name)
         try:
@@ -107,8 +121,28 @@ def _dequantizer(get_reader, name: str, shape: tuple):
         except NotImplementedError as e:
             raise UnsupportedModelError(f"tensor {t.name}: ggml type {t.tensor_type.name} cannot be "
                                         "dequantized by the installed gguf package; upgrade gguf") from e
-        return arr.reshape(shape).astype(np.float32, copy=False)
+        arr = arr.reshape(shape).astype(np.float32, copy=False)
+        return transform(arr) if transform else arr
     return load
+
+
+def _rope_freqs(t) -> np.ndarray:
+    """Llama 3's RoPE frequency divisors, stored by llama.cpp's converter as the tensor rope_freqs.weight."""
+    if t is None:
+        return np.zeros(0)
+    return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(-1).astype(np.float64)
+
+
+def _rope_transforms(cfg: ModelConfig, names) -> dict:
+    """Per-tensor reorderings into the forward pass's "adjacent" RoPE layout. llama.cpp's converter permutes
+    Llama's Q/K rows already; Gemma's and Qwen's files keep the halves layout (NEOX RoPE): their Q/K rows,
+    biases and per-head norms are reordered here."""
+    from .hf_loader import rope_layout_transform
+
+    if cfg.arch not in HALVES_ARCHS:
+        return {}
+    out = {n: rope_layout_transform(n, cfg) for n in names}
+    return {n: f for n, f in out.items() if f is not None}
 
 
 class _Reader:
@@ -139,6 +173,10 @@ def _check_tensors(cfg: ModelConfig, reader: gguf.GGUFReader, path: Path) -> Non
         if not cfg.n_experts:
             expect.update({f"blk.{i}.ffn_gate.weight": (cfg.ffn, h), f"blk.{i}.ffn_up.weight": (cfg.ffn, h),
                            f"blk.{i}.ffn_down.weight": (h, cfg.ffn)})
+        if cfg.qk_norm:
+            expect.update({f"blk.{i}.attn_q_norm.weight": (cfg.head_dim,), f"blk.{i}.attn_k_norm.weight": (cfg.head_dim,)})
+        if cfg.post_norms:
+            expect.update({f"blk.{i}.post_attention_norm.weight": (h,), f"blk.{i}.post_ffw_norm.weight": (h,)})
     check_ffn_shapes(cfg, shapes, path)
     for name, shape in expect.items():
         if name not in shapes:
@@ -179,7 +217,8 @@ def load_gguf(path: Path, cache_dir: Path | None | bool = True, name: str = "") 
             types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
         _write_meta(cache_dir, {"config": dataclasses.asdict(cfg), "tokenizer": tok.to_json(),
                                 "shapes": shapes, "tensor_types": types, "source": str(path)})
-    loaders = {n: _dequantizer(get_reader, n, tuple(s)) for n, s in shapes.items()}
+    tf = _rope_transforms(cfg, shapes)
+    loaders = {n: _dequantizer(get_reader, n, tuple(s), tf.get(n)) for n, s in shapes.items()}
     return Model(config=cfg, tokenizer=tok, weights=LazyWeights(loaders, cache_dir), source=str(path),
                  sha256=sha, name=name or cfg.name, meta={"format": "gguf", "tensor_types": types})
 
@@ -209,4 +248,4 @@ def _write_meta(cache_dir: Path | None, meta: dict) -> None:
         pass  # no cache then; LazyWeights warns once when it cannot write tensors either
 
 
-_META_VERSION = 1
+_META_VERSION = 2  # 2: Gemma 3 fields in the config

@@ -20,7 +20,7 @@ from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, file_sha256
 
-SUPPORTED_MODEL_TYPES = ("llama", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen2", "qwen3")
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -29,6 +29,11 @@ _LAYER_NAMES = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",          # Qwen2
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",  # Qwen3
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
@@ -73,6 +78,21 @@ def halves_to_adjacent(w: np.ndarray, n_heads: int) -> np.ndarray:
     rows = w.shape[0]
     d = rows // n_heads
     return np.ascontiguousarray(w.reshape(n_heads, 2, d // 2, -1).swapaxes(1, 2).reshape(rows, -1))
+
+
+def rope_layout_transform(name: str, cfg: ModelConfig):
+    """The reordering a Q/K tensor in the halves RoPE layout needs (rows, biases, per-head norms), or None."""
+    if name.endswith(("attn_q.weight", "attn_q.bias")):
+        h = cfg.n_heads
+    elif name.endswith(("attn_k.weight", "attn_k.bias")):
+        h = cfg.n_kv_heads
+    elif name.endswith(("attn_q_norm.weight", "attn_k_norm.weight")):
+        h = 1  # one head's worth of weights, shared by every head
+    else:
+        return None
+    if name.endswith(".bias") or "_norm" in name:
+        return lambda w: halves_to_adjacent(w[:, None], h)[:, 0]
+    return lambda w: halves_to_adjacent(w, h)
 
 
 def _read_bf16(path: Path, name: str) -> np.ndarray:
@@ -123,11 +143,23 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedModelError(f"{path}: FFN activation {cfg['hidden_act']!r} is not supported; "
                                     "the forward pass implements SwiGLU with silu")
-    if rope_type not in ("default", None):
+    if model_type != "qwen2" and cfg.get("attention_bias"):
+        raise UnsupportedModelError(f"{path}: attention_bias (biases on every attention projection, output included) "
+                                    "is not supported; Qwen2's Q/K/V biases are")
+    if rope_type not in ("default", None, "llama3"):
         raise UnsupportedModelError(f"{path}: RoPE scaling {rope_type!r} is not supported yet; "
-                                    "only plain RoPE (rope_type 'default') is implemented")
+                                    "plain RoPE and Llama 3's ('llama3') are implemented")
     try:
         hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        head_dim = int(cfg.get("head_dim") or hidden // n_heads)
+        factors = ()
+        if rope_type == "llama3":
+            from edgeprobe_kernels.llama_ops import llama3_freq_factors
+
+            factors = tuple(llama3_freq_factors(head_dim, theta, float(rope["factor"]), float(rope["low_freq_factor"]),
+                                                float(rope["high_freq_factor"]),
+                                                int(rope["original_max_position_embeddings"])))
         return ModelConfig(
             arch="llama",
             n_layers=int(cfg["num_hidden_layers"]),
@@ -135,9 +167,12 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
             ffn=int(cfg["intermediate_size"]),
             n_heads=n_heads,
             n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
+            head_dim=head_dim,
             vocab_size=int(cfg["vocab_size"]),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+            rope_theta=theta,
+            rope_freq_factors=factors,
+            attn_bias=model_type == "qwen2",  # Qwen2's Q/K/V always carry biases (its config has no switch)
+            qk_norm=model_type == "qwen3",
             rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             context_length=int(cfg.get("max_position_embeddings", 2048)),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -180,10 +215,7 @@ def load_hf_folder(path: Path, name: str = "") -> Model:
                 continue
             shapes[g] = key_shapes[key]
             transform = None
-            if g.endswith("attn_q.weight"):
-                transform = lambda w, h=cfg.n_heads: halves_to_adjacent(w, h)
-            elif g.endswith("attn_k.weight"):
-                transform = lambda w, h=cfg.n_kv_heads: halves_to_adjacent(w, h)
+            transform = rope_layout_transform(g, cfg)
             loaders[g] = _tensor_loader(file, key, transform)
     for tname, by_e in experts.items():
         if sorted(by_e) != list(range(cfg.n_experts)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
 
 from ..errors import TokenRangeError, UnsupportedModelError
 
@@ -63,10 +63,12 @@ class Tokenizer:
     def from_gguf_fields(cls, get) -> "Tokenizer":
         """Build from GGUF metadata; `get(key, default)` reads one field's value."""
         kind = get("tokenizer.ggml.model", None)
+        if kind == "llama":
+            return cls._from_spm_fields(get)
         if kind != "gpt2":
             raise UnsupportedModelError(
-                f"tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
-                "convert the checkpoint with a BPE tokenizer or load its Hugging Face folder instead")
+                f"tokenizer model {kind!r} is not supported (byte-level BPE 'gpt2', SentencePiece BPE 'llama'); "
+                "load the model's Hugging Face folder instead, whose tokenizer.json describes it fully")
         pre = get("tokenizer.ggml.pre", "default")
         if pre not in _PRE_TOKENIZERS:
             raise UnsupportedModelError(
@@ -83,6 +85,39 @@ class Tokenizer:
         hf.add_special_tokens(specials)
         return cls(hf=hf, vocab_size=len(tokens),
                    bos_id=_opt_int(get("tokenizer.ggml.bos_token_id", None)),
+                   eos_id=_opt_int(get("tokenizer.ggml.eos_token_id", None)),
+                   add_bos=bool(get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def _from_spm_fields(cls, get) -> "Tokenizer":
+        """SentencePiece BPE stored in GGUF (llama.cpp's "llama" tokenizer: Gemma, Llama 2): pieces in priority
+        order, spaces spelled "▁", unknown characters as <0xXX> byte pieces. GGUF keeps no merges; llama.cpp
+        merges the adjacent pair whose union is the best-ranked piece, which is BPE with merges ranked by
+        the merged piece's position in the file (Gemma's scores follow that order but for ties)."""
+        tokens = list(get("tokenizer.ggml.tokens", []))
+        types = list(get("tokenizer.ggml.token_type", [1] * len(tokens)))
+        # Gemma stores its whitespace-run pieces as real spaces; the text they match is "▁" runs
+        pieces = ["\u2581" * len(t) if t and not t.strip(" ") else t for t in tokens]
+        vocab = {t: i for i, t in enumerate(pieces)}
+        mergeable = {t for t, ty in zip(pieces, types) if ty in (1, 4)}  # normal and user-defined, not control/byte
+        merges = []
+        for i, t in enumerate(pieces):
+            if t not in mergeable or len(t) < 2:
+                continue
+            splits = [(t[:j], t[j:]) for j in range(1, len(t)) if t[:j] in vocab and t[j:] in vocab]
+            merges += [(i, vocab[a], vocab[b], a, b) for a, b in splits]
+        merges.sort()
+        unk = get("tokenizer.ggml.unknown_token_id", None)
+        hf = HFTokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], byte_fallback=True,
+                                    unk_token=pieces[int(unk)] if unk is not None else None, fuse_unk=True))
+        prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
+        norm = [normalizers.Replace(" ", "\u2581")]
+        hf.normalizer = normalizers.Sequence(([normalizers.Prepend("\u2581")] if prefix else []) + norm)
+        hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+                                       + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+        hf.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                               for t, ty in zip(pieces, types) if ty == 3 or (ty == 4 and "\u2581" not in t)])
+        return cls(hf=hf, vocab_size=len(tokens), bos_id=_opt_int(get("tokenizer.ggml.bos_token_id", None)),
                    eos_id=_opt_int(get("tokenizer.ggml.eos_token_id", None)),
                    add_bos=bool(get("tokenizer.ggml.add_bos_token", False)))
 

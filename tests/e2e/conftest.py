@@ -1,0 +1,64 @@
+import numpy as np
+import pytest
+
+
+class _ToyTokenizer:
+    def __init__(self, tag):
+        self.tag = tag
+
+    def to_json(self):
+        return {"toy": self.tag}  # a distinct tokenizer blob per model
+
+
+def tiny_llm(n_layers: int, seed: int, scheme: str = "float", **quantize_kw):
+    """A random Llama of `n_layers` layers, hidden 16, vocab 64, quantized under `scheme`: a decode step on the
+    agent costs about a millisecond. Every weight (norms too) is random, so no two models share a blob."""
+    from edgeprobe.models import LazyWeights
+    from edgeprobe.models.config import ModelConfig
+    from edgeprobe.models.model import Model
+    from edgeprobe.quant import quantize
+
+    rng = np.random.default_rng(seed)
+    h, f, V = 16, 32, 64
+    cfg = ModelConfig(arch="llama", n_layers=n_layers, hidden=h, ffn=f, n_heads=2, n_kv_heads=1, head_dim=8,
+                      vocab_size=V, context_length=4096)
+    norm = lambda: 1 + 0.1 * rng.normal(size=h)
+    w = {"token_embd.weight": rng.normal(size=(V, h)), "output_norm.weight": norm()}
+    for i in range(n_layers):
+        w.update({f"blk.{i}.attn_norm.weight": norm(), f"blk.{i}.ffn_norm.weight": norm(),
+                  f"blk.{i}.attn_q.weight": rng.normal(size=(16, h)) * .3, f"blk.{i}.attn_k.weight": rng.normal(size=(8, h)) * .3,
+                  f"blk.{i}.attn_v.weight": rng.normal(size=(8, h)) * .3,
+                  f"blk.{i}.attn_output.weight": rng.normal(size=(h, 16)) * .3,
+                  f"blk.{i}.ffn_gate.weight": rng.normal(size=(f, h)) * .3, f"blk.{i}.ffn_up.weight": rng.normal(size=(f, h)) * .3,
+                  f"blk.{i}.ffn_down.weight": rng.normal(size=(h, f)) * .3})
+    loaders = {n: (lambda a=a: np.asarray(a, np.float32)) for n, a in w.items()}
+    m = Model(config=cfg, tokenizer=_ToyTokenizer(seed), weights=LazyWeights(loaders, None), source="toy",
+              sha256=f"{seed:064x}", name=f"toy{seed}")
+    return quantize(m, scheme, **quantize_kw)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return tiny_llm
+
+
+@pytest.fixture(scope="module")
+def dev(tmp_path_factory):
+    """A local agent of this test module, on its own store."""
+    from edgeprobe.device import Device
+
+    d = Device.local(store=tmp_path_factory.mktemp("store"))
+    yield d
+    d.close()
+
+
+@pytest.fixture(scope="session")
+def slow_plan():
+    """make(n) -> (plan, inputs): a chain of n matrix-vector products with a 64 MB matrix (2.5 ms each on one
+    idle core here, 16 kB kept per op), so a run lasts long enough to cancel or to outlive a heartbeat timeout,
+    from a small plan."""
+    def make(n: int):
+        ops = [{"name": f"mv{i}", "kind": "lm_head", "lane": "cpu",
+                "inputs": [{"input": "x"} if i == 0 else {"op": f"mv{i - 1}"}, {"input": "w"}]} for i in range(n)]
+        return {"ops": ops}, {"x": np.ones((1, 4096), np.float32), "w": np.eye(4096, dtype=np.float32)}
+    return make

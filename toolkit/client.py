@@ -1,0 +1,343 @@
+"""The thin client of the device agent, like TVM's RPC session: request, send/wait, upload, load_model,
+put_plan, run, heartbeat and clock alignment, close. Ways to get one: `Client.local()` (an agent subprocess
+on a free loopback port), `Client.connect(url)`, `Client.ssh(...)` (deploy over SSH, talk through a tunnel).
+
+Every call waits for exactly one final reply under its request's id; while waiting it expects the agent's
+progress or heartbeat messages and raises AgentLostError after HEARTBEAT_TIMEOUT_S of silence — never hangs.
+An error reply becomes a DeviceError at once. The workflows (prefill, chunked, hetero, generate, measure)
+sit on top of this in workflows.py; `edgeprobe.device.Device` is this client with them attached.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+from edgeprobe_agent.protocol import (CHUNK_BYTES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, pack,
+                                      unpack)
+
+from .errors import EdgeprobeError
+from .trace import Trace
+
+STDERR_TAIL_BYTES = 64 << 10  # what a local agent's stderr keeps for error messages
+
+
+class DeviceError(EdgeprobeError, RuntimeError):
+    """The agent answered a request with an error; `code` names it (see docs/protocol.md)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{message} [{code}]")
+        self.code = code
+
+
+class AgentLostError(EdgeprobeError, ConnectionError):
+    """The agent stopped answering (killed, network cut) within the heartbeat timeout."""
+
+
+@dataclass
+class RunResult:
+    outputs: dict
+    trace: Trace
+    counters: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    schedule: object = None  # the Schedule a chunked prefill was laid out by (its predicted times)
+
+    @property
+    def logits(self) -> np.ndarray:
+        return next(iter(self.outputs.values()))
+
+
+class StderrTail:
+    """A child's stderr drained on a thread into its last `limit` bytes: a chatty agent never blocks on a full
+    pipe, and its last words can be quoted when it dies."""
+
+    def __init__(self, stream, limit: int = STDERR_TAIL_BYTES):
+        self.limit = limit
+        self.seen = 0  # bytes drained in all
+        self._buf = bytearray()
+        self._lock = threading.Lock()  # the drain thread appends, any caller reads
+        self._thread = threading.Thread(target=self._drain, args=(stream,), daemon=True, name="agent-stderr")
+        self._thread.start()
+
+    def _drain(self, stream) -> None:
+        fd = stream.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except OSError:
+                break
+            if not chunk:
+                break
+            with self._lock:
+                self.seen += len(chunk)
+                self._buf += chunk
+                if len(self._buf) > self.limit:
+                    del self._buf[:len(self._buf) - self.limit]
+
+    def text(self, wait_s: float = 0.0) -> str:
+        """The tail so far; wait_s: first wait that long for the stream's end (after the process exited)."""
+        if wait_s:
+            self._thread.join(wait_s)
+        with self._lock:
+            return bytes(self._buf).decode("utf-8", "replace")
+
+
+class Client:
+    def __init__(self, url: str, process: subprocess.Popen | None = None, timeout_s: float = HEARTBEAT_TIMEOUT_S,
+                 curve_server_key: bytes | None = None, tunnel=None, stderr: StderrTail | None = None):
+        self.url, self.process, self.timeout_s, self.tunnel = url, process, timeout_s, tunnel
+        self.stderr = stderr  # a local agent's stderr tail
+        self.temp_store = None  # a store folder this client made and removes on close
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if curve_server_key:
+            pub, sec = zmq.curve_keypair()
+            self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = pub, sec, curve_server_key
+        self.sock.connect(url)
+        self._ids = itertools.count(1)
+        self.info = self.hello()
+        self.clock_offset_us = self._align_clock()
+        self.uploaded_bytes = 0
+
+    # ---- ways to get one ----------------------------------------------------------------------
+    @classmethod
+    def local(cls, store: str | Path | None = None, memory_budget_mb: float | None = None,
+              startup_timeout_s: float = 60.0, lanes=None, npu_backend: str | None = None):
+        """Start `python -m edgeprobe_agent` on a free loopback port; close() stops it. npu_backend: numba | hvx
+        (the npu lane's kernels: NPU semantics on this CPU, or Hexagon HVX code under qemu-hexagon)."""
+        store = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE")
+                     or Path(tempfile.gettempdir()) / f"edgeprobe-agent-store-{os.getuid()}")
+        cmd = [sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(store),
+               "--parent-pid", str(os.getpid())]  # a killed host must not leave its agent holding the store
+        if memory_budget_mb is not None:
+            cmd += ["--memory-budget", str(memory_budget_mb)]
+        if lanes is not None:
+            cmd += ["--lanes", ",".join(lanes)]
+        if npu_backend is not None:
+            cmd += ["--npu-backend", npu_backend]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        tail = StderrTail(proc.stderr)
+        url = _read_listen_line(proc, startup_timeout_s, tail)
+        try:
+            return cls(url, process=proc, stderr=tail)
+        except BaseException:
+            proc.kill()  # no client holds it: it must not outlive this failed start
+            proc.wait(timeout=5)
+            raise
+
+    @classmethod
+    def connect(cls, url: str, curve_server_key: bytes | None = None):
+        return cls(url, curve_server_key=curve_server_key)
+
+    @classmethod
+    def ssh(cls, host: str, user: str, key_path, port: int = 22, python: str = "python3", known_hosts=None,
+            host_fingerprint: str | None = None, remote_dir: str = "edgeprobe-agent", agent_port: int = 5555,
+            progress: bool = True):
+        """Deploy the agent over SSH to a phone (Termux sshd) or board and talk to it through a tunnel."""
+        from .deploy import deploy_ssh
+
+        tunnel = deploy_ssh(host, user, key_path, port=port, python=python, known_hosts=known_hosts,
+                            host_fingerprint=host_fingerprint, remote_dir=remote_dir, agent_port=agent_port,
+                            progress=progress)
+        return cls(tunnel.local_url, tunnel=tunnel)
+
+    # ---- requests -----------------------------------------------------------------------------
+    def request(self, op: str, arrays=(), on_event=None, timeout_s: float | None = None, **fields) -> tuple[dict, list]:
+        rid = self.send(op, arrays, **fields)
+        return self.wait(rid, on_event, timeout_s)
+
+    def send(self, op: str, arrays=(), **fields) -> int:
+        rid = next(self._ids)
+        self.sock.send_multipart(pack({"v": PROTOCOL_VERSION, "id": rid, "op": op, **fields}, arrays), copy=False)
+        return rid
+
+    def wait(self, rid: int, on_event=None, timeout_s: float | None = None) -> tuple[dict, list]:
+        """Wait for request `rid`'s final reply; any message from the agent proves it alive. An error reply
+        under `rid` raises DeviceError at once; so does one under id -1 (the agent could not read some request
+        of ours, and would never answer it under its id)."""
+        timeout = timeout_s or self.timeout_s
+        last = time.monotonic()
+        last_ping = last
+        while True:
+            now = time.monotonic()
+            if now - last_ping >= HEARTBEAT_S:  # our side of the heartbeat: the agent cancels runs of silent clients
+                last_ping = now
+                self.send("heartbeat")
+            if self.sock.poll(int(HEARTBEAT_S * 1000)):
+                header, arrays = unpack(self.sock.recv_multipart())
+                last = time.monotonic()
+                if header.get("id") == NO_ID and header.get("final") and not header.get("ok"):
+                    err = header.get("error", {})
+                    raise DeviceError(err.get("code", "?"), "the agent could not read the id of a request: "
+                                                            f"{err.get('message', '')}")
+                if header.get("id") != rid:
+                    continue  # a reply to one of our heartbeats, or to an abandoned request
+                if not header.get("final"):
+                    if on_event:
+                        on_event(header)
+                    continue
+                if not header.get("ok"):
+                    err = header.get("error", {})
+                    raise DeviceError(err.get("code", "?"), err.get("message", "the agent reported an error"))
+                return header, arrays
+            now = time.monotonic()
+            if self.process is not None and self.process.poll() is not None:
+                raise AgentLostError(f"the local agent exited with status {self.process.returncode}; its stderr "
+                                     f"ends:\n{self._stderr_tail(wait_s=2.0)}")
+            if now - last > timeout:
+                raise AgentLostError(f"the agent at {self.url} sent nothing for {now - last:.1f} s (heartbeat timeout); "
+                                     f"it was killed or the connection was cut{self._stderr_note()}")
+
+    def _stderr_tail(self, wait_s: float = 0.0, chars: int = 4000) -> str:
+        return self.stderr.text(wait_s)[-chars:] if self.stderr is not None else ""
+
+    def _stderr_note(self) -> str:
+        tail = self._stderr_tail()
+        return f"; the local agent's stderr ends:\n{tail}" if tail else ""
+
+    def hello(self) -> dict:
+        return self.request("hello")[0]
+
+    def stats(self) -> dict:
+        return self.request("stats")[0]
+
+    def _align_clock(self, rounds: int = 5) -> float:
+        """Agent clock - host clock (µs), from the hello/heartbeat round trip with the smallest RTT."""
+        best = None
+        for _ in range(rounds):
+            t0 = time.perf_counter_ns() / 1e3
+            h, _ = self.request("heartbeat")
+            t1 = time.perf_counter_ns() / 1e3
+            if best is None or t1 - t0 < best[0]:
+                best = (t1 - t0, h["clock_us"] - (t0 + t1) / 2)
+        return best[1]
+
+    # ---- upload ---------------------------------------------------------------------------------
+    def upload(self, qm, progress: bool = True, chunk_bytes: int = CHUNK_BYTES, window: int = 8) -> int:
+        """Send every blob of `qm` (a QuantizedModel) that the agent lacks; chunks it already holds from an
+        interrupted upload are skipped. Returns the bytes sent."""
+        from tqdm.auto import tqdm
+
+        blobs = qm.manifest["blobs"]
+        head, _ = self.request("has_blobs", ids=list(blobs))
+        have, partial = set(head["have"]), head["partial"]
+        todo = []
+        for sha, meta in blobs.items():
+            if sha in have:
+                continue
+            arr = qm.store.get(sha)
+            raw = memoryview(np.ascontiguousarray(arr)).cast("B")
+            n = max(1, -(-len(raw) // chunk_bytes))
+            done = set(partial.get(sha, []))
+            todo += [(sha, arr, raw, i, n) for i in range(n) if i not in done]
+        total = sum(min(chunk_bytes, len(raw) - i * chunk_bytes) for _, _, raw, i, _ in todo)
+        sent = 0
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="upload", disable=not progress or not total, leave=False)
+        pending: list[int] = []
+        for sha, arr, raw, i, n in todo:
+            piece = np.frombuffer(raw[i * chunk_bytes:(i + 1) * chunk_bytes], np.uint8)
+            pending.append(self.send("put_blob", [piece], sha=sha, dtype=arr.dtype.name, shape=list(arr.shape),
+                                     nbytes=len(raw), chunk=i, n_chunks=n, chunk_bytes=chunk_bytes,
+                                     chunk_crc32=zlib.crc32(piece)))
+            sent += len(piece)
+            bar.update(len(piece))
+            if len(pending) >= window:  # a few chunks in flight keep the pipe full without unbounded memory
+                self.wait(pending.pop(0))
+        for rid in pending:
+            self.wait(rid)
+        bar.close()
+        self.uploaded_bytes += sent
+        return sent
+
+    # ---- models, plans, runs --------------------------------------------------------------------
+    def load_model(self, qm) -> str:
+        return self.request("load_model", manifest=_plain(qm.manifest))[0]["model_id"]
+
+    def put_plan(self, plan: dict) -> str:
+        return self.request("put_plan", plan=_plain(plan))[0]["plan_id"]
+
+    def run(self, plan_id: str, inputs: dict, on_progress=None, title: str = "", **fields) -> RunResult:
+        """fields: session / advance / phase for a run inside a decode session (docs/protocol.md)."""
+        t0 = time.perf_counter()
+        names = list(inputs)
+        head, arrays = self.request("run", [np.ascontiguousarray(inputs[n]) for n in names], on_event=on_progress,
+                                    plan_id=plan_id, inputs=names, **fields)
+        wall = time.perf_counter() - t0
+        events = [{**e, "start_us": e["start_us"] - self.clock_offset_us, "end_us": e["end_us"] - self.clock_offset_us}
+                  for e in head["events"]]
+        meta = {"title": title or "edgeprobe agent run", "agent": self.info.get("agent_version"), "url": self.url,
+                "clock_offset_us": self.clock_offset_us, "counters": head.get("counters", {})}
+        return RunResult(dict(zip(head["outputs"], arrays)), Trace(events, meta), head.get("counters", {}), wall)
+
+    def close(self, shutdown: bool | None = None) -> None:
+        """Say bye (and stop the agent if this client started it)."""
+        stop = self.process is not None if shutdown is None else shutdown
+        try:
+            if self.sock.closed is False:
+                self.request("bye", timeout_s=2.0, shutdown=bool(stop))
+        except Exception:
+            pass
+        self.sock.close(0)
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+            self.process.stdout.close()
+        if self.tunnel is not None:
+            self.tunnel.close()
+        if self.temp_store is not None:
+            import shutil
+
+            shutil.rmtree(self.temp_store, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _read_listen_line(proc: subprocess.Popen, timeout_s: float, tail: StderrTail) -> str:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sel.select(timeout=0.2):
+            line = proc.stdout.readline().decode("utf-8", "replace")
+            if "listening on " in line:
+                return line.strip().split("listening on ", 1)[1]
+        if proc.poll() is not None:
+            raise DeviceError("agent_start", f"the local agent exited at start (status {proc.returncode}); its stderr "
+                                             f"ends:\n{tail.text(wait_s=2.0)[-2000:]}")
+    proc.kill()
+    proc.wait(timeout=5)
+    raise DeviceError("agent_start", f"the local agent did not report its address within {timeout_s:.0f} s; its "
+                                     f"stderr ends:\n{tail.text(wait_s=2.0)[-2000:]}")
+
+
+def _plain(v):
+    """numpy scalars/arrays and tuples -> msgpack-able Python values."""
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple, set)):
+        return [_plain(x) for x in v]
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v

@@ -1,0 +1,233 @@
+"""Workflows on top of the thin client (client.py): prefill, chunked prefill, HeteroLLM prefill, decode
+sessions and generation, and the measurements that feed the cost models.
+
+Each function takes a connected client first (`dev`) and uses only its public calls (upload, load_model,
+put_plan, run, request, info); `edgeprobe.device.Device` attaches them as methods, so `dev.prefill(qm, toks)`
+is `workflows.prefill(dev, qm, toks)`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .client import AgentLostError, Client, DeviceError, RunResult
+from .sampling import sample
+from .trace import Trace
+
+
+@dataclass
+class Decoded:
+    """A decode session's result. tokens int64[batch, n] (the tokens fed to the n steps); logits: the
+    prefill's float32[1, vocab], then each step's float32[batch, vocab]."""
+
+    tokens: np.ndarray
+    logits: list
+    trace: Trace
+    batch: int
+    prefill_s: float
+    decode_s: float          # wall time of the n steps, sampling and round trips included
+    step_ms: list            # each step's makespan on the agent
+    step_counters: list = field(default_factory=list)  # each step's counters (+ flash_read_bytes)
+
+    @property
+    def decode_tok_per_s(self) -> float:
+        """Tokens per second summed over the batch (wall time on the host)."""
+        return self.tokens.size / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class DecodeSession:
+    """A KV cache kept on the agent across runs (protocol: open_session / run with session / session_reorder).
+
+    prefill(tokens int[T]) -> float32[1, vocab]; reorder(indices) keeps / copies sequences (batch = len);
+    step(tokens int[batch]) -> float32[batch, vocab]. `events` gathers every run's trace events, grouped
+    "prefill" / "step{i}"; `step_ms` each step's makespan. The same interface as generate.HostSession."""
+
+    def __init__(self, dev: Client, qm, capacity: int, name: str = "decode", progress: bool = True,
+                 split: dict | None = None, ffn_flash: dict | None = None, experts_flash: dict | None = None):
+        c = qm.manifest["config"]
+        if capacity > c["context_length"]:
+            raise ValueError(f"{capacity} positions exceed the model's context length {c['context_length']}")
+        self.dev, self.qm, self.name = dev, qm, name
+        dev.upload(qm, progress=progress)
+        self.model_id = dev.load_model(qm)
+        dev.request("open_session", model_id=self.model_id, session=name, batch=1, capacity=capacity)
+        self.batch, self.length, self.events, self.step_ms, self.logits_history = 1, 0, [], [], []
+        self._plans: dict = {}
+        self.meta: dict = {}
+        self.split = split  # HeteroLLM partition of the decode steps' int8 GEMMs (schedule.hetero.choices_for)
+        self.ffn_flash = ffn_flash  # LLM in a flash: FFN neurons from flash ({"mode", "window"})
+        self.experts_flash = experts_flash  # EdgeMoE: experts from flash ({"capacity", "policy", "preload_n"})
+        self.step_counters: list = []
+
+    def _plan(self, n_tokens: int, batch: int) -> str:
+        from .plan import prefill_plan
+
+        key = (n_tokens, batch)
+        if key not in self._plans:
+            split = self.split if n_tokens == 1 else None
+            self._plans[key] = self.dev.put_plan(prefill_plan(self.qm.manifest, n_tokens, session=True, batch=batch,
+                                                              split=split, ffn_flash=self.ffn_flash,
+                                                              experts_flash=self.experts_flash))
+        return self._plans[key]
+
+    def prefill(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        if len(tokens) == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        r = self.dev.run(self._plan(len(tokens), 1), {"tokens": tokens}, title="prefill", session=self.name,
+                         advance=len(tokens), phase="prefill")
+        self.meta = dict(r.trace.meta)
+        self.events += [{**e, "group": "prefill"} for e in r.trace.events]
+        self.length += len(tokens)
+        self.logits_history.append(r.logits.reshape(1, -1))
+        return self.logits_history[-1]
+
+    def reorder(self, indices) -> None:
+        self.batch = self.dev.request("session_reorder", session=self.name, indices=[int(i) for i in indices])[0]["batch"]
+
+    def step(self, tokens) -> np.ndarray:
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        if len(tokens) != self.batch:
+            raise ValueError(f"the session holds {self.batch} sequences; step needs one token for each, got {len(tokens)}")
+        i = len(self.step_ms)
+        r = self.dev.run(self._plan(1, self.batch), {"tokens": tokens}, title=f"decode step {i}", session=self.name,
+                         advance=1, phase="decode")
+        self.step_ms.append(r.trace.metrics()["makespan_ms"])
+        self.step_counters.append({**r.counters, "flash_read_bytes": r.trace.metrics()["flash_read_bytes"]})
+        self.events += [{**e, "group": f"step{i}"} for e in r.trace.events]
+        self.length += 1
+        return r.logits.reshape(self.batch, -1)
+
+    def close(self) -> None:
+        try:
+            self.dev.request("close_session", session=self.name)
+        except (DeviceError, AgentLostError):
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def prefill(dev: Client, qm, tokens, progress: bool = True, float_lane: str = "cpu") -> RunResult:
+    """Upload what is missing, send the prefill plan, run it: logits of the last token + the trace."""
+    from .plan import prefill_plan
+
+    tokens = np.asarray(tokens, np.int32)
+    dev.upload(qm, progress=progress)
+    dev.load_model(qm)
+    plan_id = dev.put_plan(prefill_plan(qm.manifest, len(tokens), float_lane=float_lane))
+    return dev.run(plan_id, {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, {qm.scheme}")
+
+
+def prefill_chunked(dev: Client, qm, tokens, chunk: int = 256, scheduler: str = "ooo",
+                    profile="this-host-emulated", progress: bool = True) -> RunResult:
+    """Chunked prefill (mllm-NPU §3.2) laid out by a scheduler (§3.4) over `profile`: a named modelled
+    profile, a measured profile's .json, or a profile object (e.g. from `measure_profile`)."""
+    from .models import ModelConfig
+    from .plan import chunked_prefill_plan
+    from .schedule import chunk_graph, device_profile, schedule
+
+    tokens = np.asarray(tokens, np.int32)
+    graph = chunk_graph(ModelConfig(**qm.manifest["config"]), len(tokens), chunk, manifest=qm.manifest)
+    sched = schedule(graph, device_profile(profile), scheduler)
+    lacking = {g.lane for g in sched.graph.subgraphs} - set(dev.info.get("lanes", []))
+    if lacking:
+        from .schedule import ScheduleError
+        raise ScheduleError(f"the schedule puts work on lanes {sorted(lacking)} that this agent lacks "
+                            f"(it has {dev.info.get('lanes')})")
+    dev.upload(qm, progress=progress)
+    dev.load_model(qm)
+    plan_id = dev.put_plan(chunked_prefill_plan(qm.manifest, sched))
+    res = dev.run(plan_id, {"tokens": tokens}, title=f"chunked prefill {len(tokens)} tokens / {chunk}, {scheduler}")
+    res.trace.meta["predicted_makespan_ms"] = sched.makespan_us / 1e3
+    res.schedule = sched
+    return res
+
+
+def session(dev: Client, qm, capacity: int, name: str = "decode", progress: bool = True, split=None,
+            ffn_flash=None, experts_flash=None) -> DecodeSession:
+    """A decode session on the agent (KV cache kept there): prefill, reorder (fork / beams), step."""
+    return DecodeSession(dev, qm, capacity, name, progress, split, ffn_flash, experts_flash)
+
+
+def generate(dev: Client, qm, prompt, n: int, batch: int = 1, temperature: float = 0.0, seed: int = 0,
+             on_step=None, progress: bool = True, split=None, ffn_flash=None, experts_flash=None) -> Decoded:
+    """Prefill `prompt` (token ids) once, fork it into `batch` sequences, then run `n` decode steps on the
+    agent, its KV cache staying there. Each step feeds every sequence its next token, sampled on the host
+    from the previous logits (greedy at temperature 0, else softmax(z / T) with `seed`), and gets
+    float32[batch, vocab] logits back. on_step(i, tokens[batch]) streams the tokens. The trace groups
+    events by "prefill" and "step{i}". split: HeteroLLM's partition of the decode steps' int8 GEMMs
+    between the gpu and npu lanes ({matmul: Choice}, schedule.hetero.decode_choices). ffn_flash: FFN neurons
+    read from flash ({"mode": "sparse" | "dense", "window": k}; needs neurons.add_bundles). experts_flash:
+    MoE experts read from flash through an expert buffer ({"capacity", "policy", "preload_n"}; EdgeMoE)."""
+    prompt = np.asarray(prompt, np.int32).reshape(-1)
+    if n < 1 or batch < 1:
+        raise ValueError(f"n (decode steps) and batch must be >= 1, got n={n}, batch={batch}")
+    rng = np.random.default_rng(seed)
+    with session(dev, qm, len(prompt) + n, progress=progress, split=split, ffn_flash=ffn_flash,
+                 experts_flash=experts_flash) as s:
+        t0 = time.perf_counter()
+        logits = s.prefill(prompt)
+        t1 = time.perf_counter()
+        if batch > 1:
+            s.reorder([0] * batch)
+        logits = np.repeat(logits, batch, axis=0)
+        fed, all_logits = [], [s.logits_history[0]]
+        for i in range(n):
+            tok = sample(logits, temperature, rng)
+            fed.append(tok)
+            if on_step:
+                on_step(i, tok)
+            logits = s.step(tok)
+            all_logits.append(logits)
+        t2 = time.perf_counter()
+    meta = {**s.meta, "title": f"prefill {len(prompt)} + {n} decode steps x batch {batch}, {qm.scheme}"}
+    return Decoded(np.stack(fed, axis=1), all_logits, Trace(s.events, meta), batch, t1 - t0, t2 - t1, s.step_ms,
+                   s.step_counters)
+
+
+def measure_linears(dev: Client, qm, rows=(32, 64, 128, 256, 512, 1024), progress: bool = True):
+    """HeteroLLM's profiler on this agent: int8 GEMM rates of the npu and gpu lanes and their hand-off,
+    as a HeteroProfile for the partition solver (and the samples). See schedule.measure."""
+    from .schedule.measure import measure_linears as measure
+
+    return measure(dev, qm, rows, progress=progress)
+
+
+def prefill_hetero(dev: Client, qm, tokens, profile, strategy: str = "solver", progress: bool = True) -> RunResult:
+    """Layer-by-layer prefill with every int8 GEMM partitioned between the gpu and npu lanes by HeteroLLM's
+    solver over `profile` (a HeteroProfile; measure one with measure_linears), or by one fixed strategy
+    (gpu, npu-pad, pipe, seq-cut, row-cut) as a baseline."""
+    from .models import ModelConfig
+    from .plan import prefill_plan
+    from .schedule import ScheduleError, choices_for
+
+    tokens = np.asarray(tokens, np.int32)
+    lacking = {"gpu", "npu"} - set(dev.info.get("lanes", []))
+    if lacking:
+        raise ScheduleError(f"HeteroLLM partitioning puts work on lanes {sorted(lacking)} that this agent lacks "
+                            f"(it has {dev.info.get('lanes')}; the gpu lane needs OpenCL)")
+    choices = choices_for(ModelConfig(**qm.manifest["config"]), len(tokens), profile, strategy)
+    dev.upload(qm, progress=progress)
+    dev.load_model(qm)
+    try:
+        plan = prefill_plan(qm.manifest, len(tokens), split=choices)
+    except ValueError as e:
+        raise ScheduleError(str(e)) from None
+    res = dev.run(dev.put_plan(plan), {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, HeteroLLM {strategy}")
+    res.trace.meta["partition"] = {k: c.strategy for k, c in choices.items()}
+    res.trace.meta["predicted_matmul_ms"] = sum(c.time_us for c in choices.values()) * qm.manifest["config"]["n_layers"] / 1e3
+    return res
+
+
+def measure_profile(dev: Client, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, progress: bool = True):
+    """Subgraph times of `qm` measured on this agent over a grid of chunk lengths: a MeasuredProfile
+    (HeteroLLM's "predicted" mode; `.with_mode("real")` for the measured table). See schedule.measure."""
+    from .schedule.measure import measure_profile as measure
+
+    return measure(dev, qm, tokens, chunks, n_chunks, progress)

@@ -1,7 +1,8 @@
 """Kernel backends per lane: which ones this agent can run, which one each lane uses.
 
     cpu   numba (numpy where numba is missing, as on a phone without it)
-    npu   numba: NPU-semantics kernels on this CPU;  hvx: Hexagon v67 HVX machine code under qemu-hexagon
+    npu   numba: NPU-semantics kernels on this CPU (numpy where numba is missing: same results);
+          hvx: Hexagon v67 HVX machine code under qemu-hexagon
     gpu   opencl
 """
 from __future__ import annotations
@@ -11,7 +12,9 @@ BACKENDS = {"cpu": ("numba", "numpy"), "npu": ("numba", "hvx"), "gpu": ("opencl"
 
 def _why_not(lane: str, name: str, opencl=None) -> str | None:
     """None when `name` can run here, else why not (with how to install it). opencl: the devices, if known."""
-    if name in ("numba",):
+    if name == "numba" and lane == "npu":
+        return None  # the NPU-semantics kernels fall back to numpy without numba
+    if name == "numba":
         try:
             import numba  # noqa: F401
         except ImportError:

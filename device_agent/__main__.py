@@ -1,4 +1,5 @@
-"""python -m edgeprobe_agent --bind tcp://127.0.0.1:5555 --store DIR [--memory-budget MB] [--curve-keys DIR]"""
+"""python -m edgeprobe_agent --bind tcp://127.0.0.1:5555 --store DIR [--memory-budget MB] [--curve-keys DIR]
+[--npu-backend numba|hvx]"""
 import os
 
 # A lane stands for one processor: kernels run single-threaded so concurrent lanes do not oversubscribe cores.
@@ -20,6 +21,9 @@ def main(argv=None) -> int:
     ap.add_argument("--curve-keys", help="folder with server.key_secret (zmq.auth); required off loopback")
     ap.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: cpu, npu, and gpu where "
                                     "OpenCL is found)")
+    ap.add_argument("--npu-backend", default="numba", choices=["numba", "hvx"],
+                    help="kernels of the npu lane: numba (NPU semantics on this CPU) or hvx (Hexagon v67 HVX machine code "
+                         "under qemu-hexagon; needs clang-15, lld-15, qemu-user)")
     ap.add_argument("--parent-pid", type=int, default=None,
                     help="stop when this process is gone (Device.local passes its own pid, so a killed host leaves no "
                          "agent holding the store)")
@@ -35,7 +39,7 @@ def main(argv=None) -> int:
         agent = Agent(args.bind, args.store, None if args.memory_budget is None else int(args.memory_budget * 1e6),
                       curve_secret=secret, curve_public=public,
                       lanes=None if args.lanes is None else [l for l in args.lanes.split(",") if l],
-                      parent_pid=args.parent_pid)
+                      parent_pid=args.parent_pid, npu_backend=args.npu_backend)
     except Exception as e:
         print(f"edgeprobe-agent: error: {e}", file=sys.stderr)
         return 2

@@ -8,8 +8,9 @@ A plan (pure data, msgpack-able):
      "lane_order": {lane: [names in the order that lane runs them]},   # default: plan order
      "outputs": [names]}
 Lanes stand for processors: each runs its ops one at a time, in its order; ops on different lanes
-overlap wherever dependencies allow (kernels release the GIL). Ops on `npu` run NPU-semantics
-kernels on this CPU and are marked emulated in their trace events.
+overlap wherever dependencies allow (kernels release the GIL). Ops on `npu` run NPU kernels on this
+machine: with the numba backend NPU-semantics kernels on the CPU (events say emulated "semantics"), with the
+hvx backend Hexagon machine code under qemu-hexagon (emulated "isa", with the DSP's packet counts).
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from .protocol import AgentError
 from .store import now_us
 
 LANES = ("cpu", "npu", "gpu")
-EMULATED_LANES = {"npu"}  # a phone's NPU cannot run here: its kernels run on the CPU, labelled so
+# a phone's NPU cannot run here: what its events' time is unless the op says more (the hvx backend says "isa")
+EMULATED_LANES = {"npu": "semantics"}
 
 
 class PlanError(AgentError):
@@ -140,6 +142,8 @@ class Context:
     session: object = None           # the run's decode session (KV cache kept on the agent), if any
     read_rows: object = None         # (sha, rows, lane=) -> rows of a blob read from flash, not kept resident
     read_blob: object = None         # sha -> a whole blob read from flash, not kept resident
+    backends: dict = field(default_factory=dict)  # lane -> kernel backend chosen for it ("npu": "numba" | "hvx")
+    event: dict | None = None        # fields the running op adds to its trace event (isa, emulated, DSP counts)
 
 
 def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | None = None,
@@ -179,6 +183,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                 if cancel.is_set() or failure:
                     raise Cancelled()
                 args = [resolve(r) for r in op.get("inputs", [])]
+                lane_ctx.event = {}
                 t0 = now_us()
                 try:
                     out = OPS[op["kind"]](args, op.get("attrs", {}), lane_ctx)
@@ -191,8 +196,9 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                       "layer": op.get("layer", -1), "chunk": op.get("chunk", 0),
                       "bytes_in": int(sum(a.nbytes for a in args if isinstance(a, np.ndarray))),
                       "bytes_out": int(out.nbytes), "flops": int(flops(op["kind"], args, out, op.get("attrs", {}), lane_ctx)),
-                      "emulated": lane in EMULATED_LANES, "deps": sorted(plan.parents[name]),
-                      "shape": list(out.shape), "group": op.get("group", name)}
+                      "emulated": lane_ctx.event.pop("emulated", EMULATED_LANES.get(lane, False)),
+                      "deps": sorted(plan.parents[name]), "shape": list(out.shape), "group": op.get("group", name),
+                      **lane_ctx.event}
                 with lock:
                     results[name] = out
                     events.append(ev)

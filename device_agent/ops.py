@@ -118,9 +118,33 @@ def op_linear(inp, attrs, ctx):
         x = np.concatenate([x, np.zeros((pad - m, x.shape[1]), x.dtype)])
     if ctx.lane == "gpu":
         y = _gpu_linear(rec, part, x, ctx, cols)
+    elif ctx.lane == "npu" and ctx.backends.get("npu") == "hvx" and (fn := _hvx_runner(ctx, rec, part, cols)):
+        y = _hvx_call(fn, x, ctx)
     else:
         y = _runner(ctx, rec, part, cols)(x, counters=ctx.counters)
     return y[:m] if pad is not None else y
+
+
+def _hvx_runner(ctx, rec, part, cols):
+    """The record's runner on the Hexagon DSP (kernels/hvx_linear.py), or False when it is not NPU work."""
+    from edgeprobe_kernels import hvx_linear
+
+    key = ("hvx", part, cols, tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
+    return ctx.runners.get(key, lambda: hvx_linear.runner(rec, part, ctx.get, cols) or False)
+
+
+def _hvx_call(fn, x, ctx):
+    """One linear on the DSP: its QEMU counts go into the op's trace event (with a v73 cycle estimate) and the
+    run's counters."""
+    from edgeprobe_kernels.hvx_bridge import ISA, dsp_estimate
+
+    c = {}
+    y = fn(x, counters=ctx.counters, dsp_counts=c)
+    if ctx.event is not None:
+        ctx.event.update({"emulated": "isa", "isa": ISA, **dsp_estimate(c)})
+    for name, k in (("hvx_packets", "packets"), ("hvx_insns", "hvx_insns")):
+        ctx.counters[name] = ctx.counters.get(name, 0) + int(c.get(k, 0))
+    return y
 
 
 def op_concat(inp, attrs, ctx):

@@ -37,7 +37,8 @@ import numpy as np
 import zmq
 
 from . import __version__
-from .executor import LANES, Cancelled, Context, execute, validate
+from .backends import check_backend, lane_backends
+from .executor import EMULATED_LANES, LANES, Cancelled, Context, execute, validate
 from .ops import RunnerCache
 from .protocol import (ALLOWED_DTYPES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, AgentError,
                        ProtocolError, check_request, error_reply, is_shape, pack, request_id, unpack_frames,
@@ -139,10 +140,12 @@ class _Run:
 
 class Agent:
     def __init__(self, bind: str, store_dir, memory_budget: int | None = None, curve_secret: bytes | None = None,
-                 curve_public: bytes | None = None, lanes=None, parent_pid: int | None = None):
+                 curve_public: bytes | None = None, lanes=None, parent_pid: int | None = None,
+                 npu_backend: str = "numba"):
         if not is_loopback(bind) and not curve_secret:
             raise ValueError(f"refusing to bind {bind}: outside loopback the agent needs CURVE keys "
                              "(--curve-keys DIR made with zmq.auth.create_certificates); or bind tcp://127.0.0.1:PORT")
+        self.npu_backend = check_backend("npu", npu_backend)  # before the socket: a missing toolchain stops here
         if lanes is not None and (not lanes or set(lanes) - set(LANES)):
             raise ValueError(f"lanes must be some of {', '.join(LANES)}, got {', '.join(lanes) or 'none'}")
         if lanes is not None and "gpu" in lanes and not opencl_devices():
@@ -307,10 +310,12 @@ class Agent:
 
     # ---- requests ---------------------------------------------------------------------------------
     def do_hello(self, ident, rid, h, arrays):
+        cl = opencl_devices()
         return {"agent_version": __version__, "protocol": PROTOCOL_VERSION, "lanes": self.lanes,
-                "emulated_lanes": ["npu"], "cpu": platform.processor() or platform.machine(),
+                "emulated_lanes": list(EMULATED_LANES), "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
+                "cpu": platform.processor() or platform.machine(),
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
-                "memory_bytes": _memory_bytes(), "opencl": opencl_devices(), "clock_us": now_us(),
+                "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),
                 "numpy": np.__version__, "numba": numba_version(), "store": self.store.stats()}
 
     def do_heartbeat(self, ident, rid, h, arrays):
@@ -523,7 +528,8 @@ class Agent:
             flash = _FlashLog()
             ctx = Context(get=partial(self.store.get, on_read=flash.add), counters={}, runners=self.runners,
                           session=run.session, read_rows=partial(self.store.read_rows, on_read=flash.add),
-                          read_blob=partial(self.store.read_cold, on_read=flash.add))
+                          read_blob=partial(self.store.read_cold, on_read=flash.add),
+                          backends={"npu": self.npu_backend})
             t0 = now_us()
             try:
                 outs, events = execute(plan, inputs, ctx, run.cancel, on_op)

@@ -12,7 +12,8 @@ PYTHON="${PYTHON:-python3}"
 # openssh-server: the test suite deploys the agent over a real sshd on 127.0.0.1 (Termux's stand-in).
 # pocl-opencl-icd, ocl-icd-libopencl1: OpenCL on this CPU (PoCL) for the agent's gpu lane.
 # chromium: the tests look at the report as a person would (headless), and make the README's picture.
-APT_PACKAGES=(libgomp1 openssh-server pocl-opencl-icd ocl-icd-libopencl1 chromium)
+# clang-15, lld-15, qemu-user: the npu lane's hvx backend builds kernels/hvx/ for Hexagon v67 and runs it under qemu-hexagon.
+APT_PACKAGES=(libgomp1 openssh-server pocl-opencl-icd ocl-icd-libopencl1 chromium clang-15 lld-15 qemu-user)
 
 missing=()
 for p in "${APT_PACKAGES[@]}"; do

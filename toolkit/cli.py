@@ -160,12 +160,12 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def open_device(spec: str, ssh_key=None, known_hosts=None, store=None):
+def open_device(spec: str, ssh_key=None, known_hosts=None, store=None, npu_backend=None):
     """--device local | tcp://HOST:PORT | ssh://USER@HOST[:PORT] -> a connected Device."""
     from .device import Device
 
     if spec == "local":
-        return Device.local(store=store)
+        return Device.local(store=store, npu_backend=npu_backend)
     if spec.startswith(("tcp://", "ipc://")):
         return Device.connect(spec)
     if spec.startswith("ssh://"):
@@ -222,9 +222,15 @@ def cmd_run(args) -> int:
     tokens = ids[:n]
     progress = not args.no_progress
     try:
-        dev = open_device(args.device, args.ssh_key, args.known_hosts)
+        dev = open_device(args.device, args.ssh_key, args.known_hosts, npu_backend=args.npu_backend)
     except ValueError as e:
         print(f"edgeprobe: error: {e}", file=sys.stderr)
+        return 2
+    chosen = (dev.info.get("backends") or {}).get("npu", {}).get("chosen", "numba")
+    if chosen != args.npu_backend:
+        dev.close()
+        print(f"edgeprobe: error: the agent at {args.device} runs the npu lane on {chosen}; start it with "
+              f"--npu-backend {args.npu_backend}", file=sys.stderr)
         return 2
     need = {"hetero": {"npu", "gpu"}, "in-order": {"npu", "cpu"}, "ooo": {"npu", "cpu"}}.get(args.scheduler, set())
     lacking = sorted(need - set(dev.info.get("lanes", [])))
@@ -244,22 +250,21 @@ def cmd_run(args) -> int:
         try:
             if args.decode:
                 return _run_decode(args, dev, qm, model, tokens, progress, before)
-            if args.scheduler == "layer":
-                res = dev.prefill(qm, tokens, progress=progress)
-            elif args.scheduler == "hetero":
-                hp, _ = dev.measure_linears(qm, progress=progress)  # HeteroLLM's profiler on this agent
-                res = dev.prefill_hetero(qm, tokens, hp, args.partition, progress=progress)
-                extra = {"partition": res.trace.meta["partition"], "hetero_profile": _plain_profile(hp)}
-            else:
-                prof = _device_profile(args.device_profile, args.model, qm, dev, ids, progress)
-                res = dev.prefill_chunked(qm, tokens, chunk=args.chunk, scheduler=args.scheduler, profile=prof,
-                                          progress=progress)
-                extra = {"device_profile": prof.name}
+            res, extra = _prefill(args, dev, qm, tokens, ids, progress)
         except ScheduleError as e:
             print(f"edgeprobe: error: {e}", file=sys.stderr)
             return 2
         upload = dev.uploaded_bytes - before
         info = dev.info
+    if args.npu_backend != "numba":  # the same plan with the npu lane's numba kernels, on a local agent
+        from .device import Device
+
+        with Device.local(npu_backend="numba") as ref_dev:
+            ref, _ = _prefill(args, ref_dev, qm, tokens, ids, progress)
+        extra["logits_max_abs_diff_vs_numba"] = float(np.abs(res.logits.astype(np.float64) - ref.logits).max())
+        extra["numba_reference_device"] = "local"
+    extra["npu_backend"] = args.npu_backend
+    extra["npu_dsp"] = _dsp_totals(res.trace.events)
     host = _host_logits(qm, tokens, args.chunk if chunked else None)
     m = res.trace.metrics()
     if args.trace:
@@ -269,7 +274,7 @@ def cmd_run(args) -> int:
            "lanes": {k: round(v["busy_pct"], 2) for k, v in m["lanes"].items()},
            "bubbles": {k: v["bubbles"] for k, v in m["lanes"].items()}, "upload_bytes": int(upload),
            "logits_cosine_vs_host": cosine(res.logits[-1], np.asarray(host)), "counters": res.counters,
-           "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu")},
+           "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu", "backends")},
            "trace": args.trace, "scheduler": args.scheduler,
            "chunk": args.chunk if chunked else None,
            "predicted_makespan_ms": res.trace.meta.get("predicted_makespan_ms"), **extra}
@@ -279,7 +284,38 @@ def cmd_run(args) -> int:
         busy = ", ".join(f"{k} {v:.0f}%" for k, v in out["lanes"].items())
         print(f"prefill {n} tokens on {args.device}: {out['tok_per_s']:.0f} tok/s, makespan {m['makespan_ms']:.1f} ms "
               f"(busy: {busy}); uploaded {upload / 1e6:.1f} MB; logits cosine vs host {out['logits_cosine_vs_host']:.6f}")
+        if out["npu_dsp"]:
+            d = out["npu_dsp"]
+            print(f"npu lane on {d['isa']} (qemu-hexagon): {d['hvx_packets']} packets, estimated {d['dsp_ms_estimate']:.2f} ms "
+                  f"on a DSP at {d['dsp_clock_hz'] / 1e9:g} GHz; logits max |diff| vs numba "
+                  f"{out['logits_max_abs_diff_vs_numba']:.3g}")
     return 0
+
+
+def _prefill(args, dev, qm, tokens, ids, progress: bool):
+    """The prefill --scheduler asks for on `dev` -> (RunResult, extra JSON fields)."""
+    if args.scheduler == "layer":
+        return dev.prefill(qm, tokens, progress=progress), {}
+    if args.scheduler == "hetero":
+        hp, _ = dev.measure_linears(qm, progress=progress)  # HeteroLLM's profiler on this agent
+        res = dev.prefill_hetero(qm, tokens, hp, args.partition, progress=progress)
+        return res, {"partition": res.trace.meta["partition"], "hetero_profile": _plain_profile(hp)}
+    prof = _device_profile(args.device_profile, args.model, qm, dev, ids, progress)
+    res = dev.prefill_chunked(qm, tokens, chunk=args.chunk, scheduler=args.scheduler, profile=prof, progress=progress)
+    return res, {"device_profile": prof.name}
+
+
+def _dsp_totals(events) -> dict | None:
+    """What the npu lane's Hexagon code would cost on a DSP, summed over the run (None without the hvx backend)."""
+    dsp = [e for e in events if e.get("isa")]
+    if not dsp:
+        return None
+    clock = dsp[0].get("dsp_clock_hz")
+    packets = sum(int(e.get("hvx_packets", 0)) for e in dsp)
+    return {"isa": dsp[0]["isa"], "ops": len(dsp), "hvx_packets": packets,
+            "dsp_cycles_estimate": sum(int(e.get("dsp_cycles_estimate", 0)) for e in dsp),
+            "dsp_ms_estimate": sum(float(e.get("dsp_us_estimate", 0.0)) for e in dsp) / 1e3, "dsp_clock_hz": clock,
+            "qemu_ms": sum(e["end_us"] - e["start_us"] for e in dsp) / 1e3, "dsp_model": dsp[0].get("dsp_model")}
 
 
 def _run_decode(args, dev, qm, model, tokens, progress: bool, before: int) -> int:
@@ -309,7 +345,7 @@ def _run_decode(args, dev, qm, model, tokens, progress: bool, before: int) -> in
            "lanes": {k: round(v["busy_pct"], 2) for k, v in dec.trace.metrics()["lanes"].items()},
            "upload_bytes": int(dev.uploaded_bytes - before), "logits_cosine_vs_host": cos[0],
            "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu")},
-           "trace": args.trace, "scheduler": "layer", "chunk": None,
+           "trace": args.trace, "scheduler": "layer", "chunk": None, "npu_backend": args.npu_backend,
            "decode_steps": args.decode, "batch": args.batch, "temperature": args.temperature, "seed": args.seed,
            "decode_tok_per_s": dec.decode_tok_per_s,
            "decode_step_ms_median": float(np.median(dec.step_ms)),
@@ -437,7 +473,27 @@ def cmd_agent(args) -> int:
         argv += ["--curve-keys", args.curve_keys]
     if args.lanes:
         argv += ["--lanes", args.lanes]
+    argv += ["--npu-backend", args.npu_backend]
     return agent_main(argv)
+
+
+def cmd_kernels(args) -> int:
+    """kernels check: every kernel of a backend against its numpy reference; exit 1 on any mismatch."""
+    from edgeprobe_kernels.check import BackendUnavailable, check
+
+    try:
+        res = check(args.backend, seed=args.seed)
+    except BackendUnavailable as e:
+        print(f"edgeprobe: error: backend {args.backend} is unavailable here: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for name, r in res["kernels"].items():
+            verdict = "ok" if r["ok"] else "MISMATCH"
+            print(f"{args.backend:7s} {name:22s} {r['cases']:3d} cases  bit-exact {str(r['bit_exact']):5s}  "
+                  f"max |err| {r['max_abs_err']:.3g}  {verdict}")
+    return 0 if res["ok"] else 1
 
 
 def cmd_demo(args) -> int:
@@ -537,6 +593,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", type=int, default=1, help="--decode: sequences decoded together (test-time scaling)")
     r.add_argument("--temperature", type=float, default=0.0, help="--decode: 0 = greedy, else sampled")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--npu-backend", default="numba", choices=["numba", "hvx"],
+                   help="the npu lane's kernels: numba (NPU semantics on this CPU) or hvx (Hexagon v67 HVX code under "
+                        "qemu-hexagon; the JSON then adds logits_max_abs_diff_vs_numba from a second, numba run)")
     r.add_argument("--ssh-key", help="private key for --device ssh://")
     r.add_argument("--known-hosts", help="known_hosts file that must hold the device's host key (ssh)")
     r.add_argument("--trace", help="write the trace as Chrome/Perfetto JSON here")
@@ -565,7 +624,18 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--memory-budget", type=float, default=None, help="MB of blobs kept resident")
     a.add_argument("--curve-keys", help="folder with server.key_secret; required off loopback")
     a.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: all this machine has)")
+    a.add_argument("--npu-backend", default="numba", choices=["numba", "hvx"],
+                   help="the npu lane's kernels: numba (NPU semantics) or hvx (Hexagon code under qemu-hexagon)")
     a.set_defaults(fn=cmd_agent)
+
+    k = sub.add_parser("kernels", help="check a backend's kernels against their numpy references")
+    k.add_argument("action", choices=["check"])
+    k.add_argument("--backend", default="numba", choices=["numba", "hvx", "opencl"],
+                   help="numba: NPU semantics on this CPU; hvx: Hexagon v67 HVX code under qemu-hexagon; opencl: the gpu lane")
+    k.add_argument("--seed", type=int, default=0, help="random cases' seed")
+    k.add_argument("--json", action="store_true", help="print one JSON object: {kernels: {name: {cases, bit_exact, "
+                                                       "max_abs_err}}, ok}")
+    k.set_defaults(fn=cmd_kernels)
 
     d = sub.add_parser("demo", help="the main job: profile, quantize, schedule, run on a local agent, report")
     d.add_argument("--model", default="smollm2-135m")

@@ -113,8 +113,9 @@ class Client:
     # ---- ways to get one ----------------------------------------------------------------------
     @classmethod
     def local(cls, store: str | Path | None = None, memory_budget_mb: float | None = None,
-              startup_timeout_s: float = 60.0, lanes=None):
-        """Start `python -m edgeprobe_agent` on a free loopback port; close() stops it."""
+              startup_timeout_s: float = 60.0, lanes=None, npu_backend: str | None = None):
+        """Start `python -m edgeprobe_agent` on a free loopback port; close() stops it. npu_backend: numba | hvx
+        (the npu lane's kernels: NPU semantics on this CPU, or Hexagon HVX code under qemu-hexagon)."""
         store = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE")
                      or Path(tempfile.gettempdir()) / f"edgeprobe-agent-store-{os.getuid()}")
         cmd = [sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(store),
@@ -123,6 +124,8 @@ class Client:
             cmd += ["--memory-budget", str(memory_budget_mb)]
         if lanes is not None:
             cmd += ["--lanes", ",".join(lanes)]
+        if npu_backend is not None:
+            cmd += ["--npu-backend", npu_backend]
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         tail = StderrTail(proc.stderr)
         url = _read_listen_line(proc, startup_timeout_s, tail)

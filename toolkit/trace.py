@@ -2,7 +2,9 @@
 
 An event: {name, kind, lane, layer, chunk, start_us, end_us (agent clock, or host clock once aligned),
 bytes_in, bytes_out, flops, emulated, deps, shape}. Lanes are processors (cpu, npu, gpu) plus `io`
-for reads from flash. Events of emulated lanes (a phone NPU's kernels run on this CPU) say so.
+for reads from flash. Events of emulated lanes say so: emulated "semantics" (a phone NPU's kernels computed by
+this CPU), "isa" (real Hexagon machine code under qemu-hexagon: then also isa, hvx_packets and the labelled
+dsp_cycles_estimate / dsp_clock_hz), False for measured work. Both strings are truthy: `if e["emulated"]` holds.
 """
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ import numpy as np
 
 LANE_ORDER = ("npu", "gpu", "cpu", "io")
 LANE_LABEL = {"npu": "npu (emulated on CPU)", "gpu": "gpu (OpenCL)", "cpu": "cpu", "io": "io (flash reads)"}
+ISA_LANE_LABEL = "npu (Hexagon HVX code under qemu-hexagon)"  # the npu lane's events carry an isa: the hvx backend
+EVENT_ARGS = ("layer", "chunk", "bytes_in", "bytes_out", "flops", "emulated", "shape", "isa", "hvx_packets",
+              "hvx_insns", "scalar_packets", "dsp_cycles_estimate", "dsp_us_estimate", "dsp_clock_hz")
 
 
 @dataclass
@@ -26,6 +31,12 @@ class Trace:
     def lanes(self) -> list[str]:
         seen = {e["lane"] for e in self.events}
         return [l for l in LANE_ORDER if l in seen] + sorted(seen - set(LANE_ORDER))
+
+    def lane_label(self, lane: str) -> str:
+        """How a lane is named on timelines: what its processor is here (an isa lane runs Hexagon code)."""
+        if lane == "npu" and any(e.get("isa") for e in self.events if e["lane"] == lane):
+            return ISA_LANE_LABEL
+        return LANE_LABEL.get(lane, lane)
 
     def _t0(self) -> float:
         return min((e["start_us"] for e in self.events), default=0.0)
@@ -75,12 +86,12 @@ class Trace:
         tid = {lane: i + 1 for i, lane in enumerate(self.lanes)}
         out = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": self.meta.get("title", "edgeprobe agent")}}]
         for lane, t in tid.items():
-            out.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": LANE_LABEL.get(lane, lane)}})
+            out.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": self.lane_label(lane)}})
             out.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": t, "args": {"sort_index": t}})
         by_name = {e["name"]: e for e in self.events}
         flow = 0
         for e in self.events:
-            args = {k: e[k] for k in ("layer", "chunk", "bytes_in", "bytes_out", "flops", "emulated", "shape") if k in e}
+            args = {k: e[k] for k in EVENT_ARGS if k in e}
             out.append({"ph": "X", "name": e["name"], "cat": e["kind"], "pid": 1, "tid": tid[e["lane"]],
                         "ts": e["start_us"] - t0, "dur": max(e["end_us"] - e["start_us"], 0.001), "args": args})
             for d in e.get("deps", []):
@@ -159,10 +170,11 @@ class Trace:
         for kind in kinds:
             ev = [e for e in self.events if e["kind"] == kind]
             fig.add_bar(
-                y=[LANE_LABEL.get(e["lane"], e["lane"]) for e in ev], x=[(e["end_us"] - e["start_us"]) / 1e3 for e in ev],
+                y=[self.lane_label(e["lane"]) for e in ev], x=[(e["end_us"] - e["start_us"]) / 1e3 for e in ev],
                 base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", name=kind, marker_color=kind_color(kind),
                 customdata=[[e["name"], str(e.get("shape", "")), e.get("bytes_in", 0) / 1e3, e.get("flops", 0) / 1e6,
-                             "emulated" if e.get("emulated") else ""] for e in ev],
+                             f"emulated ({e['emulated']})" if isinstance(e.get("emulated"), str)
+                             else "emulated" if e.get("emulated") else ""] for e in ev],
                 hovertemplate="%{customdata[0]} %{customdata[4]}<br>%{base:.2f} ms + %{x:.3f} ms<br>out %{customdata[1]}, "
                               "in %{customdata[2]:.0f} kB, %{customdata[3]:.1f} MFLOP<extra>" + kind + "</extra>")
         m = self.metrics()
@@ -170,7 +182,7 @@ class Trace:
         fig.update_layout(barmode="overlay", title=(title or self.meta.get("title", "execution trace")) +
                           f"<br><sup>makespan {m['makespan_ms']:.1f} ms; busy {busy}</sup>",
                           xaxis_title="time (ms)", yaxis=dict(categoryorder="array",
-                          categoryarray=[LANE_LABEL.get(l, l) for l in reversed(self.lanes)]),
+                          categoryarray=[self.lane_label(l) for l in reversed(self.lanes)]),
                           legend=dict(orientation="h", y=-0.2), height=320 + 30 * len(self.lanes))
         return fig
 

@@ -1,0 +1,67 @@
+"""Kernel backends per lane: which ones this agent can run, which one each lane uses.
+
+    cpu   numba (numpy where numba is missing, as on a phone without it)
+    npu   numba: NPU-semantics kernels on this CPU (numpy where numba is missing: same results);
+          hvx: Hexagon v67 HVX machine code under qemu-hexagon
+    gpu   opencl
+"""
+from __future__ import annotations
+
+BACKENDS = {"cpu": ("numba", "numpy"), "npu": ("numba", "hvx"), "gpu": ("opencl",)}
+
+
+def _why_not(lane: str, name: str, opencl=None) -> str | None:
+    """None when `name` can run here, else why not (with how to install it). opencl: the devices, if known."""
+    if name == "numba" and lane == "npu":
+        return None  # the NPU-semantics kernels fall back to numpy without numba
+    if name == "numba":
+        try:
+            import numba  # noqa: F401
+        except ImportError:
+            return "numba is not installed (pip install numba)"
+        return None
+    if name == "numpy":
+        return None
+    if name == "hvx":
+        from edgeprobe_kernels import hvx_bridge
+
+        return hvx_bridge.unavailable_reason()
+    if name == "opencl":
+        if opencl is None:
+            from .server import opencl_devices
+
+            opencl = opencl_devices()
+        return None if opencl else "no OpenCL device (Debian: pocl-opencl-icd; pip install pyopencl)"
+    return f"unknown backend {name!r}"
+
+
+def check_backend(lane: str, name: str) -> str:
+    """The backend name when the lane can use it here; ValueError naming what is missing otherwise."""
+    if name not in BACKENDS.get(lane, ()):
+        raise ValueError(f"the {lane} lane has backends {', '.join(BACKENDS.get(lane, ()))}, not {name!r}")
+    why = _why_not(lane, name)
+    if why:
+        raise ValueError(f"--{lane}-backend {name} is unavailable: {why}")
+    if name == "hvx":  # build and start the DSP now, so a broken toolchain shows at startup, not mid-run
+        from edgeprobe_kernels import hvx_bridge
+
+        hvx_bridge.shared().start()
+    return name
+
+
+def lane_backends(chosen: dict, lanes, opencl=None) -> dict:
+    """hello's view: {lane: {"available": [...], "chosen": name, "unavailable": {name: why}}} for the agent's lanes."""
+    out = {}
+    for lane in lanes:
+        names = BACKENDS.get(lane, ())
+        why = {n: _why_not(lane, n, opencl) for n in names}
+        avail = [n for n in names if why[n] is None]
+        default = chosen.get(lane) or (avail[0] if avail else None)
+        out[lane] = {"available": avail, "chosen": default, "unavailable": {n: w for n, w in why.items() if w}}
+        if lane == "npu":  # what the lane's events' time means (executor.EMULATED_LANES, the hvx backend's "isa")
+            out[lane]["emulated"] = "isa" if default == "hvx" else "semantics"
+            if default == "hvx":
+                from edgeprobe_kernels.hvx_bridge import ISA
+
+                out[lane]["isa"] = ISA
+    return out

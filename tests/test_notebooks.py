@@ -1,37 +1,354 @@
-"""The research notebooks execute for real, top to bottom, in a Jupyter kernel (small token budgets)."""
+"""The research notebooks execute for real, top to bottom, in a Jupyter kernel (small token budgets), and the numbers
+each one computed (its last cell writes them to $EDGEPROBE_NB_RESULTS/<notebook>.json) are bounded here: each bound
+is one a wrong computation would fall outside, and where it is cheap a number is recomputed here independently."""
+import json
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+SMALL = {"EDGEPROBE_NB_TOKENS": "1024", "EDGEPROBE_NB_WINDOW": "64", "EDGEPROBE_NB_WINDOWS": "2", "EDGEPROBE_NB_CALIB": "256",
+         "EDGEPROBE_NB_PROMPT": "32"}
 
 
-@pytest.mark.parametrize("name", ["01_outliers.ipynb", "02_experts.ipynb", "03_sparsity.ipynb", "04_quantization.ipynb",
-                                  "05_device_timeline.ipynb", "06_scheduling.ipynb", "07_decoding.ipynb"])
-def test_notebook_executes_and_draws(name, tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGEPROBE_NB_TOKENS", "1024")
+def _train_ids(model):
+    from edgeprobe.corpus import read_corpus
+
+    return model.tokenizer.encode(read_corpus("train"))
+
+
+def _heldout_ids(model):
+    from edgeprobe.corpus import read_corpus
+
+    return model.tokenizer.encode(read_corpus("heldout"))
+
+
+def _increasing(xs, strict=False):
+    return all(a < b if strict else a <= b for a, b in zip(xs, xs[1:]))
+
+
+def check_01_outliers(r, request):
+    from edgeprobe.forward import forward
+    from edgeprobe.profile import OutlierStats
+
+    assert r["tokens"] == 1024 and r["windows"] == 4
+    # clips are the 99.99th percentile of |x| on these very tokens, so about 1e-4 of the values exceed them
+    # (a histogram percentile, hence not exact): a wrong clip or count lands decades away
+    assert 3e-5 < r["outlier_fraction_of_values"] < 3e-4
+    assert r["outlier_fraction_of_values"] == pytest.approx(r["outlier_values"] / (r["tokens"] * r["channels"]))
+    # mllm-NPU Fig. 10: 0.1-0.3% of channels per inference; SmolLM2's narrow layers put it near 1%, never 5%
+    assert 0.05 < r["outlier_channels_pct_mean"] <= r["outlier_channels_pct_max_layer"] < 5
+    # Fig. 11: < 3% of channels produce 80% of the outliers (an unsorted or reversed share would need far more)
+    assert 0 < r["pct_channels_for_80pct_outliers"] < 3 and 0 < r["pct_channels_for_80pct_outliers_llm_int8"] < 3
+    # Fig. 12: 15% of 30 layers kept (floor(0.85 * 30) = 25 pruned), the most important ones, near the input and output
+    imp = np.array(r["layer_importance"])
+    assert sorted(r["kept_layers"]) == sorted(np.argsort(imp)[-5:].tolist())
+    assert min(r["kept_layers"]) <= 2 and max(r["kept_layers"]) >= 27 and imp.min() >= 1.0  # max |x| >= its p99.99 clip
+    # recomputed here: the same windows through the float forward pass, outliers counted by numpy with the saved clips
+    model = request.getfixturevalue("smollm")
+    clips = OutlierStats.load(r["profile"]).params["clips"]
+    count, layer_max = 0, np.zeros(len(imp))
+
+    def hook(name, x):
+        nonlocal count
+        if name in clips:
+            a = np.abs(x)
+            count += int((a > clips[name]).sum())
+            i = int(name.split(".")[1])
+            layer_max[i] = max(layer_max[i], float(a.max()) / clips[name])
+
+    ids = _train_ids(model)[:r["tokens"]]
+    for w in range(r["windows"]):
+        forward(model, ids[w * r["window"]:(w + 1) * r["window"]], hooks=hook, logits="none")
+    assert abs(count - r["outlier_values"]) <= 1e-3 * r["outlier_values"]  # BLAS summation order may move a value or two
+    np.testing.assert_allclose(layer_max, imp, rtol=1e-4)
+
+
+def _lru_hit_rate(routing, capacity):
+    """routing int[tokens, layers, k] -> hit rate of an LRU buffer of `capacity` (layer, expert) keys, decoding token
+    by token, layer by layer; a layer's own experts are pinned (EdgeMoE §3.3), so a miss evicts the least recently
+    used other one, or keeps nothing when every resident expert is pinned."""
+    recent, hits, uses = [], 0, 0  # least recently used first
+    for token in routing:
+        for layer, experts in enumerate(token):
+            need = [(layer, int(e)) for e in experts]
+            for key in need:
+                uses += 1
+                if key in recent:
+                    hits += 1
+                    recent.remove(key)
+                elif len(recent) >= capacity:
+                    victims = [x for x in recent if x not in need]
+                    if not victims:
+                        continue
+                    recent.remove(victims[0])
+                recent.append(key)
+    return hits / uses
+
+
+def check_02_experts(r, request):
+    from edgeprobe import models
+
+    L, E, k = r["layers"], r["experts"], r["top_k"]
+    load, router = np.array(r["load_entropy_bits"]), np.array(r["router_entropy_bits"])
+    # EdgeMoE §2.2: experts are used about evenly (entropy near log2 E bits) while each token's routing is decided
+    assert (load <= np.log2(E) + 1e-9).all() and (load > 0.85 * np.log2(E)).all() and (0 < router).all() and (router < load).all()
+    # Fig. 4: paths (top-1 expert per layer) sorted by frequency; the top fifth carries well over a fifth of the tokens
+    assert r["paths_possible"] == E ** L and 0 < r["paths_observed"] <= r["tokens"]
+    assert 0.4 < r["top20pct_paths_token_share"] <= 1
+    c1, c2 = r["conditional_peak_order1"], r["conditional_peak_order2"]
+    assert c1[0] is None and c2[0] is None and c2[1] is None
+    # Fig. 8: conditioning on one more layer refines the contexts, so the token-weighted best guess cannot get worse;
+    # both far above a uniform guess (1/E), up to the paper's ~87%
+    assert all(c2[i] >= c1[i] - 1e-9 for i in range(2, L))
+    assert all(1 / E + 0.2 < v <= 1 for v in c1[1:] + c2[2:])
+    hr = r["predictor_hit_rate"]
+    for rates in hr.values():  # preloading n experts catches more of the k used as n grows (nested sets)
+        rates = [rates[f"top{n}"] for n in (1, 2, 3, 4)]
+        assert 0 < rates[0] and _increasing(rates, strict=True) and rates[-1] <= 1
+    # the previous layers' choices predict better than frequency alone, and far better than a random 2 of E
+    assert hr["order2"]["top2"] > hr["order0"]["top2"] and hr["order1"]["top2"] > 2 / E + 0.1
+    fl, u = r["float_loss"], r["uniform_loss"]
+    # fewer bits, more loss: per-channel INT8 is within noise of float, ternary INT2 is catastrophic (Fig. 7a)
+    assert abs(u["int8"] - fl) < 0.01 and u["int4"] - fl < 0.05 and u["int2"] - fl > 0.3 and u["int2"] > u["int4"]
+    sens = np.array(r["sensitivity"])
+    # one expert at INT2 costs far less than all of them, and experts differ (the most sensitive >> the median)
+    assert sens.shape == (L, E) and sens.max() < u["int2"] - u["int4"] and sens.max() > 3 * max(np.median(sens), 1e-3)
+    curve = r["tolerance_curve"]
+    # the selection's contract (§3.2): the tolerated P bounds the perplexity increase on the windows it chose on;
+    # a larger P never costs bytes (Fig. 15)
+    assert all(x["reachable"] and x["perplexity_increase"] <= x["tolerance"] + 1e-9 for x in curve)
+    assert _increasing([-x["model_bytes"] for x in curve]) and curve[-1]["model_bytes"] < curve[0]["model_bytes"]
+    # bytes counted here: an expert is 3 linears of hidden x expert_ffn codes at b bits, plus FP16 scales per row
+    c = models.load("tiny-moe").config
+    nbytes = {b: 3 * c.hidden * c.expert_ffn * b // 8 + 2 * (2 * c.expert_ffn + c.hidden) for b in (2, 4, 8)}
+    for x in curve:
+        assert x["expert_bytes"] == x["k_low"] * nbytes[x["low"]] + (L * E - x["k_low"]) * nbytes[x["high"]]
+        assert x["model_bytes"] == x["expert_bytes"] + r["other_bytes"]
+    acc = r["accuracy"]
+    # 126 held-out tokens: INT8 / Q4_0 within noise of float; moe-mixed at P = 5% (chosen on training windows) costs
+    # more, yet far less than every expert at INT2
+    assert all(np.isfinite(v) for v in acc.values())
+    assert abs(acc["llm-int8"] / acc["float"] - 1) < 0.05 and abs(acc["q4_0"] / acc["float"] - 1) < 0.1
+    assert acc["float"] < acc["moe-mixed"] < acc["float"] * np.exp(u["int2"] - fl)
+    hit = {(x["policy"], x["capacity"], x["preload"]): x["hit_rate"] for x in r["cache"]}
+    caps = sorted({cap for _, cap, _ in hit})
+    assert all(0 <= v <= 1 for v in hit.values())
+    # recomputed here by a plain LRU list over the replayed routing (the current layer's experts are never evicted)
+    routing = np.load(r["routing"])
+    assert routing.shape == (r["heldout_tokens"], L, k)
+    for cap in caps:
+        assert hit[("lru", cap, False)] == pytest.approx(_lru_hit_rate(routing, cap))
+    # no LRU hit is possible below 2(L-1)+1 experts: between two uses of one expert come both experts of every other layer
+    assert all(hit[("lru", cap, False)] == 0 for cap in caps if cap < 2 * (L - 1) + 1)
+    # EdgeMoE's policy beats frequency-only LFU at every size, and its preloading lifts it at every size (Fig. 13)
+    assert all(hit[("edgemoe", cap, False)] > hit[("lfu", cap, False)] for cap in caps)
+    assert all(hit[("edgemoe", cap, True)] > hit[("edgemoe", cap, False)] for cap in caps)
+
+
+def check_03_sparsity(r, request):
+    from edgeprobe.forward import forward
+
+    F, inact = r["ffn"], r["inactive_fraction_mean"]
+    # SiLU at 1% FFN-output error: about a fifth of the neurons drop; ReLU models would be > 90%, a broken threshold 0 or 1
+    assert 0 < r["inactive_fraction_min"] <= inact <= r["inactive_fraction_max"] < 1 and 0.05 < inact < 0.5
+    # thresholds calibrated for eps on the first window, measured on all four: near eps, far from 0 or 10x
+    assert 0.3 * r["eps"] < r["achieved_error_mean"] < 2 * r["eps"] and r["achieved_error_max"] < 3 * r["eps"]
+    # a neuron fires at most once per token, so covering 80% of the firings takes >= 80% x the active share of neurons
+    assert 80 * (1 - inact) - 0.1 <= r["hot_neurons_pct_for_80pct_mean"] <= 100
+    w = r["sliding_window"]
+    ks = sorted(w, key=int)
+    # a window of one token holds exactly that token's active neurons: the same number the firing counts give
+    assert w["1"]["resident"] == pytest.approx(F * (1 - inact), rel=1e-3)
+    # a longer window holds more neurons and loads fewer new ones per token (LLM in a flash §3.1)
+    assert _increasing([w[k]["resident"] for k in ks], strict=True) and w[ks[-1]]["resident"] <= F
+    assert _increasing([-w[k]["new_per_token"] for k in ks], strict=True) and 0 < w[ks[-1]]["new_per_token"]
+    # the error budget: more tolerated error, higher thresholds in every layer, more neurons dropped
+    budget = sorted((float(e), v) for e, v in r["error_budget"].items())
+    assert _increasing([v["inactive_fraction"] for _, v in budget], strict=True)
+    assert all(_increasing(list(t)) for t in zip(*[v["thresholds"] for _, v in budget]))
+    assert 0 < budget[0][1]["inactive_fraction"] and budget[-1][1]["inactive_fraction"] < 1
+    # recomputed here: on the calibration tokens every layer's FFN output error stays within its eps, and the
+    # inactive share is what the notebook reported
+    model = request.getfixturevalue("smollm")
+    acts = {}
+    forward(model, _train_ids(model)[:r["sweep_tokens"]], logits="none",
+            hooks=lambda n, x: acts.__setitem__(int(n.split(".")[1]), x.astype(np.float64)) if n.endswith(".ffn_act") else None)
+    for eps, v in budget:
+        fracs = []
+        for i, tau in enumerate(v["thresholds"]):
+            a, wd = acts[i], np.asarray(model.weights[f"blk.{i}.ffn_down.weight"], np.float64)
+            drop = np.abs(a) <= tau
+            assert np.linalg.norm((a * drop) @ wd.T) <= (eps + 1e-4) * np.linalg.norm(a @ wd.T), (eps, i)
+            fracs.append(drop.mean())
+        assert np.mean(fracs) == pytest.approx(v["inactive_fraction"], abs=1e-3)
+    p = r["predictor"]
+    # SiLU leaves no exact zeros: a rank-32 predictor keeps recall only by predicting most neurons active
+    assert 0.7 < p["recall_mean"] <= 1 and 0.5 < p["precision_mean"] <= 1 and 0.5 < p["predicted_fraction_mean"] <= 1
+    assert 0 < p["ffn_error_mean"] < 0.5
+
+
+def check_04_quantization(r, request):
+    from edgeprobe.evaluate import window_nll
+    from edgeprobe.forward import forward
+
+    model = request.getfixturevalue("smollm")
+    rows = r["schemes"]
+    ppl = {k: v["perplexity"] for k, v in rows.items()}
+    # recomputed here: float perplexity over the same held-out windows
+    held, W = _heldout_ids(model), r["window"]
+    nll = np.concatenate([window_nll(forward(model, held[i * W:(i + 1) * W]), held[i * W:(i + 1) * W])
+                          for i in range(r["windows"])])
+    assert ppl["float"] == pytest.approx(float(np.exp(nll.mean())), rel=1e-4) and rows["float"]["top1_agreement"] == 1
+    assert all(np.isfinite(v) and v > ppl["float"] for k, v in ppl.items() if k != "float")  # rounding never helps here
+    # mllm-NPU Table 5: shadow outliers repair most of what per-tensor W8A8 loses (here x14 -> under x2)
+    assert ppl["w8a8-shadow"] < ppl["smoothquant"] * 1.5 and 3 * ppl["w8a8-shadow"] < ppl["w8a8"]
+    assert ppl["llm-int8"] < 1.15 * ppl["float"]  # LLM.int8(): float outlier columns, dynamic scales: within a few %
+    assert abs(ppl["q4_0-tile"] / ppl["q4_0"] - 1) < 0.1  # the tile order regroups Q4_0 blocks; it costs little
+    assert rows["w8a8"]["top1_agreement"] == min(v["top1_agreement"] for v in rows.values()) < 0.5
+    # bytes counted here from the shapes: float32 = 4 B/weight, int8 = 1, Q4_0 = 18 B per 32 weights
+    c = model.config
+    n = c.n_layers * (2 * c.hidden * c.n_heads * c.head_dim + 2 * c.hidden * c.n_kv_heads * c.head_dim + 3 * c.hidden * c.ffn)
+    assert rows["float"]["weight_bytes"] == 4 * n and rows["w8a8"]["weight_bytes"] == rows["w8a8-shadow"]["weight_bytes"] == n
+    assert rows["q4_0"]["weight_bytes"] == rows["q4_0-tile"]["weight_bytes"] == n // 32 * 18
+    err = {k: np.array(v) for k, v in r["layer_error"].items()}
+    assert all(((0 < e) & (e < 1.5)).all() for e in err.values())
+    # a pruned layer's shadow linears are plain W8A8; a kept layer's shadow GEMMs only remove clipping error
+    pruned = set(r["pruned_layers_at_0.85"])
+    kept = sorted(set(range(c.n_layers)) - pruned)
+    assert len(kept) == c.n_layers - int(0.85 * c.n_layers)
+    assert all(err["w8a8-shadow"][i] == err["w8a8"][i] for i in pruned)
+    assert all(err["w8a8-shadow"][i] < err["w8a8"][i] for i in kept)
+    assert err["llm-int8"].max() < err["w8a8"].max()
+    pr = r["prune_rate"]
+    # pruning more layers' outliers costs accuracy and saves cold reads; pruning all of them reads no shadow row
+    assert _increasing([x["perplexity"] for x in pr]) and pr[0]["perplexity"] < pr[-1]["perplexity"]
+    assert _increasing([-x["cold_bytes_read"] for x in pr], strict=True) and pr[-1]["cold_bytes_read"] == 0
+    cov = r["coverage"]
+    # coverage moves shadow rows between memory and flash; the arithmetic, hence the perplexity, is unchanged
+    assert len({x["perplexity"] for x in cov}) == 1 and cov[1]["perplexity"] == pr[0]["perplexity"]
+    assert _increasing([x["shadow_resident_bytes"] for x in cov], strict=True)
+    assert _increasing([-x["cold_bytes_read"] for x in cov], strict=True)
+
+
+def check_05_device_timeline(r, request):
+    assert r["cosine_vs_host"] >= 0.9999  # the same kernels, the same order on both sides: equal up to rounding
+    assert 0.95 < r["cosine_vs_float"] < r["cosine_vs_host"]  # int8 moves the logits a little: the agent ran the scheme
+    lanes, span = r["lanes"], r["makespan_ms"]
+    assert lanes["npu"]["ops"] == 7 * 30 and lanes["npu"]["emulated"] and not lanes["cpu"]["emulated"] and lanes["cpu"]["ops"] > 0
+    for v in lanes.values():
+        # one worker thread per lane: its ops and the bubbles between them fit in the makespan; busy% is the ops' share
+        assert 0 < v["op_ms"] and v["op_ms"] + v["bubble_ms"] <= span * 1.001 and 0 <= v["bubbles"] < v["ops"]
+        assert v["busy_pct"] == pytest.approx(100 * v["op_ms"] / span, rel=0.02)
+    assert r["shadow_layers"] == 30 - int(0.85 * 30)  # mllm-NPU prunes the outliers of 85% of the layers
+    c = r["counters"]
+    # a cold row is read for a channel with an outlier; it is one float32 input row of a weight, 192..1536 outputs wide
+    assert 0 < c["cold_rows_read"] <= c["outliers"]
+    assert 192 * 4 * c["cold_rows_read"] <= c["cold_bytes_read"] <= 1536 * 4 * c["cold_rows_read"]
+    assert r["gpu_cosine_vs_host"] >= 0.9999 and r["gpu_lane_ops"] == 7 * 30
+    for row in r["sweep"]:
+        assert row["makespan_ms"] > 0 and 0 < row["npu_busy_pct"] <= 100
+        # the panel compares with the host's unchunked pass: exact for the layer plan; chunks sum attention and
+        # shadow GEMMs in another order, which per-tensor int8 amplifies (0.997 seen with every layer's outliers)
+        assert row["cosine_vs_host"] >= (0.9999 if row["scheduler"] == "layer" else 0.99), row
+
+
+def check_06_scheduling(r, request):
+    mem = r["memory_1024_256"]
+    for m in mem.values():
+        # §3.2: only attention (1 of a layer's 4 subgraphs) depends on the chunk index; with 4 chunks the static three
+        # are built once instead of 4 times, so at most 3/4 of the memory is saved (the paper's "up to 75%")
+        assert 4 * m["shared_subgraphs"] == 3 * m["subgraphs_per_chunk"]
+        assert m["saving"] == pytest.approx(1 - m["chunk_shared_bytes"] / m["chunk_graphs_bytes"]) and 0 < m["saving"] < 0.75
+    # SmolLM2's attention buffers weigh more against its small weights than Qwen's
+    assert mem["SmolLM2-135M"]["saving"] < mem["Qwen1.5-1.8B"]["saving"]
+    md = r["modelled"]
+    # §3.4 on the modelled Snapdragon: out-of-order inside the paper's 0.56-0.82x of in-order, the NPU busier
+    assert 0.56 <= md["ooo_ms"] / md["in_order_ms"] <= 0.82 and md["npu_busy_ooo"] > md["npu_busy_in_order"]
+    assert 0 < md["decision_us"] < 1000  # microseconds per decision, as the paper says
+    # nothing beats the exact optimum; the heuristic stays within a few % of it on small instances
+    assert all(0 <= g["gap"] < 0.05 for g in r["exact_gap"])
+    for length, h in r["hetero_modelled"].items():
+        t = h["total_ms"]
+        # HeteroLLM §4: the solver picks per matmul among the strategies, so it is never slower than any one of them
+        assert all(t["solver"] <= v * (1 + 1e-9) for v in t.values()), length
+        assert h["speedup_vs_padding"] == pytest.approx(t["npu-pad"] / t["solver"]) and h["speedup_vs_padding"] < 2.5
+    assert max(h["speedup_vs_padding"] for k, h in r["hetero_modelled"].items() if k != "256") > 1.3  # unaligned lengths
+    assert all(0 < v < 1 for v in r["fit_error_median"].values())  # the fitted cost model is off by well under 100%
+    ms = r["measured"]
+    for s in ("in-order", "ooo"):
+        # one worker thread per lane: its ops fit in the makespan, and busy% is their share of it
+        assert all(0 < v <= ms[s]["makespan_ms"] * 1.001 for v in ms[s]["op_ms"].values())
+        assert all(ms[s]["lanes"][k] == pytest.approx(100 * v / ms[s]["makespan_ms"], rel=0.02) for k, v in ms[s]["op_ms"].items())
+    assert ms["predicted_ooo_ms"] > 0 and 0 < ms["median_subgraph_error"] < 1
+    hm = r["hetero_measured"]
+    pt = hm["predicted_total_ms"]
+    assert all(pt["solver"] <= v * (1 + 1e-9) for v in pt.values())  # the solver over the agent-measured profile
+    assert all(v > 0 for v in hm["makespan_ms"].values()) and hm["npu_gops"] > 0 and hm["gpu_gflops"] > 0
+
+
+def check_07_decoding(r, request):
+    assert r["decode_tok_per_s"] > 0 and r["step_ms_median"] > 0
+    assert r["cosine_vs_host_min"] >= 0.9999  # the agent's decode steps against the host's simulation of them
+    assert 0.95 < r["cosine_vs_float_min"] < r["cosine_vs_host_min"]  # q4_0-tile moves the logits; the agent ran it
+    tps = r["batch_tok_per_s"]
+    assert tps["4"] > tps["1"] > 0  # NPU TTS §3.2: a batch shares the weight reads, so it yields more tokens per second
+    scores = [c["score"] for c in r["best_of_n"]]
+    assert len(scores) == 4 and scores == sorted(scores, reverse=True) and all(s < 0 for s in scores)  # mean log-probs
+    ex = {x["name"]: x for x in r["experts"]}
+    uses, eb = r["expert_uses_per_token"], r["expert_bytes"]
+    assert ex["all resident"]["mb_per_token"] == 0
+    # from flash without a buffer every routed expert is read at every token: counted here from the expert sizes
+    assert ex["float, from flash"]["mb_per_token"] == pytest.approx(uses * eb["float"] / 1e6)
+    assert ex["+ INT4 experts"]["mb_per_token"] == pytest.approx(uses * eb["int4"] / 1e6)
+    assert ex["+ INT4 experts"]["hit_rate"] == 0 and 0 < ex["+ preloading"]["hit_rate"] <= 1
+    # EdgeMoE Fig. 16: the buffer keeps experts across tokens, so fewer bytes than reading every use
+    buf = ex["+ buffer (24, edgemoe)"]
+    assert 0 < buf["hit_rate"] <= 1 and buf["mb_per_token"] < ex["+ INT4 experts"]["mb_per_token"]
+    assert 0 <= r["simulator_hit_rate"] <= 1
+    n = r["neurons"]
+    assert 0.9 < n["recall"] <= 1 and 0 < n["predicted_fraction"] <= 1  # trained for 99% recall
+    # 99% recall drops ~1% of the neurons: perplexity moves by a few % either way on one short window
+    assert abs(n["sparse_ppl"] / n["dense_ppl"] - 1) < 0.1 and 5 < n["dense_ppl"] < 50
+    modes = {m["name"]: m["mb_per_token"] for m in n["modes"]}
+    # dense from flash reads every FFN neuron's bundle (gate row, up row, down column in FP16) for all 30 layers
+    assert modes["all resident"] == 0 and modes["dense from flash"] == pytest.approx(30 * 1536 * 3 * 576 * 2 / 1e6)
+    assert modes["sparse + window 5"] < modes["dense from flash"]
+    assert all(v > 0 for v in r["rowcut_step_ms"].values())
+
+
+CHECKS = {"01_outliers": check_01_outliers, "02_experts": check_02_experts, "03_sparsity": check_03_sparsity,
+          "04_quantization": check_04_quantization, "05_device_timeline": check_05_device_timeline,
+          "06_scheduling": check_06_scheduling, "07_decoding": check_07_decoding}
+
+
+@pytest.mark.parametrize("name", ["01_outliers", "02_experts", "03_sparsity", "04_quantization", "05_device_timeline",
+                                  "06_scheduling", "07_decoding"])
+def test_notebook_executes_draws_and_computes_plausible_numbers(name, tmp_path, monkeypatch, request):
+    for k, v in SMALL.items():
+        monkeypatch.setenv(k, v)
     # figures carry plotly.js inline as text/html too, so an HTML export renders offline (checked in Chromium below)
     monkeypatch.setenv("PLOTLY_RENDERER", "plotly_mimetype+notebook")
     monkeypatch.setenv("EDGEPROBE_AGENT_STORE", str(tmp_path / "agent-store"))
-    for k, v in {"EDGEPROBE_NB_WINDOW": "64", "EDGEPROBE_NB_WINDOWS": "2", "EDGEPROBE_NB_CALIB": "256",
-                 "EDGEPROBE_NB_PROMPT": "32"}.items():
-        monkeypatch.setenv(k, v)
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+    monkeypatch.setenv("EDGEPROBE_NB_RESULTS", str(tmp_path / "results"))
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
     NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
     figures = [o for o in outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
     assert len(figures) >= 3
-    assert "application/vnd.plotly.v1+json" in str(outputs)
     for f in figures:
         assert f["data"]["application/vnd.plotly.v1+json"]["data"], "an empty figure"
     text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
-    assert "paper" in text  # our numbers are printed beside the paper's
     assert nb.cells[0].source.startswith("# ") and "Question" in nb.cells[0].source
-    assert "What we found" in nb.cells[-2].source or "What we found" in nb.cells[-1].source
-    if name == "05_device_timeline.ipynb":  # the live panel: its controls and a timeline the sweep redrew in place
+    assert "What we found" in [c for c in nb.cells if c.cell_type == "markdown"][-1].source
+    results = json.loads((tmp_path / "results" / f"{name}.json").read_text())
+    print(f"\n{name}: {json.dumps(results)[:4000]}")
+    CHECKS[name](results, request)
+    if name == "05_device_timeline":  # the live panel: its controls and a timeline the sweep redrew in place
         state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"].values()
         models = [w["model_name"] for w in state]
         assert models.count("DropdownModel") >= 3 and "FloatSliderModel" in models and "ButtonModel" in models
@@ -39,7 +356,7 @@ def test_notebook_executes_and_draws(name, tmp_path, monkeypatch):
         shown = text[text.index("the panel now shows:"):].splitlines()[0]
         # after the sweep the panel shows its last setting (q4_0-tile, layer by layer), not the first run
         assert "q4_0-tile" in shown and "layer" in shown and "chunk" not in shown and not shown.endswith("(0 bars)")
-    if name == "06_scheduling.ipynb":  # exported to HTML and looked at in a real headless Chromium
+    if name == "06_scheduling":  # exported to HTML and looked at in a real headless Chromium
         from nbconvert import HTMLExporter
 
         from edgeprobe.browser import dump_dom

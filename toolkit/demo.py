@@ -156,6 +156,7 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
         "predicted_in_order_ms": round(predicted["in-order"].makespan_us / 1e3, 1),
         "predicted_ooo_ms": round(predicted["ooo"].makespan_us / 1e3, 1),
         "busy_pct_ooo": {k: round(v["busy_pct"], 1) for k, v in mk["ooo"]["lanes"].items()},
+        "busy_pct_in_order": {k: round(v["busy_pct"], 1) for k, v in mk["in-order"]["lanes"].items()},
         "chunk_shared_memory_saving": round(mem["saving"], 3),
         "report": str(out / "report.html"), "trace": str(trace_path), "timeline": str(out / "timeline.html"),
     }

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from edgeprobe.browser import dump_dom, screenshot
@@ -13,11 +14,46 @@ from edgeprobe.demo import DemoError, run_demo
 def test_demo_writes_a_report_that_renders_in_chromium_and_reruns_from_caches(tmp_path):
     out = tmp_path / "out"
     lines = []
-    kw = dict(out=out, prompt_len=128, chunk=64, profile_tokens=1024, eval_windows=1, accuracy_windows=1,
+    # best of 5 alternating runs per scheduler: a 128-token prefill takes ~0.6 s, one run swings by +-15%, and the
+    # gain of reordering two chunks is small (0.89-0.99x seen), so the minimum of a few runs is what compares
+    kw = dict(out=out, prompt_len=128, chunk=64, profile_tokens=1024, eval_windows=1, accuracy_windows=1, repeats=5,
               progress=False, print_fn=lines.append)
     s = run_demo(**kw)
-    assert 0 < s["ooo_vs_in_order"] < 2 and s["in_order_ms"] > 0 and s["predicted_ooo_ms"] > 0
-    assert set(s["accuracy"]) == {"float", "w8a8", "w8a8-shadow", "q4_0-tile"} and 0 < s["chunk_shared_memory_saving"] < 1
+    print("\ndemo summary:", json.dumps({k: v for k, v in s.items() if k not in ("report", "trace", "timeline")}))
+    # mllm-NPU §3.4's mechanism: out-of-order fills the emulated NPU's bubbles (idle 67-87 ms in-order, 25-39 ms
+    # out-of-order seen) ...
+    idle = {k: s[f"{k}_ms"] * (1 - s[f"busy_pct_{k}"]["npu"] / 100) for k in ("in_order", "ooo")}
+    assert idle["ooo"] < 0.75 * idle["in_order"]
+    # ... and its point: on the best-of runs out-of-order finishes first. Marginal on two shared cores: the overlap
+    # it adds slows the NPU lane's own ops (+6-15% under other processes' load), 0.89-1.03x seen
+    assert s["ooo_ms"] < s["in_order_ms"] and s["ooo_vs_in_order"] == pytest.approx(s["ooo_ms"] / s["in_order_ms"], abs=2e-3)
+    # ... as the heuristic predicted on the agent-measured cost model (0.86-0.89x seen); a greedy list schedule predicted
+    # slower than program order would make the measured gain luck
+    assert 0 < s["predicted_ooo_ms"] < s["predicted_in_order_ms"]
+    assert all(0 < v <= 100 for v in s["busy_pct_ooo"].values()) and s["busy_pct_ooo"]["npu"] > 0
+    # 2 chunks: static subgraphs are built once instead of twice, so at most half of the per-chunk memory is saved
+    assert 0 < s["chunk_shared_memory_saving"] < 1 - 1 / 2
+    acc = {k: v["perplexity"] for k, v in s["accuracy"].items()}
+    assert set(acc) == {"float", "w8a8", "w8a8-shadow", "q4_0-tile"}
+    # the float row recomputed here from the same 256 held-out tokens (rounded to 3 decimals in the summary)
+    from edgeprobe import models
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.evaluate import window_nll
+    from edgeprobe.forward import forward
+
+    m = models.load("smollm2-135m")
+    held = m.tokenizer.encode(read_corpus("heldout"))
+    ids = held[:256]
+    assert acc["float"] == pytest.approx(float(np.exp(window_nll(forward(m, ids), ids).mean())), abs=2e-3)
+    ids = held[:512]  # the held-out perplexity: one window of 512 (eval_windows=1)
+    assert s["perplexity_heldout"] == pytest.approx(float(np.exp(window_nll(forward(m, ids), ids).mean())), abs=2e-3)
+    # mllm-NPU Table 5's order: shadow outliers repair most of what per-tensor W8A8 loses; nothing beats float
+    assert acc["float"] < acc["w8a8-shadow"] < acc["w8a8"] and acc["float"] < acc["q4_0-tile"]
+    assert all(v["delta_vs_float_pct"] == pytest.approx(100 * (acc[k] / acc["float"] - 1), abs=0.02)
+               for k, v in s["accuracy"].items())
+    # outliers touch a few channels (mllm-NPU Fig. 10: 0.1-0.3%; SmolLM2's narrow layers ~1%), concentrated (Fig. 11)
+    assert 0 < s["outlier_channels_pct"] < 5 and 0 < s["channels_for_80pct_outliers_pct"] < 5
+    assert 0.02 < s["ffn_inactive_fraction"] < 0.6  # SiLU at 1% FFN error: about a fifth inactive, never ReLU's >90%
     assert any("summary" in line for line in lines)
     trace = json.loads((out / "trace.json").read_text())
     assert {e["ph"] for e in trace["traceEvents"]} >= {"X", "M"}  # Perfetto: complete events, named tracks

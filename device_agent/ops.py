@@ -11,7 +11,8 @@ import threading
 
 import numpy as np
 
-from edgeprobe_kernels.linear_records import RUNNERS, run_w8a8, shadow_delta, x_wt
+from edgeprobe_kernels.linear_records import (NPU_RUNNERS, RUNNERS, SHADOW_KINDS, W8A8_KINDS, run_w8a8, shadow_delta,
+                                              w8a8_scale, x_wt)
 from edgeprobe_kernels.llama_ops import apply_rope, attention, geglu_act, head_rms_norm, rms_norm, rope_tables, swiglu_act
 
 from .protocol import AgentError
@@ -76,14 +77,16 @@ class RunnerCache:
 
 def _runner(ctx, rec, part, cols=None):
     """The cached runner of a linear record; built with counters=None: callers pass their run's counters."""
-    key = (part, cols, tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
     kind = rec.get("kind")
+    runners = NPU_RUNNERS if ctx.lane == "npu" else RUNNERS
+    key = (part, cols, runners[kind] if kind in runners else None,
+           tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
     if part == "int8" or (kind == "w8a8" and part == "all"):  # the emulated NPU keeps float32 copies
         build = lambda: run_w8a8(rec, ctx.get, None, cols, keep_f32=True)
     elif part == "shadow":
         build = lambda: shadow_delta(rec, ctx.get, None)
-    elif kind in RUNNERS:
-        build = lambda: RUNNERS[kind](rec, ctx.get, None)
+    elif kind in runners:
+        build = lambda: runners[kind](rec, ctx.get, None)
     else:
         raise OpError("unknown_record", f"linear record kind {kind!r} is unknown to this agent")
     return ctx.runners.get(key, build)
@@ -167,17 +170,17 @@ def _gpu_linear(rec, part, x, ctx, cols=None):
 
     g, kind = shared(), rec.get("kind")
     N, K = rec["shape"]
-    if cols is not None and kind not in ("w8a8", "w8a8-shadow"):
+    if cols is not None and kind not in W8A8_KINDS:
         raise OpError("bad_attrs", f"cols splits only int8 linears on the gpu lane, not {kind!r}")
     if kind == "float":
         return g.gemm_f32(x, ctx.get(rec["w"]), key=rec["w"])
-    if kind in ("w8a8", "w8a8-shadow") and part in ("all", "int8") and not (kind == "w8a8-shadow" and part == "all"):
+    if kind in W8A8_KINDS and part in ("all", "int8") and not (kind in SHADOW_KINDS and part == "all"):
         sa = rec["scale_a"]
         wt = ctx.get(rec["wt"])  # int8[K, N]
         if cols is not None:
             wt = wt[:, cols[0]:cols[1]]
         c = g.gemm_s8s32(quantize_per_tensor(x, sa), wt.T, key=(rec["wt"], cols))
-        return c.astype(np.float32) * np.float32(sa * rec["scale_w"])
+        return c.astype(np.float32) * w8a8_scale(rec, ctx.get, cols)
     if kind in ("q4_0", "q4_0-tile"):  # W4A16: dequantize to FP16 once, half storage on the device
         key = rec["blocks"]
         if kind == "q4_0":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .f16_gemm import gemm_f16w_seq_ref
 from .int8_gemm import gemm_s8s32_ref
 from .lut import exp_table, lut16_dequant_ref
 from .tiles import pack_superblocks, quantize_tiles, unpack_superblocks
@@ -36,15 +37,6 @@ def w8a8_ref(x, wt, scale_a, scale_w, smooth=None) -> np.ndarray:
         x = (x.astype(np.float64) / smooth.astype(np.float64)).astype(np.float32)
     c = gemm_s8s32_ref(quantize_ref(x, scale_a), wt)
     return c.astype(np.float32) * np.float32(scale_a * scale_w)
-
-
-def gemm_f16w_seq_ref(x: np.ndarray, w16: np.ndarray) -> np.ndarray:
-    """float16(x) @ w16^T with float32 sums taken over k in order (the DSP's scalar kernel): float32[M, N]."""
-    xh, wf = x.astype(np.float16).astype(np.float32), w16.astype(np.float32)
-    y = np.zeros((x.shape[0], w16.shape[0]), np.float32)
-    for k in range(x.shape[1]):
-        y += xh[:, k:k + 1] * wf[:, k][None, :]  # exact products, one rounding per add, as the kernel does
-    return y
 
 
 def exp_ref(bits: np.ndarray) -> np.ndarray:
@@ -129,6 +121,7 @@ def _compare(name, results, exact_required=True, tol=0.0) -> dict:
 def _backend_kernels(backend: str):
     """name -> fn for each kernel the backend implements (the npu lane's kernels, the gpu lane's GEMMs)."""
     if backend == "numba":
+        from .f16_gemm import gemm_f16w_seq
         from .int8_gemm import gemm_s8s32, gemm_s8s32_numba, quantize_per_tensor
         from .linear_records import run_smoothquant, run_w8a8
         from .lut import exp_lut, lut16_dequant
@@ -144,6 +137,7 @@ def _backend_kernels(backend: str):
 
         return {"gemm_s8s32": gemm_s8s32, "gemm_s8s32_numba": gemm_s8s32_numba, "quantize_per_tensor": quantize_per_tensor,
                 "w8a8_linear": w8a8, "q4_tile_dequant": dequant,
+                "gemm_f16w_seq": lambda x, w16: gemm_f16w_seq(x, np.ascontiguousarray(w16.T, np.float32)),
                 "exp_lut": lambda bits: exp_lut(bits.view(np.float16))}
     if backend == "hvx":
         from . import hvx_bridge

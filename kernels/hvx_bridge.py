@@ -404,7 +404,7 @@ class HvxDsp:
 
     def gemm_f16w(self, x: np.ndarray, w16: np.ndarray, key=None, counters: dict | None = None) -> np.ndarray:
         """x float32[M, K] -> float16(x) @ w16^T as float32[M, N]; w16 float16[N, K]. Summed in k order on the
-        Hexagon scalar core (HMX's job on a phone): close to BLAS, not bit-identical (the order of float adds)."""
+        Hexagon scalar core (HMX's job on a phone): sums over k in order, bit-identical with kernels/f16_gemm.py."""
         x = _check_x(x, None)
         if not isinstance(w16, np.ndarray) or w16.dtype != np.float16 or w16.ndim != 2 or w16.shape[1] != x.shape[1]:
             raise ValueError(f"gemm_f16w needs w16 float16[N, {x.shape[1]}], got {getattr(w16, 'dtype', type(w16))}"

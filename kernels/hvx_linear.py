@@ -9,8 +9,8 @@ QEMU's counts for the call: packets, insns, hvx_insns, scalar_packets (hvx_bridg
     w8a8-shadow (part all)                       the int8 GEMM on the DSP + the sparse float shadow GEMM on the
                                                  CPU, as mllm-NPU §3.3 splits it (the shadow part is CPU work)
     q4_0-tile                                    super-blocks dequantized once through vlut16, then the FP16
-                                                 GEMM on the Hexagon scalar core per call (close, not exact:
-                                                 float adds in another order than BLAS; docs/hvx.md)
+                                                 GEMM on the Hexagon scalar core per call, summed over k in
+                                                 order as the numba npu lane does (kernels/f16_gemm.py): exact
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from .linear_records import shadow_delta
 from .tiles import from_tiles
 
 HVX_KINDS = {"w8a8", "w8a8-shadow", "smoothquant", "q4_0-tile"}  # the npu lane's record kinds (NPU_KINDS)
-EXACT_KINDS = {"w8a8", "w8a8-shadow", "smoothquant"}               # bit-identical with the numba backend
+EXACT_KINDS = HVX_KINDS                                            # bit-identical with the numba backend
 
 
 def _w8a8(rec, get, cols=None, smooth=None, dsp=None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .f16_gemm import gemm_f16w_seq
 from .int8_gemm import gemm_s8s32, quantize_per_tensor
 from .intn import dequantize_channels
 from .lut import lut16_dequant
@@ -19,6 +20,8 @@ from .tiles import dequantize_tiles
 
 
 SMALL_M = 32
+W8A8_KINDS = {"w8a8", "w8a8-shadow", "w8a8c-shadow"}  # an int8 GEMM with a per-tensor activation scale
+SHADOW_KINDS = {"w8a8-shadow", "w8a8c-shadow"}        # plus mllm-NPU's float shadow GEMM of the outliers
 WEIGHT_FIELDS = ("w", "wt", "codes", "scales", "blocks")  # record fields naming a linear's weight blobs
 
 
@@ -43,12 +46,23 @@ def run_float(rec, get, counters):
 def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
     """cols (a, b): only output channels a..b-1 (one side of a row-cut split, HeteroLLM §4.1). keep_f32: keep
     the int8 weight's float32 copy for the exact BLAS path (the agent, which runs one weight every step)."""
-    wt, sa, sw = get(rec["wt"]), rec["scale_a"], rec["scale_w"]
+    wt, sa = get(rec["wt"]), rec["scale_a"]
     if cols is not None:
         wt = np.ascontiguousarray(wt[:, cols[0]:cols[1]])
     wf = wt.astype(np.float32) if keep_f32 else None
-    scale = np.float32(sa * sw)
+    scale = w8a8_scale(rec, get, cols)
     return lambda x, counters=counters: gemm_s8s32(quantize_per_tensor(x, sa), wt, wf).astype(np.float32) * scale
+
+
+def w8a8_scale(rec, get, cols=None):
+    """The factor from int32 sums to y: float32 scale_a * scale_w (per tensor), or float32[N] scale_a * the
+    record's per-output-channel weight scales (w8a8c-shadow: QNN/HTP's axis-quantized weights)."""
+    if rec.get("scale_w_ch") is None:
+        return np.float32(rec["scale_a"] * rec["scale_w"])
+    sw = np.asarray(get(rec["scale_w_ch"]), np.float32)
+    if cols is not None:
+        sw = sw[cols[0]:cols[1]]
+    return np.float32(rec["scale_a"]) * sw
 
 
 def run_shadow(rec, get, counters):
@@ -103,6 +117,14 @@ def run_q4_0_tile(rec, get, counters):
     return lambda x, counters=counters: x_wt(x.astype(np.float16).astype(np.float32), w)
 
 
+def run_q4_0_tile_seq(rec, get, counters):
+    """q4_0-tile as the npu lane computes it: float32 sums over k in order (kernels/f16_gemm.py), the same
+    bits as the hvx backend's DSP kernel; 1.5-4x slower than BLAS, so host simulations keep run_q4_0_tile."""
+    N, K = rec["shape"]
+    wt = np.ascontiguousarray(dequantize_tiles(get(rec["blocks"]), N, K).T, np.float32)  # k-major, f16 values
+    return lambda x, counters=counters: gemm_f16w_seq(x, wt)
+
+
 def run_moe_mixed(rec, get, counters):
     N, K = rec["shape"]
     w = dequantize_channels(get(rec["codes"]), get(rec["scales"]), rec["bits"], K)
@@ -135,9 +157,11 @@ RUNNERS = {
     "float": run_float,
     "w8a8": run_w8a8,
     "w8a8-shadow": run_shadow,
+    "w8a8c-shadow": run_shadow,  # per-channel weight scales: run_w8a8 reads scale_w_ch
     "smoothquant": run_smoothquant,
     "llm-int8": run_llm_int8,
     "q4_0": run_q4_0,
     "q4_0-tile": run_q4_0_tile,
     "moe-mixed": run_moe_mixed,
 }
+NPU_RUNNERS = {**RUNNERS, "q4_0-tile": run_q4_0_tile_seq}  # the npu lane's fixed summation order

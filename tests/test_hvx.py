@@ -136,3 +136,26 @@ def test_cli_kernels_check(capsys, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     assert main(["kernels", "check", "--backend", "hvx", "--json"]) == 2
     assert "apt-get install clang-15 lld-15 qemu-user" in capsys.readouterr().err
+
+
+@needs_hvx
+def test_q4_0_tile_is_bit_exact_between_the_npu_backends(dsp):
+    """The W4A16 GEMM fixes its summation order (k from 0) on both backends; BLAS (the host's) does not."""
+    from edgeprobe.quant.blobs import BlobStore
+    from edgeprobe.quant.schemes import build_q4_0_tile
+    from edgeprobe_kernels import hvx_linear
+    from edgeprobe_kernels.linear_records import NPU_RUNNERS, RUNNERS
+
+    store = BlobStore()
+    rec = build_q4_0_tile("blk.0.ffn_up", rng.standard_normal((70, 130)).astype(np.float32), {}, store)
+    x = (rng.standard_normal((5, 130)) * 4).astype(np.float32)
+    numba_y = NPU_RUNNERS["q4_0-tile"](rec, store.get, {})(x)
+    hvx_y = hvx_linear.runner(rec, "all", store.get, dsp=dsp)(x)
+    assert np.array_equal(numba_y.view(np.uint32), hvx_y.view(np.uint32))
+    host = RUNNERS["q4_0-tile"](rec, store.get, {})(x)  # BLAS: the same products, another order
+    assert np.allclose(host, numba_y, rtol=1e-5, atol=1e-5)
+
+
+def test_numba_kernel_check_includes_the_k_order_gemm():
+    r = check("numba")
+    assert r["ok"] and r["kernels"]["gemm_f16w_seq"]["bit_exact"] and r["kernels"]["gemm_f16w_seq"]["cases"] >= 3

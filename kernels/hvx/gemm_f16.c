@@ -1,9 +1,8 @@
 /* The W4A16 linear's GEMM (q4_0-tile, NPU TTS paper §5): float16 activations times float16 weights, float32
  * sums. A phone runs it on HMX, which QEMU does not have; v67 HVX has no float vectors, so here it runs on
- * the scalar core, summing over k in order. Every product of two float16 values is exact in float32, so only
- * the order of the additions can differ from another implementation, and it does: numpy's BLAS sums in
- * blocks and SIMD lanes of its own choosing. This kernel is therefore close to, not bit-identical with, the
- * numba backend (docs/hvx.md gives the measured difference).
+ * the scalar core. Every product of two float16 values is exact in float32, so only the order of the
+ * additions decides the bits: each sum runs over k in order from 0, the order kernels/f16_gemm.py (the
+ * numba backend) uses too, so the two backends agree bit for bit.
  */
 #include "hvx_float.h"
 #include "hvx_kernels.h"

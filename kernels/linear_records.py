@@ -143,6 +143,7 @@ def shadow_delta(rec, get, counters):
     def delta(x, counters=counters):
         y = np.zeros((x.shape[0], N), np.float32)
         rows, cols, vals = extract_outliers(x, clip)
+        counters["shadow_values"] = counters.get("shadow_values", 0) + x.size  # of which `outliers` went to float
         if len(rows):
             shadow_gemm(rows, cols, vals, slot, hot, cold, y)
             cold_ch = np.unique(cols[slot[cols] < 0])

@@ -38,9 +38,10 @@ from edgeprobe import models
 from edgeprobe.corpus import read_corpus
 from edgeprobe.profile.jobs import profile_outliers
 
+MODEL = os.environ.get("EDGEPROBE_NB_MODEL", "smollm2-135m")  # or "gemma3-270m", or a GGUF path
 TOKENS = int(os.environ.get("EDGEPROBE_NB_TOKENS", 32768))   # the test suite runs this notebook small
 WINDOW = min(512, TOKENS // 4)
-model = models.load("smollm2-135m")
+model = models.load(MODEL)
 ids = model.tokenizer.encode(read_corpus("train"))
 stats = profile_outliers(model, ids, tokens=TOKENS, window=WINDOW)
 s = stats.summary()
@@ -83,7 +84,8 @@ code("""from edgeprobe.profile import OutlierStats
 stats.save("out/notebook_outliers.npz")
 assert OutlierStats.load("out/notebook_outliers.npz") == stats"""),
 results("01_outliers", """present = [n for n in stats.names if n in stats.arrays]
-results = {"tokens": s["tokens"], "windows": s["windows"], "window": WINDOW, "percentile": s["percentile"],
+results = {"model": MODEL, "layers": model.config.n_layers, "tokens": s["tokens"], "windows": s["windows"],
+           "window": WINDOW, "percentile": s["percentile"],
            "channels": sum(len(stats.arrays[n]["chmax"]) for n in present),
            "outlier_values": sum(int(stats.arrays[n]["count"].sum()) for n in present),
            "outlier_fraction_of_values": s["outlier_fraction_of_values"],
@@ -597,9 +599,10 @@ from edgeprobe.corpus import read_corpus
 from edgeprobe.profile.jobs import profile_sparsity
 from edgeprobe.profile import train_predictors
 
+MODEL = os.environ.get("EDGEPROBE_NB_MODEL", "smollm2-135m")  # or "gemma3-270m" (GeGLU), or a GGUF path
 TOKENS = int(os.environ.get("EDGEPROBE_NB_TOKENS", 16384))
 WINDOW = min(512, TOKENS // 4)
-model = models.load("smollm2-135m")
+model = models.load(MODEL)
 ids = model.tokenizer.encode(read_corpus("train"))
 stats = profile_sparsity(model, ids, tokens=TOKENS, window=WINDOW, eps=0.01)
 s = stats.summary(bits=4)
@@ -613,7 +616,7 @@ code("""stats.figure("frequency")"""),
 code("""print(f"80% of firings come from {s['hot_neurons_pct_for_80pct_mean']:.0f}% of neurons (per layer, mean)")"""),
 md("## Sliding window: resident neurons and flash traffic per token"),
 code("""stats.figure("window")"""),
-code("""dense = 3 * 576 * 1536 * 4 / 8
+code("""dense = 3 * model.config.hidden * model.config.ffn * 4 / 8
 for k, w in s["window"].items():
     print(f"k={k:>2}: {w['resident']:7.1f} resident, {w['new_per_token']:6.1f} new/token, "
           f"{w['flash_bytes_per_token_per_layer'] / 1024:6.1f} KiB/token/layer at 4 bits "
@@ -646,7 +649,7 @@ for eps in (0.005, 0.01, 0.03):
     budget[eps] = (taus, float(np.mean([(np.abs(acts[f"blk.{i}.ffn_act"]) <= taus[i]).mean() for i in taus])))
     print(f"eps {100 * eps:3.1f}%: {100 * budget[eps][1]:5.1f}% of neurons inactive on {SWEEP} calibration tokens")
 go.Figure(go.Scatter(x=[100 * e for e in budget], y=[100 * v for _, v in budget.values()], mode="lines+markers")
-          ).update_layout(title="Inactive neurons against the tolerated FFN output error (SmolLM2, SiLU)",
+          ).update_layout(title=f"Inactive neurons against the tolerated FFN output error ({model.name}, {model.config.act_fn})",
                           xaxis_title="tolerated FFN output error ε (%)", yaxis_title="neurons inactive (%)")"""),
 md("""## What we found
 
@@ -667,7 +670,7 @@ Measured on SmolLM2-135M with 16,384 tokens (rerun the cells for live numbers):
   built for ReLU's exact zeros.
 - **The error budget buys sparsity slowly**: on 128 calibration tokens ε = 0.5 / 1 / 3 % leaves 15 / 21 / 34 % of
   the neurons inactive: even a 3 % error in every FFN's output keeps two thirds of a SiLU FFN active."""),
-results("03_sparsity", """results = {"tokens": s["tokens"], "window": WINDOW, "eps": s["eps"], "ffn": model.config.ffn, "sweep_tokens": SWEEP,
+results("03_sparsity", """results = {"model": MODEL, "act_fn": model.config.act_fn, "tokens": s["tokens"], "window": WINDOW, "eps": s["eps"], "ffn": model.config.ffn, "sweep_tokens": SWEEP,
            "inactive_fraction_mean": s["inactive_fraction_mean"], "inactive_fraction_min": s["inactive_fraction_min"],
            "inactive_fraction_max": s["inactive_fraction_max"], "inactive_fraction_per_layer": s["inactive_fraction_per_layer"],
            "thresholds": stats.params["thresholds"], "achieved_error_mean": s["achieved_error_mean"],
@@ -698,20 +701,45 @@ from edgeprobe.corpus import read_corpus
 from edgeprobe.quant import quantize, calibration_profile
 from edgeprobe.quant.report import accuracy_table, format_table
 
+# the table covers every model named; the sections below study the first one
+MODELS = os.environ.get("EDGEPROBE_NB_MODEL", "smollm2-135m,gemma3-270m").split(",")
 WINDOW = int(os.environ.get("EDGEPROBE_NB_WINDOW", 512))      # the test suite runs this notebook small
 WINDOWS = int(os.environ.get("EDGEPROBE_NB_WINDOWS", 8))
 CALIB = int(os.environ.get("EDGEPROBE_NB_CALIB", 4096))
-model = models.load("smollm2-135m")
-train = model.tokenizer.encode(read_corpus("train"))
-heldout = model.tokenizer.encode(read_corpus("heldout"))
-profile = calibration_profile(model, train, tokens=CALIB, window=min(WINDOW, CALIB))
-rows = accuracy_table(model, heldout, profile, window=WINDOW, max_windows=WINDOWS)
-print(format_table(rows))
+tables = {}
+for name in MODELS:
+    m = models.load(name)
+    train, held = (m.tokenizer.encode(read_corpus(c)) for c in ("train", "heldout"))
+    prof = calibration_profile(m, train, tokens=CALIB, window=min(WINDOW, CALIB))
+    tables[name] = accuracy_table(m, held, prof, window=WINDOW, max_windows=WINDOWS)
+    print(m.name, "-", WINDOWS, "held-out windows of", WINDOW, "tokens")
+    print(format_table(tables[name]), "\n")
+    if name == MODELS[0]:
+        model, train, heldout, profile = m, train, held, prof
+    del m
+rows = tables[MODELS[0]]
 print("paper (mllm-NPU Table 5): W8A8 + shadow outliers within ~1% of FP16; per-tensor W8A8 (SmoothQuant) loses 5-15%")"""),
+md("""## Both models side by side
+
+`channels in float` is the share of linear-input values (token × input channel) computed in float: all of them
+for float, the shadow GEMM's outliers for the two shadow schemes, none for the pure integer and 4-bit schemes.
+`w8a8-shadow` is the paper's exact variant (per-tensor weight and activation scales, clip at p99.99, 85% of
+layers' outliers pruned); `w8a8c-shadow` keeps per-tensor int8 activations and the float shadow, but takes the
+weights' scales per output channel (QNN/HTP's axis quantization) and clips at p99, so ~1% of values go to float."""),
+code("""import plotly.graph_objects as go
+cols = ["model", "scheme", "ppl", "vs float", "top-1 vs float", "weight MB", "channels in float"]
+flat = [(name, r) for name in MODELS for r in tables[name]]
+cells = [[n for n, _ in flat], [r["scheme"] for _, r in flat], [f"{r['perplexity']:.3f}" for _, r in flat],
+         [("" if r["delta_vs_float_pct"] is None else f"{r['delta_vs_float_pct']:+.2f}%") for _, r in flat],
+         [f"{100 * r['top1_agreement']:.1f}%" for _, r in flat], [f"{r['weight_bytes'] / 1e6:.1f}" for _, r in flat],
+         [("n/a" if r["channels_in_float_pct"] is None else f"{r['channels_in_float_pct']:.2f}%") for _, r in flat]]
+go.Figure(go.Table(header={"values": cols}, cells={"values": cells})).update_layout(
+    title="Every scheme on every model: held-out perplexity, agreement with float, bytes, float share",
+    height=90 + 24 * len(flat))"""),
 code("""import plotly.graph_objects as go
 fig = go.Figure(go.Scatter(x=[r["weight_bytes"] / 1e6 for r in rows], y=[r["delta_vs_float_pct"] for r in rows],
                            text=[r["scheme"] for r in rows], mode="markers+text", textposition="top center"))
-fig.update_layout(title="Perplexity change vs linear-weight bytes (SmolLM2-135M)", xaxis_title="linear weights (MB)",
+fig.update_layout(title=f"Perplexity change vs linear-weight bytes ({model.name})", xaxis_title="linear weights (MB)",
                   yaxis_title="perplexity vs float (%)", yaxis_type="log")
 fig"""),
 md("## Where the error comes from: per-layer output error of each linear"),
@@ -719,7 +747,7 @@ code("""from edgeprobe.forward import forward
 from edgeprobe.quant.schemes import INPUT_POINT
 acts = {}
 forward(model, heldout[:WINDOW], hooks=lambda n, x: acts.setdefault(n, x.copy()), logits="none")
-schemes = ["w8a8", "w8a8-shadow", "smoothquant", "llm-int8", "q4_0", "q4_0-tile"]
+schemes = ["w8a8", "w8a8-shadow", "w8a8c-shadow", "smoothquant", "llm-int8", "q4_0", "q4_0-tile"]
 qms = {s: quantize(model, s, profile) for s in schemes}
 L = model.config.n_layers
 err = {s: np.zeros(L) for s in schemes}
@@ -773,7 +801,10 @@ tokens (rerun the cells for live numbers):
   grid stacks two rounding errors; the tile order costs a few points more than row order here (the paper saw
   nearly none on a float checkpoint).
 - Coverage trades memory for flash reads without touching accuracy; the prune rate trades accuracy for CPU work."""),
-results("04_quantization", """results = {"window": WINDOW, "windows": WINDOWS, "calib_tokens": CALIB,
+results("04_quantization", """results = {"window": WINDOW, "windows": WINDOWS, "calib_tokens": CALIB, "models": MODELS,
+           "tables": {n: {r["scheme"]: {k: r[k] for k in ("perplexity", "delta_vs_float_pct", "top1_agreement",
+                                                          "weight_bytes", "channels_in_float_pct", "tokens_scored")}
+                          for r in tables[n]} for n in MODELS},
            "schemes": {r["scheme"]: {k: r[k] for k in ("perplexity", "delta_vs_float_pct", "top1_agreement", "weight_bytes",
                                                        "tokens_scored")} for r in rows},
            "layer_error": {s_: err[s_].tolist() for s_ in schemes}, "pruned_layers_at_0.85": profile.pruned_layers(0.85),

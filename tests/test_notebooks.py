@@ -14,6 +14,9 @@ SMALL = {"EDGEPROBE_NB_TOKENS": "1024", "EDGEPROBE_NB_WINDOW": "64", "EDGEPROBE_
          "EDGEPROBE_NB_PROMPT": "32"}
 
 
+MODEL_FIXTURE = {"smollm2-135m": "smollm", "gemma3-270m": "gemma"}
+
+
 def _train_ids(model):
     from edgeprobe.corpus import read_corpus
 
@@ -35,6 +38,7 @@ def check_01_outliers(r, request):
     from edgeprobe.profile import OutlierStats
 
     assert r["tokens"] == 1024 and r["windows"] == 4
+    L = r["layers"]
     # clips are the 99.99th percentile of |x| on these very tokens, so about 1e-4 of the values exceed them
     # (a histogram percentile, hence not exact): a wrong clip or count lands decades away
     assert 3e-5 < r["outlier_fraction_of_values"] < 3e-4
@@ -43,12 +47,14 @@ def check_01_outliers(r, request):
     assert 0.05 < r["outlier_channels_pct_mean"] <= r["outlier_channels_pct_max_layer"] < 5
     # Fig. 11: < 3% of channels produce 80% of the outliers (an unsorted or reversed share would need far more)
     assert 0 < r["pct_channels_for_80pct_outliers"] < 3 and 0 < r["pct_channels_for_80pct_outliers_llm_int8"] < 3
-    # Fig. 12: 15% of 30 layers kept (floor(0.85 * 30) = 25 pruned), the most important ones, near the input and output
+    # Fig. 12: 15% of the layers kept (30 layers: floor(0.85 * 30) = 25 pruned), the most important ones
     imp = np.array(r["layer_importance"])
-    assert sorted(r["kept_layers"]) == sorted(np.argsort(imp)[-5:].tolist())
-    assert min(r["kept_layers"]) <= 2 and max(r["kept_layers"]) >= 27 and imp.min() >= 1.0  # max |x| >= its p99.99 clip
+    assert len(imp) == L and sorted(r["kept_layers"]) == sorted(np.argsort(imp)[-(L - int(0.85 * L)):].tolist())
+    assert imp.min() >= 1.0  # max |x| >= its p99.99 clip
+    if r["model"] == "smollm2-135m":  # SmolLM2: near the input and the output, as the paper found
+        assert min(r["kept_layers"]) <= 2 and max(r["kept_layers"]) >= 27
     # recomputed here: the same windows through the float forward pass, outliers counted by numpy with the saved clips
-    model = request.getfixturevalue("smollm")
+    model = request.getfixturevalue(MODEL_FIXTURE[r["model"]])
     clips = OutlierStats.load(r["profile"]).params["clips"]
     count, layer_max = 0, np.zeros(len(imp))
 
@@ -153,8 +159,9 @@ def check_03_sparsity(r, request):
     from edgeprobe.forward import forward
 
     F, inact = r["ffn"], r["inactive_fraction_mean"]
-    # SiLU at 1% FFN-output error: about a fifth of the neurons drop; ReLU models would be > 90%, a broken threshold 0 or 1
-    assert 0 < r["inactive_fraction_min"] <= inact <= r["inactive_fraction_max"] < 1 and 0.05 < inact < 0.5
+    # SiLU / GELU at 1% FFN-output error: a fifth to a half of the neurons drop; ReLU models would be > 90%, a
+    # broken threshold 0 or 1
+    assert 0 < r["inactive_fraction_min"] <= inact <= r["inactive_fraction_max"] < 1 and 0.05 < inact < 0.6
     # thresholds calibrated for eps on the first window, measured on all four: near eps, far from 0 or 10x
     assert 0.3 * r["eps"] < r["achieved_error_mean"] < 2 * r["eps"] and r["achieved_error_max"] < 3 * r["eps"]
     # a neuron fires at most once per token, so covering 80% of the firings takes >= 80% x the active share of neurons
@@ -173,7 +180,8 @@ def check_03_sparsity(r, request):
     assert 0 < budget[0][1]["inactive_fraction"] and budget[-1][1]["inactive_fraction"] < 1
     # recomputed here: on the calibration tokens every layer's FFN output error stays within its eps, and the
     # inactive share is what the notebook reported
-    model = request.getfixturevalue("smollm")
+    model = request.getfixturevalue(MODEL_FIXTURE[r["model"]])
+    assert model.config.act_fn == r["act_fn"]
     acts = {}
     forward(model, _train_ids(model)[:r["sweep_tokens"]], logits="none",
             hooks=lambda n, x: acts.__setitem__(int(n.split(".")[1]), x.astype(np.float64)) if n.endswith(".ffn_act") else None)
@@ -203,7 +211,8 @@ def check_04_quantization(r, request):
     nll = np.concatenate([window_nll(forward(model, held[i * W:(i + 1) * W]), held[i * W:(i + 1) * W])
                           for i in range(r["windows"])])
     assert ppl["float"] == pytest.approx(float(np.exp(nll.mean())), rel=1e-4) and rows["float"]["top1_agreement"] == 1
-    assert all(np.isfinite(v) and v > ppl["float"] for k, v in ppl.items() if k != "float")  # rounding never helps here
+    # rounding never helps here; w8a8c-shadow sits so close to float that a 128-token sample may land either side
+    assert all(np.isfinite(v) and v > ppl["float"] for k, v in ppl.items() if k not in ("float", "w8a8c-shadow"))
     # mllm-NPU Table 5: shadow outliers repair most of what per-tensor W8A8 loses (here x14 -> under x2)
     assert ppl["w8a8-shadow"] < ppl["smoothquant"] * 1.5 and 3 * ppl["w8a8-shadow"] < ppl["w8a8"]
     assert ppl["llm-int8"] < 1.15 * ppl["float"]  # LLM.int8(): float outlier columns, dynamic scales: within a few %
@@ -227,6 +236,23 @@ def check_04_quantization(r, request):
     # pruning more layers' outliers costs accuracy and saves cold reads; pruning all of them reads no shadow row
     assert _increasing([x["perplexity"] for x in pr]) and pr[0]["perplexity"] < pr[-1]["perplexity"]
     assert _increasing([-x["cold_bytes_read"] for x in pr], strict=True) and pr[-1]["cold_bytes_read"] == 0
+    # every model's table (SmolLM2 and Gemma 3): float recomputed, the float share of each scheme as defined
+    for name, t in r["tables"].items():
+        m = request.getfixturevalue(MODEL_FIXTURE[name])
+        held = _heldout_ids(m)
+        nll = np.concatenate([window_nll(forward(m, held[i * W:(i + 1) * W]), held[i * W:(i + 1) * W])
+                              for i in range(r["windows"])])
+        assert t["float"]["perplexity"] == pytest.approx(float(np.exp(nll.mean())), rel=1e-4), name
+        assert t["float"]["channels_in_float_pct"] == 100 and t["w8a8"]["channels_in_float_pct"] == 0
+        assert t["q4_0-tile"]["channels_in_float_pct"] == 0
+        # p99 clips on the calibration tokens: about 1% of held-out values above them (never the p99.99 variant's 0.01%)
+        assert 0.2 < t["w8a8c-shadow"]["channels_in_float_pct"] < 3, name
+        assert t["w8a8-shadow"]["channels_in_float_pct"] < t["w8a8c-shadow"]["channels_in_float_pct"]
+        # per-channel weight scales and the tight clip: closer to float than the paper's per-tensor variant
+        assert t["w8a8c-shadow"]["perplexity"] < t["w8a8-shadow"]["perplexity"], name
+        assert t["w8a8c-shadow"]["perplexity"] < 1.05 * t["float"]["perplexity"], name
+        assert t["w8a8c-shadow"]["top1_agreement"] > t["w8a8-shadow"]["top1_agreement"] - 0.02, name
+    assert set(r["tables"]) == {"smollm2-135m", "gemma3-270m"}
     cov = r["coverage"]
     # coverage moves shadow rows between memory and flash; the arithmetic, hence the perplexity, is unchanged
     assert len({x["perplexity"] for x in cov}) == 1 and cov[1]["perplexity"] == pr[0]["perplexity"]
@@ -325,11 +351,15 @@ CHECKS = {"01_outliers": check_01_outliers, "02_experts": check_02_experts, "03_
           "06_scheduling": check_06_scheduling, "07_decoding": check_07_decoding}
 
 
-@pytest.mark.parametrize("name", ["01_outliers", "02_experts", "03_sparsity", "04_quantization", "05_device_timeline",
+@pytest.mark.parametrize("name", ["01_outliers", "01_outliers@gemma3-270m", "02_experts", "03_sparsity",
+                                  "03_sparsity@gemma3-270m", "04_quantization", "05_device_timeline",
                                   "06_scheduling", "07_decoding"])
 def test_notebook_executes_draws_and_computes_plausible_numbers(name, tmp_path, monkeypatch, request):
+    name, _, model = name.partition("@")  # notebooks 01, 03, 04 take the model from EDGEPROBE_NB_MODEL
     for k, v in SMALL.items():
         monkeypatch.setenv(k, v)
+    if model:
+        monkeypatch.setenv("EDGEPROBE_NB_MODEL", model)
     # figures carry plotly.js inline as text/html too, so an HTML export renders offline (checked in Chromium below)
     monkeypatch.setenv("PLOTLY_RENDERER", "plotly_mimetype+notebook")
     monkeypatch.setenv("EDGEPROBE_AGENT_STORE", str(tmp_path / "agent-store"))

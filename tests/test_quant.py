@@ -71,6 +71,29 @@ def test_w8a8_linear_is_the_integer_formula(smollm, quantized, profile):
     np.testing.assert_allclose(qm.linear("blk.2.ffn_up", x), expect, rtol=1e-6, atol=1e-6)
 
 
+def test_channel_shadow_is_per_channel_int8_plus_every_outlier_in_float(smollm, quantized, profile, ids,
+                                                                         independent_linear):
+    """w8a8c-shadow: per-output-channel weight scales, the activation clip at the 99th percentile, no pruning."""
+    from edgeprobe.profile.outliers import CHANNEL_CLIP_PERCENTILE
+
+    qm = quantized["w8a8c-shadow"]
+    name = "blk.2.ffn_down"
+    rec, point = qm.manifest["linears"][name], input_point(name)
+    assert rec["clip"] == pytest.approx(profile.clips_at(CHANNEL_CLIP_PERCENTILE)[point])
+    assert rec["clip"] < profile.params["clips"][point] and rec["scale_a"] == pytest.approx(rec["clip"] / 127)
+    assert all(r["shadow"] for n, r in qm.manifest["linears"].items())  # no layer pruned
+    sw = qm.store.get(rec["scale_w_ch"])
+    assert sw.shape == (rec["shape"][0],) and np.unique(sw).size > rec["shape"][0] // 2  # one scale per channel
+    x = np.random.default_rng(1).standard_normal((6, rec["shape"][1])).astype(np.float32) * rec["clip"] / 3
+    x[2, 7], x[4, 100] = 20 * rec["clip"], -9 * rec["clip"]  # outliers for the shadow GEMM
+    ref = independent_linear(qm, smollm)(name, x)
+    np.testing.assert_allclose(qm.linear(name, x), ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
+    with pytest.raises(ValueError, match="percentiles"):  # a profile without the 99th percentile is refused
+        profile.clips_at(97.5)
+    # per-channel scales and the tight clip beat the paper's per-tensor variant on held-out text
+    assert _ppl(qm.forward(ids[:W]), ids[:W]) < _ppl(quantized["w8a8-shadow"].forward(ids[:W]), ids[:W])
+
+
 def test_shadow_bytes_and_pruning(smollm, profile, ids):
     qm = quantize(smollm, "w8a8-shadow", profile, prune_rate=0.85, coverage=0.8)
     b = qm.nbytes()

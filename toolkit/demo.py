@@ -3,7 +3,8 @@
 Corpus to timeline on a real model and a real (local) device agent:
   1. SmolLM2-135M, held-out perplexity;
   2. activation outliers and FFN sparsity profiled on the bundled training corpus (mllm-NPU Fig. 10-12);
-  3. quantized (w8a8-shadow, mllm-NPU §3.3), the accuracy table beside float / w8a8 / q4_0-tile;
+  3. quantized (w8a8-shadow, mllm-NPU §3.3), the accuracy table beside float / w8a8 / w8a8c-shadow (per-channel
+     weight scales, every outlier in float) / q4_0-tile;
   4. a 1024-token prompt cut into 256-token chunks, scheduled in-order and out-of-order (§3.4) over the cost
      model measured on the agent, run both ways on the agent;
   5. out/report.html (self-contained: figures, tables, predicted and measured timelines) and out/trace.json
@@ -47,6 +48,9 @@ def _cached(path: Path, make, load, save):
 
 
 _JSON_IO = (lambda p: json.loads(p.read_text()), lambda v, p: p.write_text(json.dumps(v)))  # load, save for _cached
+
+
+ACCURACY_SCHEMES = ["float", "w8a8", "w8a8-shadow", "w8a8c-shadow", "q4_0-tile"]
 
 
 def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: int = 1024, chunk: int = 256,
@@ -99,7 +103,8 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
                     *_JSON_IO)
     print_fn(f"held-out    perplexity {ev['perplexity']:.3f} over {ev['tokens_scored']} tokens{' (cached)' if hit_e else ''}")
     step("profiles")
-    outl, hit_o = _cached(cache / f"{tag}-outliers-{profile_tokens}.npz",
+    # v2: the profile also holds the 99th-percentile clips w8a8c-shadow quantizes with
+    outl, hit_o = _cached(cache / f"{tag}-outliers-{profile_tokens}-v2.npz",
                           lambda: profile_outliers(m, train, tokens=profile_tokens, window=512,
                                                    calib_tokens=profile_tokens, progress=progress),
                           OutlierStats.load, lambda v, p: v.save(p))
@@ -110,8 +115,8 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     print_fn(f"profiles    {outl.tokens:,} tokens for outliers, {spar.tokens:,} for sparsity"
              f"{' (cached)' if hit_o and hit_s else ''}")
     step("accuracy")
-    acc, hit_a = _cached(cache / f"{tag}-accuracy-{accuracy_windows}-{profile_tokens}.json",
-                     lambda: accuracy_table(m, held, outl, ["float", "w8a8", "w8a8-shadow", "q4_0-tile"], window=256,
+    acc, hit_a = _cached(cache / f"{tag}-accuracy-{accuracy_windows}-{profile_tokens}-v2.json",
+                     lambda: accuracy_table(m, held, outl, ACCURACY_SCHEMES, window=256,
                                             max_windows=accuracy_windows, progress=progress),
                      *_JSON_IO)
     print_fn(f"accuracy    {', '.join(r['scheme'] for r in acc)} on {accuracy_windows} held-out windows of 256"

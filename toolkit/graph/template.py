@@ -26,14 +26,14 @@ from __future__ import annotations
 import math
 
 from edgeprobe_kernels import names as N
-from edgeprobe_kernels.linear_records import weight_blobs
+from edgeprobe_kernels.linear_records import SHADOW_KINDS, W8A8_KINDS, weight_blobs
 
 from ..errors import EdgeprobeError
 
 GRAPH_VERSION = 2  # bump when ops, names or costs change: measured cost models are fitted on them
 STAGES = ("qkv", "shadow", "attn", "ffn")
-INT8_KINDS = {"w8a8", "w8a8-shadow", "smoothquant", "llm-int8"}   # records whose GEMM is int8 x int8
-NPU_KINDS = {"w8a8", "w8a8-shadow", "smoothquant", "q4_0-tile"}  # what a mobile NPU runs (NPU TTS paper §3)
+INT8_KINDS = W8A8_KINDS | {"smoothquant", "llm-int8"}         # records whose GEMM is int8 x int8
+NPU_KINDS = W8A8_KINDS | {"smoothquant", "q4_0-tile"}          # what a mobile NPU runs (NPU TTS paper §3)
 SHADOW_CHANNELS = 8  # outlier channels per token a shadow GEMM is priced at (mllm-NPU Fig. 10: ~1% of channels)
 
 
@@ -177,10 +177,11 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
         n_out, k_in = rec.get("shape") or w.shape(name)
         op = f"{pfx}.{lname}"
         wb = w.weight_bytes(rec, (n_out, k_in))
-        shadowed = rec["kind"] == "w8a8-shadow" and bool(rec.get("shadow"))
+        shadowed = rec["kind"] in SHADOW_KINDS and bool(rec.get("shadow"))
         choice = (split or {}).get(lname)
-        if choice is not None and rec["kind"] not in ("w8a8", "w8a8-shadow"):
-            raise GraphError(f"a HeteroLLM split needs int8 linears (w8a8, w8a8-shadow); {name} is {rec['kind']!r}")
+        if choice is not None and rec["kind"] not in W8A8_KINDS:
+            raise GraphError(f"a HeteroLLM split needs int8 linears ({', '.join(sorted(W8A8_KINDS))}); "
+                             f"{name} is {rec['kind']!r}")
         gemm = ("int8_linear" if rec["kind"] in INT8_KINDS else "linear", 2 * R * k_in * n_out, wb)
         part = "int8" if shadowed else "all"
         if choice is not None:
@@ -210,7 +211,7 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
             p = pfx_of(l)
             norm_w = w.tensor(N.weight(N.blk(l, "attn_norm")))
             n = add(f"{p}.attn_norm", "rms_norm", [x, norm_w], l, ci, "qkv", (R, h), eps=eps)
-            shadowed = [q for q in N.ATTN_IN if w.rec(N.blk(l, q))["kind"] == "w8a8-shadow" and w.rec(N.blk(l, q)).get("shadow")]
+            shadowed = [q for q in N.ATTN_IN if w.rec(N.blk(l, q))["kind"] in SHADOW_KINDS and w.rec(N.blk(l, q)).get("shadow")]
             sn = None
             if shadowed:  # the shadow subgraph normalizes on its own: its only dependency is the previous layer
                 sx = emb(f"{p}.shadow_embed", "shadow") if l == 0 else x

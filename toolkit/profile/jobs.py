@@ -8,7 +8,7 @@ import numpy as np
 
 from ..models import Model
 from .figures import OUTLIER_KINDS, SPARSITY_KINDS, write_html
-from .outliers import OutlierStats, calibrate_clips
+from .outliers import CHANNEL_CLIP_PERCENTILE, OutlierStats, calibrate_clips_at
 from .predictor import train_predictors
 from .runner import run, windows
 from .sparsity import SparsityStats, calibrate_thresholds
@@ -18,8 +18,10 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
                      calib_tokens: int = 8192, progress: bool = True) -> OutlierStats:
     """Calibrate per-tensor clips on the first `calib_tokens`, then stream `tokens` into OutlierStats."""
     windows(ids, window, tokens)  # validates before any work
-    clips = calibrate_clips(model, ids, percentile, window, min(calib_tokens, tokens or len(ids)), progress)
-    st = OutlierStats.for_model(model, clips, percentile)
+    at = calibrate_clips_at(model, ids, {percentile, CHANNEL_CLIP_PERCENTILE}, window,
+                            min(calib_tokens, tokens or len(ids)), progress)
+    st = OutlierStats.for_model(model, at[float(percentile)], percentile,
+                                clips_at={p: c for p, c in at.items() if p != float(percentile)})
     return run(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers")
 
 

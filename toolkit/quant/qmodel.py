@@ -22,6 +22,7 @@ from ..errors import ManifestError, StatsMismatchError, UnknownSchemeError, Unsu
 from ..forward import forward, is_router, linear_names, linear_tensor
 from ..models import Model, ModelConfig, Tokenizer
 from ..models.weights import LazyWeights
+from ..profile.outliers import CHANNEL_CLIP_PERCENTILE
 from .blobs import BlobStore
 from .schemes import MOE_ONLY, NEEDS_PROFILE, SCHEMES, build_float, input_point
 
@@ -119,7 +120,8 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
     """model -> QuantizedModel under `scheme` (see schemes.SCHEMES).
 
     profile: an OutlierStats of this model (activation clips, hot channels, layer importance, per-channel
-    maxima), needed by w8a8, w8a8-shadow and smoothquant; `calibration_profile` makes one.
+    maxima), needed by w8a8, w8a8-shadow, w8a8c-shadow and smoothquant; `calibration_profile` makes one.
+    prune_rate applies to w8a8-shadow only: w8a8c-shadow keeps every layer's shadow (its clip is tight).
     expert_bits: for moe-mixed, {expert linear name ("blk.0.ffn_up_exps.3"): 2 | 4 | 8}, e.g.
     `select_expert_bits(...).bits`; experts not named stay at INT4.
     MoE routers (ffn_gate_inp) stay float in every scheme: they are tiny and pick discrete experts.
@@ -151,6 +153,8 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
         ctx["expert_bits"] = {n: 4 for n in experts} | dict(expert_bits or {})
     if profile is not None:
         ctx.update(clips=profile.params["clips"], hot=profile.hot_channels(coverage),
+                   clip_percentile_ch=CHANNEL_CLIP_PERCENTILE,
+                   clips_ch=profile.clips_at(CHANNEL_CLIP_PERCENTILE) if scheme == "w8a8c-shadow" else None,
                    pruned_layers=set(profile.pruned_layers(prune_rate)), act_max=profile.smoothquant_scales())
         if scheme == "smoothquant":
             w_max = {}

@@ -15,7 +15,9 @@ from .qmodel import quantize, schemes_for
 
 def accuracy_table(model: Model, ids, profile, schemes=None, window: int = 512, max_windows: int | None = 8,
                    progress: bool = True, **quant_kw) -> list[dict]:
-    """One row per scheme: perplexity, change vs float, top-1 agreement with float, bytes, tok/s.
+    """One row per scheme: perplexity, change vs float, top-1 agreement with float, bytes, tok/s, and
+    channels_in_float_pct: the share of linear-input values (token x input channel) computed in float — the
+    shadow GEMM's outliers for w8a8-shadow / w8a8c-shadow (mllm-NPU eq. 1), 100 for float, 0 for pure integer.
 
     All schemes see the same windows of `ids`; top-1 agreement is over every scored position.
     """
@@ -34,10 +36,14 @@ def accuracy_table(model: Model, ids, profile, schemes=None, window: int = 512, 
             n += len(c) - 1
         secs = time.perf_counter() - t0
         b = qm.nbytes()
+        c = qm.counters
+        in_float = (100.0 if scheme == "float" else 100.0 * c["outliers"] / c["shadow_values"] if c["shadow_values"]
+                    else None if scheme == "llm-int8" else 0.0)  # llm-int8 counts columns per call, not values
         rows.append({"scheme": scheme, "perplexity": float(np.exp(nll / n)), "tokens_scored": n,
                      "top1_agreement": agree / n, "weight_bytes": b["linear_weights"],
                      "shadow_resident_bytes": b["shadow_resident"], "shadow_flash_bytes": b["shadow_flash"],
-                     "cold_bytes_read": int(qm.counters["cold_bytes_read"]), "tok_per_s": len(chunks) * window / secs})
+                     "cold_bytes_read": int(qm.counters["cold_bytes_read"]), "tok_per_s": len(chunks) * window / secs,
+                     "channels_in_float_pct": in_float})
     base = next((r["perplexity"] for r in rows if r["scheme"] == "float"), None)
     for r in rows:
         r["delta_vs_float_pct"] = None if base is None else 100.0 * (r["perplexity"] / base - 1)
@@ -45,11 +51,12 @@ def accuracy_table(model: Model, ids, profile, schemes=None, window: int = 512, 
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'scheme':<12} {'ppl':>8} {'vs float':>9} {'top-1':>7} {'weights MB':>11} {'shadow res MB':>14} {'shadow flash MB':>16} {'tok/s':>7}"
+    head = (f"{'scheme':<13} {'ppl':>8} {'vs float':>9} {'top-1':>7} {'in float':>9} {'weights MB':>11} "
+            f"{'shadow res MB':>14} {'shadow flash MB':>16} {'tok/s':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        d = r["delta_vs_float_pct"]
-        lines.append(f"{r['scheme']:<12} {r['perplexity']:8.3f} {('' if d is None else f'{d:+.2f}%'):>9} "
-                     f"{100 * r['top1_agreement']:6.2f}% {r['weight_bytes'] / 1e6:11.1f} "
+        d, f = r["delta_vs_float_pct"], r.get("channels_in_float_pct")
+        lines.append(f"{r['scheme']:<13} {r['perplexity']:8.3f} {('' if d is None else f'{d:+.2f}%'):>9} "
+                     f"{100 * r['top1_agreement']:6.2f}% {('' if f is None else f'{f:.2f}%'):>9} {r['weight_bytes'] / 1e6:11.1f} "
                      f"{r['shadow_resident_bytes'] / 1e6:14.2f} {r['shadow_flash_bytes'] / 1e6:16.1f} {r['tok_per_s']:7.0f}")
     return "\n".join(lines)

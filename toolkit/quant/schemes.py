@@ -54,9 +54,14 @@ def build_w8a8(name, w, ctx, store) -> dict:
 
 def build_shadow(name, w, ctx, store) -> dict:
     rec = build_w8a8(name, w, ctx, store)
-    point = input_point(name)
     layer = int(name.split(".")[1])
-    rec.update(kind="w8a8-shadow", clip=ctx["clips"][point], shadow=layer not in ctx["pruned_layers"])
+    rec.update(kind="w8a8-shadow", clip=ctx["clips"][input_point(name)], shadow=layer not in ctx["pruned_layers"])
+    return _add_shadow(rec, name, w, ctx, store)
+
+
+def _add_shadow(rec, name, w, ctx, store) -> dict:
+    """The float rows of W^T for mllm-NPU's shadow GEMM: hot input channels resident, the rest in flash."""
+    point = input_point(name)
     if rec["shadow"]:
         K = w.shape[1]
         hot = np.asarray(ctx["hot"].get(point, np.zeros(0, np.int64)), np.int64)
@@ -68,6 +73,23 @@ def build_shadow(name, w, ctx, store) -> dict:
         rec.update(hot_channels=len(hot), slot=store.put(slot, "shadow-index"),
                    hot=store.put(wt[hot], "shadow-resident"), cold=store.put(wt[cold], "shadow-flash"))
     return rec
+
+
+
+
+# ---- w8a8c-shadow: per-output-channel int8 weight scales (QNN/HTP's axis quantization), per-tensor int8
+# activations clipped at CHANNEL_CLIP_PERCENTILE, every outlier above the clip in the float shadow GEMM --------
+
+def build_channel_shadow(name, w, ctx, store) -> dict:
+    """mllm-NPU eq. 1 with W's scales per output channel: y = s_a * s_w[n] * (q(x) . q(W[n])) + shadow. The
+    tighter clip (99th percentile, not 99.99) spends int8's range on the bulk of x; no layer is pruned."""
+    sw = (np.maximum(np.abs(w).max(axis=1), 1e-12) / 127.0).astype(np.float32)  # float32[N]
+    wq = np.clip(np.rint(w / sw[:, None]), -127, 127).astype(np.int8)
+    clip = ctx["clips_ch"][input_point(name)]
+    rec = {"kind": "w8a8c-shadow", "shape": list(w.shape), "wt": store.put(np.ascontiguousarray(wq.T), "weight"),
+           "scale_w_ch": store.put(sw, "weight-scales"), "scale_a": clip / 127.0, "clip": clip, "shadow": True,
+           "clip_percentile": ctx["clip_percentile_ch"]}
+    return _add_shadow(rec, name, w, ctx, store)
 
 
 
@@ -144,11 +166,12 @@ SCHEMES = {
     "float": (build_float, RUNNERS["float"]),
     "w8a8": (build_w8a8, RUNNERS["w8a8"]),
     "w8a8-shadow": (build_shadow, RUNNERS["w8a8-shadow"]),
+    "w8a8c-shadow": (build_channel_shadow, RUNNERS["w8a8c-shadow"]),
     "smoothquant": (build_smoothquant, RUNNERS["smoothquant"]),
     "llm-int8": (build_llm_int8, RUNNERS["llm-int8"]),
     "q4_0": (build_q4_0, RUNNERS["q4_0"]),
     "q4_0-tile": (build_q4_0_tile, RUNNERS["q4_0-tile"]),
     "moe-mixed": (build_moe_mixed, RUNNERS["moe-mixed"]),
 }
-NEEDS_PROFILE = {"w8a8", "w8a8-shadow", "smoothquant"}
+NEEDS_PROFILE = {"w8a8", "w8a8-shadow", "w8a8c-shadow", "smoothquant"}
 MOE_ONLY = {"moe-mixed"}

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeprobe_kernels.linear_records import W8A8_KINDS
+
 from .graph import ScheduleError, Subgraph
 
 
@@ -200,7 +202,7 @@ def measure_linears(dev, qm, rows=(32, 64, 128, 256, 512, 1024), repeat: int = 2
     recs = {}
     for proj in ("attn_q", "attn_k", "ffn_up", "ffn_down"):
         rec = L[f"blk.0.{proj}"]
-        if rec["kind"] not in ("w8a8", "w8a8-shadow"):
+        if rec["kind"] not in W8A8_KINDS:
             raise ScheduleError(f"measuring the partition solver's rates needs int8 linears; blk.0.{proj} is {rec['kind']!r}")
         recs[proj] = rec
     M = max(rows)

@@ -63,3 +63,28 @@ def test_bad_settings_say_what_to_do_and_the_panel_survives(setup):
         TimelineExplorer(dev, model, prompt, calib, scheduler="fifo", run=False)
     with pytest.raises(ValueError, match="at least 16"):
         TimelineExplorer(dev, model, np.arange(8), calib)
+
+
+def test_the_panel_runs_after_a_later_cell_closed_its_device(setup, tmp_path):
+    """Notebook 05 after Run All: its last cell closed the device, then the user presses Run on the agent."""
+    import zmq
+
+    from edgeprobe.widgets import _sentence
+
+    _, model, prompt, _ = setup
+    dev = Device.local(store=tmp_path / "store")
+    ex = TimelineExplorer(dev, model, prompt, scheme="q4_0-tile", scheduler="layer", check_host=False, run=False)
+    dev.close()
+    ex.button.click()
+    assert ex.result is not None, ex.status.value
+    assert "started its own local agent" in ex.status.value and "makespan" in ex.status.value
+    assert ex.dev is not dev and not ex.dev.closed and ex.dev.store == dev.store  # the same flash: no new upload
+    ex.button.click()  # the panel's own agent serves the next press too, without another notice
+    assert len(ex.history) == 2 and "started its own" not in ex.status.value
+    ex.close()
+    assert ex.dev.closed
+    # a connection failure reads as a sentence with what to do, never ZeroMQ's own words
+    text = _sentence(zmq.ZMQError(zmq.ENOTSOCK))
+    assert "ZMQError" not in text and "Run the cell that opens the device again" in text
+    # the button keeps its whole label: it never shrinks for the status line beside it
+    assert ex.button.layout.flex == "0 0 auto" and ex.button.layout.min_width == "max-content"

@@ -330,8 +330,9 @@ CHECKS = {"01_outliers": check_01_outliers, "02_experts": check_02_experts, "03_
 def test_notebook_executes_draws_and_computes_plausible_numbers(name, tmp_path, monkeypatch, request):
     for k, v in SMALL.items():
         monkeypatch.setenv(k, v)
-    # figures carry plotly.js inline as text/html too, so an HTML export renders offline (checked in Chromium below)
-    monkeypatch.setenv("PLOTLY_RENDERER", "plotly_mimetype+notebook")
+    # nothing set, as for a user: `import edgeprobe` in the kernel makes figures carry plotly.js inline as text/html
+    # too, so an HTML export renders offline (checked in Chromium below and in e2e/test_notebook_export.py)
+    monkeypatch.delenv("PLOTLY_RENDERER", raising=False)
     monkeypatch.setenv("EDGEPROBE_AGENT_STORE", str(tmp_path / "agent-store"))
     monkeypatch.setenv("EDGEPROBE_NB_RESULTS", str(tmp_path / "results"))
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)

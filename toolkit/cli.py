@@ -298,12 +298,17 @@ def cmd_run(args) -> int:
            "trace": args.trace, "scheduler": args.scheduler,
            "chunk": args.chunk if chunked else None,
            "predicted_makespan_ms": res.trace.meta.get("predicted_makespan_ms"), **extra}
+    if out["predicted_makespan_ms"]:  # the cost model's error, beside the measurement
+        out["predicted_over_measured"] = out["predicted_makespan_ms"] / m["makespan_ms"]
     if args.json:
         print(json.dumps(out))
     else:
         busy = ", ".join(f"{k} {v:.0f}%" for k, v in out["lanes"].items())
         print(f"prefill {n} tokens on {args.device}: {out['tok_per_s']:.0f} tok/s, makespan {m['makespan_ms']:.1f} ms "
               f"(busy: {busy}); uploaded {upload / 1e6:.1f} MB; logits cosine vs host {out['logits_cosine_vs_host']:.6f}")
+        if out["predicted_makespan_ms"]:
+            print(f"predicted makespan {out['predicted_makespan_ms']:.1f} ms = {out['predicted_over_measured']:.2f}x the "
+                  f"measured ({out.get('device_profile', args.device_profile)} cost model)")
         if out["npu_dsp"]:
             d = out["npu_dsp"]
             print(f"npu lane on {d['isa']} (qemu-hexagon): {d['hvx_packets']} packets, estimated {d['dsp_ms_estimate']:.2f} ms "

@@ -161,8 +161,11 @@ class TimelineExplorer:
         row = {**s, "makespan_ms": m["makespan_ms"], "wall_s": time.perf_counter() - t0,
                **{f"{lane}_busy_pct": v["busy_pct"] for lane, v in m["lanes"].items()},
                **{f"{lane}_bubble_ms": v["bubble_ms"] for lane, v in m["lanes"].items()}}
-        if "predicted_makespan_ms" in res.trace.meta:
-            row["predicted_makespan_ms"] = res.trace.meta["predicted_makespan_ms"]
+        pred = res.trace.meta.get("predicted_makespan_ms") or self._predict_layer(qm, s)
+        if pred:  # the prediction's error beside the measurement, so a 2x miss is never silent
+            row["predicted_makespan_ms"] = pred
+            row["predicted_over_measured"] = pred / row["makespan_ms"]
+        row["flash_read_mb"] = m.get("flash_read_bytes", 0) / 1e6  # a cold run's first reads: not in the prediction
         if self.check_host:
             row["cosine_vs_host"] = cosine(res.logits[0], qm.forward(self.prompt, logits="last"))
         self.result = res
@@ -175,7 +178,11 @@ class TimelineExplorer:
             self.figure.layout = new.layout
         bits = [f"makespan <b>{row['makespan_ms']:.0f} ms</b>"]
         if "predicted_makespan_ms" in row:
-            bits.append(f"predicted {row['predicted_makespan_ms']:.0f} ms")
+            name = getattr(self.profile, "name", self.profile)
+            bits.append(f"predicted {row['predicted_makespan_ms']:.0f} ms = <b>{row['predicted_over_measured']:.2f}× "
+                        f"measured</b> ({html.escape(str(name))})")
+        if row["flash_read_mb"] > 0.5:
+            bits.append(f"cold: {row['flash_read_mb']:.0f} MB first read from flash, not predicted")
         bits += [f"{lane} busy {v['busy_pct']:.0f}%" for lane, v in m["lanes"].items()]
         if "cosine_vs_host" in row:
             bits.append(f"cosine vs host {row['cosine_vs_host']:.5f}")
@@ -184,6 +191,21 @@ class TimelineExplorer:
         self.notice = ""
         self.button.disabled = False
         return res
+
+    def _predict_layer(self, qm, s: dict):
+        """The layer-by-layer plan's predicted makespan (ms): its ops as one chunk, in order, on the panel's cost
+        model; None where the cost model cannot price it."""
+        if s["scheduler"] != "layer":
+            return None
+        from .models import ModelConfig
+        from .schedule import ScheduleError, chunk_graph, device_profile, schedule
+
+        try:
+            n = len(self.prompt)
+            graph = chunk_graph(ModelConfig(**qm.manifest["config"]), n, n, manifest=qm.manifest)
+            return schedule(graph, device_profile(self.profile), "in-order").makespan_us / 1e3
+        except (ScheduleError, ValueError, KeyError):
+            return None
 
     def _device(self):
         """The device to run on: the one given, or, once a later cell closed it (notebook 05's last cell does), a

@@ -32,8 +32,12 @@ def test_controls_rerun_on_the_agent_and_redraw_in_place(setup):
     assert ex.figure is fig and res is ex.result  # the same widget, its traces swapped
     assert [n for n in _op_names(fig) if n.startswith("c1.")] and "chunk 16" in fig.layout.title.text
     assert ex.history[-1]["predicted_makespan_ms"] > 0 and ex.history[-1]["cosine_vs_host"] > 0.999
+    assert "× measured" in ex.status.value  # the prediction's error beside the measurement
     ex.set(scheduler="layer", scheme="q4_0-tile").run()
     assert ex.controls["chunk"].disabled and ex.controls["prune_rate"].disabled  # ignored by this setting, greyed out
+    # the layer plan is predicted too (its ops as one chunk, in order), and every row carries predicted / measured
+    assert all(h["predicted_over_measured"] == pytest.approx(h["predicted_makespan_ms"] / h["makespan_ms"])
+               for h in ex.history) and "× measured" in ex.status.value
     assert "q4_0-tile" in fig.layout.title.text and "chunk" not in fig.layout.title.text
     # the prune rate changes what the agent computes: fewer shadow outliers at a higher rate
     ex.set(scheme="w8a8-shadow", scheduler="layer", prune_rate=0.0).run()

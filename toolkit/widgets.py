@@ -192,6 +192,12 @@ class TimelineExplorer:
         self.button.disabled = False
         return res
 
+    def snapshot(self):
+        """The panel's timeline as a plain plotly Figure: what an exported page (no widget JavaScript) can show."""
+        import plotly.graph_objects as go
+
+        return go.Figure(self.figure)
+
     def _predict_layer(self, qm, s: dict):
         """The layer-by-layer plan's predicted makespan (ms): its ops as one chunk, in order, on the panel's cost
         model; None where the cost model cannot price it."""

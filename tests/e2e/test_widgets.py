@@ -85,6 +85,7 @@ def test_the_panel_runs_after_a_later_cell_closed_its_device(setup, tmp_path):
     assert ex.dev is not dev and not ex.dev.closed and ex.dev.store == dev.store  # the same flash: no new upload
     ex.button.click()  # the panel's own agent serves the next press too, without another notice
     assert len(ex.history) == 2 and "started its own" not in ex.status.value
+    assert ex.snapshot().data and ex.snapshot().layout.title.text == ex.figure.layout.title.text  # for exported pages
     ex.close()
     assert ex.dev.closed
     # a connection failure reads as a sentence with what to do, never ZeroMQ's own words

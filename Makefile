@@ -9,9 +9,11 @@ $(VENV)/.setup-base: pyproject.toml $(SETUP)
 	bash $(SETUP)
 	touch $@
 
+# the test extra holds every notebook package (tests/test_setup.py checks), so it stamps the notebook setup too:
+# `make lab` after `make test` must not install again
 $(VENV)/.setup-test: pyproject.toml $(SETUP)
 	bash $(SETUP) test
-	touch $@ $(VENV)/.setup-base
+	touch $@ $(VENV)/.setup-base $(VENV)/.setup-notebook
 
 $(VENV)/.setup-notebook: pyproject.toml $(SETUP)
 	bash $(SETUP) notebook

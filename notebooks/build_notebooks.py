@@ -106,7 +106,7 @@ only if routing has structure: which experts does a token use, how predictable i
 choice from the previous ones, how few bits can each expert live with, and which buffer policy keeps the
 right experts in memory?
 
-EdgeMoE (PAPERS.md §3) measured on Switch Transformers: experts are used about evenly one by one, but
+EdgeMoE (docs/papers.md §3) measured on Switch Transformers: experts are used about evenly one by one, but
 **the top 20 % of activation paths cover over 99 % of tokens** (Fig. 4, a power law); the next layer's expert is
 predictable from the previous two — **P(E_n | E_n-1, E_n-2) reaches about 87 %** (Fig. 8); experts differ in how
 much INT2 hurts (Fig. 7a), so the least sensitive can go to INT2 within a tolerated loss P (Fig. 15); and its
@@ -325,13 +325,17 @@ for settings in ({"scheduler": "in-order", "chunk": small}, {"scheduler": "ooo",
                  {"scheduler": "ooo", "prune_rate": 0.0}, {"scheme": "q4_0-tile", "scheduler": "layer"}):
     explorer.set(**settings).run()
 sweep = pd.DataFrame(explorer.history)
-cols = [c for c in ("scheme", "prune_rate", "scheduler", "chunk", "makespan_ms", "predicted_makespan_ms", "npu_busy_pct",
-                    "cpu_busy_pct", "cosine_vs_host") if c in sweep]
+cols = [c for c in ("scheme", "prune_rate", "scheduler", "chunk", "makespan_ms", "predicted_makespan_ms",
+                    "predicted_over_measured", "flash_read_mb", "npu_busy_pct", "cpu_busy_pct", "cosine_vs_host") if c in sweep]
 print(sweep[cols].round(3).to_string(index=False))
 print("the panel now shows:", explorer.figure.layout.title.text.split("<br>")[0], f"({sum(len(t.x) for t in explorer.figure.data)} bars)")
+print("predicted_over_measured: the modelled cost model's makespan over the measured one (1.00 = exact); it prices int8 "
+      "GEMMs, elementwise ops, per-op costs and the shadow GEMMs of the layers the prune rate keeps, not first reads "
+      "from flash (flash_read_mb > 0: a cold run) nor two lanes slowing each other on shared cores")
 print("paper (mllm-NPU §3.4): in-order overlap leaves 37% bubbles; out-of-order cuts prefill latency 18-44%")"""),
 code("""px.bar(sweep.assign(setting=[f"{i + 1}: {TimelineExplorer.describe(r)}" for i, r in sweep.iterrows()]),
        x="setting", y="makespan_ms", title="Makespan of each explorer run (ms, measured on the agent)")"""),
+code("""explorer.snapshot()  # the panel's last timeline as a plain figure: an exported page has no widget JavaScript"""),
 md("""## The npu lane as Hexagon machine code: what it would cost on a DSP
 
 The agent can run its `npu` lane on a second backend, `hvx`: the same kernels written in C with HVX intrinsics

@@ -277,6 +277,8 @@ def check_05_device_timeline(r, request):
     assert r["gpu_cosine_vs_host"] >= 0.9999 and r["gpu_lane_ops"] == 7 * 30
     for row in r["sweep"]:
         assert row["makespan_ms"] > 0 and 0 < row["npu_busy_pct"] <= 100
+        # every setting, the layer plan too, shows its prediction's error beside the measurement
+        assert row["predicted_over_measured"] == pytest.approx(row["predicted_makespan_ms"] / row["makespan_ms"])
         # the panel compares with the host's unchunked pass: exact for the layer plan; chunks sum attention and
         # shadow GEMMs in another order, which per-tensor int8 amplifies (0.997 seen with every layer's outliers)
         assert row["cosine_vs_host"] >= (0.9999 if row["scheduler"] == "layer" else 0.99), row
@@ -360,8 +362,9 @@ def test_notebook_executes_draws_and_computes_plausible_numbers(name, tmp_path, 
         monkeypatch.setenv(k, v)
     if model:
         monkeypatch.setenv("EDGEPROBE_NB_MODEL", model)
-    # figures carry plotly.js inline as text/html too, so an HTML export renders offline (checked in Chromium below)
-    monkeypatch.setenv("PLOTLY_RENDERER", "plotly_mimetype+notebook")
+    # nothing set, as for a user: `import edgeprobe` in the kernel makes figures carry plotly.js inline as text/html
+    # too, so an HTML export renders offline (checked in Chromium below and in e2e/test_notebook_export.py)
+    monkeypatch.delenv("PLOTLY_RENDERER", raising=False)
     monkeypatch.setenv("EDGEPROBE_AGENT_STORE", str(tmp_path / "agent-store"))
     monkeypatch.setenv("EDGEPROBE_NB_RESULTS", str(tmp_path / "results"))
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)

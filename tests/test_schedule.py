@@ -172,3 +172,21 @@ def test_heterollm_solver_beats_padding_and_pipe_at_unaligned_lengths(smollm):
     for m in (300, 525, 1000):
         assert {c["strategy"] for c in compare_strategies(QWEN, m, shared)["choices"].values()} <= {"gpu", "npu-pad", "pipe"}
     assert "row-cut" in {c["strategy"] for c in compare_strategies(QWEN, 1000)["choices"].values()}
+
+
+def test_this_host_prices_elementwise_ops_and_the_shadow_work_the_prune_rate_keeps():
+    """Issue 19: at prune rate 0 the modelled makespan was half the measured one; elementwise ops were priced at a
+    GEMM rate (a 64x1536 SwiGLU at 1.4 µs, measured ~0.4 ms) and the shadow GEMMs of every kept layer at FLOPs alone."""
+    from edgeprobe import models
+    from edgeprobe.schedule import chunk_graph, device_profile, schedule
+
+    cfg = models.load("smollm2-135m").config
+    prof = device_profile("this-host-emulated")
+    every = chunk_graph(cfg, 256, 64, shadow=True)  # prune rate 0: every layer keeps its outliers
+    few = chunk_graph(cfg, 256, 64, shadow={0, 1, 2, 11, 28})  # 0.85: five layers keep them
+    swiglu = next(o for o in every.ops if o["kind"] == "swiglu")
+    assert 100 <= prof.op_time_us(swiglu, "npu") <= 1000
+    n_shadow = sum(1 for o in every.ops if ".shadow" in o["name"]) - sum(1 for o in few.ops if ".shadow" in o["name"])
+    t_every, t_few = (schedule(g, prof, "ooo").makespan_us for g in (every, few))
+    # the extra shadow work of 25 more layers shows in the prediction: at least its per-op cost, spread on two lanes
+    assert t_every - t_few >= n_shadow * prof.op_us["cpu"] / 2 and t_every > 1.05 * t_few

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from .errors import EdgeprobeError
 
@@ -22,7 +23,7 @@ def cmd_eval(args) -> int:
     ids = model.tokenizer.encode(text)
     run_model, linear = model, None
     if args.scheme != "float":
-        qm = _quantized(model, args.scheme, not args.no_progress)
+        qm = _quantized(model, args.scheme, not args.no_progress, say=_say(args))
         run_model, linear = qm.model, qm.linear
     res = perplexity(run_model, ids, window=args.window, max_windows=args.max_windows, linear=linear,
                      progress=not args.no_progress)
@@ -35,16 +36,17 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def _quantized(model, scheme: str, progress: bool, tolerance: float = 0.05):
-    from .corpus import read_corpus
-    from .quant import calibration_profile, quantize
-    from .quant.schemes import NEEDS_PROFILE
+def _quantized(model, scheme: str, progress: bool, tolerance: float = 0.05, say=None):
+    """`model` under `scheme`, calibrated on the bundled training corpus; prepared once and cached across runs
+    (edgeprobe.prepare), each step said in one line through `say`."""
+    from .prepare import prepared
 
-    profile = None
-    if scheme in NEEDS_PROFILE:  # activation scales from the bundled training corpus
-        profile = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), progress=progress)
-    bits = _expert_bits(model, tolerance, progress) if scheme == "moe-mixed" else None
-    return quantize(model, scheme, profile, expert_bits=bits)
+    return prepared(model, scheme, progress=progress, say=say, tolerance=tolerance)
+
+
+def _say(args):
+    """One-line notes of what a command prepares: on stdout, or on stderr when stdout carries --json."""
+    return lambda m: print(f"edgeprobe: {m}", file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
 
 
 def _expert_bits(model, tolerance: float, progress: bool) -> dict:
@@ -160,12 +162,12 @@ def cmd_profile(args) -> int:
     return 0
 
 
-def open_device(spec: str, ssh_key=None, known_hosts=None, store=None, npu_backend=None):
+def open_device(spec: str, ssh_key=None, known_hosts=None, store=None, npu_backend=None, say=None):
     """--device local | tcp://HOST:PORT | ssh://USER@HOST[:PORT] -> a connected Device."""
     from .device import Device
 
     if spec == "local":
-        return Device.local(store=store, npu_backend=npu_backend)
+        return Device.local(store=store, npu_backend=npu_backend, say=say)
     if spec.startswith(("tcp://", "ipc://")):
         return Device.connect(spec)
     if spec.startswith("ssh://"):
@@ -209,12 +211,20 @@ def cmd_run(args) -> int:
         print("edgeprobe: error: --decode prefills layer by layer inside its decode session; leave --scheduler at layer",
               file=sys.stderr)
         return 2
+    if args.store is not None and args.device != "local":
+        print(f"edgeprobe: error: --store is the local agent's flash; --device {args.device} keeps its own store "
+              "(start that agent with `edgeprobe agent --store DIR`)", file=sys.stderr)
+        return 2
+    say = _say(args)
     model = models.load(args.model)
     ids = model.tokenizer.encode(read_text_file(args.prompt_file or corpus_path("heldout")))
-    n = args.prompt_len or min(len(ids), 256)
-    if len(ids) < n:
-        print(f"edgeprobe: error: the prompt has {len(ids)} tokens, fewer than --prompt-len {n}", file=sys.stderr)
+    if not len(ids):
+        print(f"edgeprobe: error: the prompt file {args.prompt_file} holds no tokens; give it some text", file=sys.stderr)
         return 2
+    n = args.prompt_len or min(len(ids), 256)
+    if len(ids) < n:  # a short prompt file is a prompt, not a mistake: run all of it
+        say(f"the prompt has {len(ids)} tokens, fewer than --prompt-len {n}: prefilling all {len(ids)}")
+        n = len(ids)
     if n + (args.decode or 0) > model.config.context_length:
         print(f"edgeprobe: error: --prompt-len {n}{f' + --decode {args.decode}' if args.decode else ''} exceeds the "
               f"context length {model.config.context_length}", file=sys.stderr)
@@ -222,7 +232,8 @@ def cmd_run(args) -> int:
     tokens = ids[:n]
     progress = not args.no_progress
     try:
-        dev = open_device(args.device, args.ssh_key, args.known_hosts, npu_backend=args.npu_backend)
+        dev = open_device(args.device, args.ssh_key, args.known_hosts, store=args.store, npu_backend=args.npu_backend,
+                          say=say)
     except ValueError as e:
         print(f"edgeprobe: error: {e}", file=sys.stderr)
         return 2
@@ -240,13 +251,22 @@ def cmd_run(args) -> int:
               f"{dev.info.get('lanes')}){'; the gpu lane needs OpenCL (Debian pocl-opencl-icd)' if 'gpu' in lacking else ''}",
               file=sys.stderr)
         return 2
-    qm = _quantized(model, args.scheme, progress)
+    try:
+        qm = _quantized(model, args.scheme, progress, say=say)
+    except BaseException:
+        dev.close()  # the agent must not wait out its heartbeat for a host that failed before using it
+        raise
     from .schedule import ScheduleError
 
     chunked = args.scheduler in ("in-order", "ooo")
     extra = {}
     with dev:
         before = dev.uploaded_bytes
+        t0 = time.perf_counter()
+        sent = dev.upload(qm, progress=progress)  # the workflows upload too; then nothing is missing
+        where = f" ({dev.store})" if dev.store else ""
+        say(f"uploaded {sent / 1e6:.1f} MB to the agent in {time.perf_counter() - t0:.1f} s" if sent else
+            f"the agent{where} already holds all {len(qm.manifest['blobs'])} blobs of this model: nothing to upload")
         try:
             if args.decode:
                 return _run_decode(args, dev, qm, model, tokens, progress, before)
@@ -278,12 +298,17 @@ def cmd_run(args) -> int:
            "trace": args.trace, "scheduler": args.scheduler,
            "chunk": args.chunk if chunked else None,
            "predicted_makespan_ms": res.trace.meta.get("predicted_makespan_ms"), **extra}
+    if out["predicted_makespan_ms"]:  # the cost model's error, beside the measurement
+        out["predicted_over_measured"] = out["predicted_makespan_ms"] / m["makespan_ms"]
     if args.json:
         print(json.dumps(out))
     else:
         busy = ", ".join(f"{k} {v:.0f}%" for k, v in out["lanes"].items())
         print(f"prefill {n} tokens on {args.device}: {out['tok_per_s']:.0f} tok/s, makespan {m['makespan_ms']:.1f} ms "
               f"(busy: {busy}); uploaded {upload / 1e6:.1f} MB; logits cosine vs host {out['logits_cosine_vs_host']:.6f}")
+        if out["predicted_makespan_ms"]:
+            print(f"predicted makespan {out['predicted_makespan_ms']:.1f} ms = {out['predicted_over_measured']:.2f}x the "
+                  f"measured ({out.get('device_profile', args.device_profile)} cost model)")
         if out["npu_dsp"]:
             d = out["npu_dsp"]
             print(f"npu lane on {d['isa']} (qemu-hexagon): {d['hvx_packets']} packets, estimated {d['dsp_ms_estimate']:.2f} ms "
@@ -425,7 +450,7 @@ def cmd_schedule(args) -> int:
             from .corpus import read_corpus
             from .plan import shadow_layers
 
-            qm = _quantized(model, "w8a8-shadow", not args.no_progress)
+            qm = _quantized(model, "w8a8-shadow", not args.no_progress, say=_say(args))
             shadow = shadow_layers(qm.manifest)  # the graph the measured agent runs
             prof = _device_profile(args.device_profile, args.model, qm, None, model.tokenizer.encode(read_corpus("heldout")),
                                    not args.no_progress, True)
@@ -508,11 +533,31 @@ def cmd_demo(args) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Names the schemes in --scheme/--schemes help from the registry itself, imported only when help is printed
+    (the registry pulls in the kernels: a second of imports no other command line should pay)."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action)
+        if action.dest in ("scheme", "schemes"):
+            from .quant.schemes import SCHEMES
+
+            text += f" (choices: {', '.join(SCHEMES)})"
+        return text
+
+
+def _cmd(sub, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand whose --help opens with what it does (its one-line help, unless a longer description is given)."""
+    return sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
+                          formatter_class=_HelpFormatter)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="edgeprobe", description="Profile, quantize, schedule and run LLMs for phones.")
+    ap = argparse.ArgumentParser(prog="edgeprobe", description="Profile, quantize, schedule and run LLMs for phones.",
+                                 formatter_class=_HelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
 
-    e = sub.add_parser("eval", help="perplexity of a model on a text (non-overlapping windows)")
+    e = _cmd(sub, "eval", help="perplexity of a model on a text (non-overlapping windows)")
     e.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
     e.add_argument("--text", help="UTF-8 text file (default: the bundled held-out corpus)")
     e.add_argument("--window", type=int, default=512, help="window length in tokens (default 512)")
@@ -522,62 +567,82 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(fn=cmd_eval)
 
-    g = sub.add_parser("generate", help="continue a prompt (greedy unless --temperature > 0)")
-    g.add_argument("--model", default="smollm2-135m")
-    g.add_argument("--prompt", required=True)
+    g = _cmd(sub, "generate", help="continue a prompt (greedy unless --temperature > 0)",
+                       description="Continue a prompt on the host with the float forward pass and a KV cache: greedy "
+                                   "unless --temperature > 0 (then sampled with --seed). Prints the prompt and its "
+                                   "continuation, or with --json the tokens and prefill/decode tokens per second.")
+    g.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
+    g.add_argument("--prompt", required=True, help="the text to continue")
     g.add_argument("-n", type=int, default=32, help="tokens to generate (default 32)")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--json", action="store_true")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples softmax(z / T)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     g.set_defaults(fn=cmd_generate)
 
-    q = sub.add_parser("quantize", help="quantize a model; --report prints the accuracy table of every scheme")
-    q.add_argument("--model", default="smollm2-135m")
+    q = _cmd(sub, "quantize", help="quantize a model; --report prints the accuracy table of every scheme",
+                       description="Quantize a model. --report: perplexity, top-1 agreement and bytes of every scheme "
+                                   "on the same held-out text (calibrated on the bundled training corpus). --out DIR "
+                                   "--scheme S: write one quantized model (manifest.json + sha256-named blobs).")
+    q.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
     q.add_argument("--report", action="store_true", help="accuracy table: every scheme on the same text")
     q.add_argument("--text", help="evaluation text (default: the bundled held-out corpus)")
     q.add_argument("--schemes", help="comma-separated schemes for the report (default: all)")
     q.add_argument("--scheme", help="scheme to write with --out")
     q.add_argument("--out", help="folder for the quantized model: manifest.json + blobs/")
-    q.add_argument("--window", type=int, default=512)
+    q.add_argument("--window", type=int, default=512, help="evaluation window in tokens (default 512)")
     q.add_argument("--max-windows", type=int, default=8, help="windows of the text to evaluate (default 8)")
     q.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens from the training corpus")
     q.add_argument("--prune-rate", type=float, default=0.85, help="w8a8-shadow: layers whose outliers are dropped")
     q.add_argument("--coverage", type=float, default=0.8, help="w8a8-shadow: hot-channel coverage")
     q.add_argument("--tolerance", type=float, default=0.05,
                    help="moe-mixed: tolerated perplexity increase P for the per-expert widths (default 0.05)")
-    q.add_argument("--json", action="store_true")
-    q.add_argument("--no-progress", action="store_true")
+    q.add_argument("--json", action="store_true", help="--report as one JSON object")
+    q.add_argument("--no-progress", action="store_true", help="no progress bars")
     q.set_defaults(fn=cmd_quantize)
 
-    p = sub.add_parser("profile", help="profile activation outliers, FFN sparsity or MoE expert routing on a corpus")
-    p.add_argument("what", choices=["outliers", "sparsity", "experts"])
-    p.add_argument("--model", default=None, help="default smollm2-135m (experts: tiny-moe)")
-    p.add_argument("--corpus", help="UTF-8 text file (default: the bundled training corpus)")
-    p.add_argument("--tokens", type=int, default=None,
-                   help="tokens to profile (default 32768 for outliers and experts, 16384 for sparsity)")
-    p.add_argument("--window", type=int, default=None, help="tokens per inference window (default 512; experts 256)")
-    p.add_argument("--out", required=True, help="output folder: <what>.npz, summary.json, figures as HTML")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON line, last")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--percentile", type=float, default=99.99, help="outliers: clip = this percentile of |x|")
-    p.add_argument("--prune-rate", type=float, default=0.85, help="outliers: fraction of layers pruned")
-    p.add_argument("--coverage", type=float, default=0.8, help="outliers: hot-channel coverage")
-    p.add_argument("--eps", type=float, default=0.01, help="sparsity: allowed relative FFN output error")
-    p.add_argument("--bits", type=float, default=4.0, help="sparsity: weight bits for flash traffic")
-    p.add_argument("--rank", type=int, default=32, help="sparsity: predictor rank")
-    p.add_argument("--no-predictor", action="store_true", help="sparsity: skip the low-rank predictor")
-    p.add_argument("--heldout", help="experts: held-out text for predictor and cache (default: bundled held-out corpus)")
-    p.add_argument("--heldout-tokens", type=int, default=8192, help="experts: held-out tokens replayed (default 8192)")
-    p.add_argument("--bit-widths", action="store_true",
-                   help="experts: also measure per-expert INT2 sensitivity and width selections (EdgeMoE §3.2)")
-    p.set_defaults(fn=cmd_profile)
+    p = _cmd(sub, "profile", help="profile activation outliers, FFN sparsity or MoE expert routing on a corpus")
+    kinds = p.add_subparsers(dest="what", required=True, metavar="{outliers,sparsity,experts}")
+    p_help = {"outliers": ("activation outliers per layer and channel (mllm-NPU Fig. 10-12)", 32768, 512),
+              "sparsity": ("FFN activation sparsity, sliding windows, a neuron predictor (LLM in a flash)", 16384, 512),
+              "experts": ("MoE expert routing: co-activation paths, preload predictor, buffers (EdgeMoE)", 32768, 256)}
+    for what, (text, tokens, window) in p_help.items():
+        pk = kinds.add_parser(what, help=text, description=f"Profile {text} on a corpus; writes {what if what != 'experts' else 'coactivation'}.npz, "
+                              "summary.json and figures as HTML.", formatter_class=_HelpFormatter)
+        pk.add_argument("--model", default=None, help=f"default {'tiny-moe' if what == 'experts' else 'smollm2-135m'}")
+        pk.add_argument("--corpus", help="UTF-8 text file (default: the bundled training corpus)")
+        pk.add_argument("--tokens", type=int, default=None, help=f"tokens to profile (default {tokens})")
+        pk.add_argument("--window", type=int, default=None, help=f"tokens per inference window (default {window})")
+        pk.add_argument("--out", required=True, help="output folder: .npz, summary.json, figures as HTML")
+        pk.add_argument("--json", action="store_true", help="print the summary as one JSON line, last")
+        pk.add_argument("--no-progress", action="store_true", help="no progress bars")
+        pk.set_defaults(fn=cmd_profile, what=what, percentile=99.99, prune_rate=0.85, coverage=0.8, eps=0.01, bits=4.0,
+                        rank=32, no_predictor=False, heldout=None, heldout_tokens=8192, bit_widths=False)
+        if what == "outliers":
+            pk.add_argument("--percentile", type=float, default=99.99, help="clip = this percentile of |x|")
+            pk.add_argument("--prune-rate", type=float, default=0.85, help="fraction of layers whose outliers are pruned")
+            pk.add_argument("--coverage", type=float, default=0.8, help="hot-channel coverage")
+        elif what == "sparsity":
+            pk.add_argument("--eps", type=float, default=0.01, help="allowed relative FFN output error")
+            pk.add_argument("--bits", type=float, default=4.0, help="weight bits for flash traffic")
+            pk.add_argument("--rank", type=int, default=32, help="predictor rank")
+            pk.add_argument("--no-predictor", action="store_true", help="skip the low-rank predictor")
+        else:
+            pk.add_argument("--heldout", help="held-out text for predictor and cache (default: bundled held-out corpus)")
+            pk.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens replayed (default 8192)")
+            pk.add_argument("--bit-widths", action="store_true",
+                            help="also measure per-expert INT2 sensitivity and width selections (EdgeMoE §3.2)")
 
-    r = sub.add_parser("run", help="run a quantized prefill on a device agent and bring the trace back")
-    r.add_argument("--model", default="smollm2-135m")
-    r.add_argument("--scheme", default="w8a8-shadow")
+    r = _cmd(sub, "run", help="run a quantized prefill on a device agent and bring the trace back")
+    r.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
+    r.add_argument("--scheme", default="w8a8-shadow", help="quantization scheme run on the agent (default w8a8-shadow)")
     r.add_argument("--prompt-file", help="UTF-8 prompt text (default: the bundled held-out corpus)")
-    r.add_argument("--prompt-len", type=int, default=None, help="tokens of the prompt to prefill (default 256)")
+    r.add_argument("--prompt-len", type=int, default=None,
+                   help="tokens of the prompt to prefill (default 256); a shorter prompt file is prefilled whole")
     r.add_argument("--device", default="local", help="local | tcp://HOST:PORT | ssh://USER@HOST[:PORT]")
+    r.add_argument("--store", default=None,
+                   help="--device local: the agent's blob store (its flash). Default $EDGEPROBE_AGENT_STORE, else "
+                        "<tmp>/edgeprobe-agent-store-<uid>; when another agent holds that one, a free sibling "
+                        "(<store>-2, ...) is used and said")
     r.add_argument("--scheduler", default="layer", choices=["layer", "in-order", "ooo", "hetero"],
                    help="layer: one layer-by-layer pass; in-order / ooo: chunked prefill scheduled by mllm-NPU §3.4; "
                         "hetero: every int8 GEMM partitioned between the gpu and npu lanes by HeteroLLM's solver "
@@ -603,22 +668,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(fn=cmd_run)
 
-    s = sub.add_parser("schedule", help="chunk a prompt and schedule its subgraphs (mllm-NPU §3.2, §3.4), predicted")
-    s.add_argument("--model", default="smollm2-135m")
-    s.add_argument("--prompt-len", type=int, required=True)
-    s.add_argument("--chunk", type=int, default=256)
-    s.add_argument("--scheduler", default="ooo", choices=["in-order", "ooo", "exact"])
+    s = _cmd(sub, "schedule", help="chunk a prompt and schedule its subgraphs (mllm-NPU §3.2, §3.4), predicted",
+                       description="Cut a prompt into chunks, build the chunk-shared subgraph DAG (mllm-NPU §3.2) and "
+                                   "order it on the lanes (§3.4) over a cost model: prints the predicted makespan, its "
+                                   "ratio to in-order, lane busy % and the memory chunk-shared graphs save. Nothing "
+                                   "runs on an agent (except to measure a 'measured' cost model); `edgeprobe run "
+                                   "--scheduler` runs it.")
+    s.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
+    s.add_argument("--prompt-len", type=int, required=True, help="prompt tokens to schedule")
+    s.add_argument("--chunk", type=int, default=256, help="chunk length in tokens (default 256)")
+    s.add_argument("--scheduler", default="ooo", choices=["in-order", "ooo", "exact"],
+                   help="in-order, ooo (mllm-NPU eq. 6, default) or exact (branch and bound, <= 12 subgraphs)")
     s.add_argument("--device-profile", default="snapdragon-8gen3",
                    help="a named modelled profile (snapdragon-8gen3, this-host-emulated); measured (fitted to subgraph "
                         "times measured on a local agent, HeteroLLM's predicted mode) or measured-real (the measured "
                         "times themselves where measured); or a measured profile's .json")
     s.add_argument("--remeasure", action="store_true", help="measure again instead of using the cached measured profile")
-    s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.add_argument("--out", help="write the schedule (slots, dependencies, metrics) as JSON here")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     s.set_defaults(fn=cmd_schedule)
 
-    a = sub.add_parser("agent", help="start a device agent here (same as python -m edgeprobe_agent)")
+    a = _cmd(sub, "agent", help="start a device agent here (same as python -m edgeprobe_agent)")
     a.add_argument("--bind", default="tcp://127.0.0.1:5555")
     a.add_argument("--store", default=str(__import__("pathlib").Path.home() / ".cache" / "edgeprobe" / "agent-store"))
     a.add_argument("--memory-budget", type=float, default=None, help="MB of blobs kept resident")
@@ -628,7 +699,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the npu lane's kernels: numba (NPU semantics) or hvx (Hexagon code under qemu-hexagon)")
     a.set_defaults(fn=cmd_agent)
 
-    k = sub.add_parser("kernels", help="check a backend's kernels against their numpy references")
+    k = _cmd(sub, "kernels", help="check a backend's kernels against their numpy references")
     k.add_argument("action", choices=["check"])
     k.add_argument("--backend", default="numba", choices=["numba", "hvx", "opencl"],
                    help="numba: NPU semantics on this CPU; hvx: Hexagon v67 HVX code under qemu-hexagon; opencl: the gpu lane")
@@ -637,7 +708,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "max_abs_err}}, ok}")
     k.set_defaults(fn=cmd_kernels)
 
-    d = sub.add_parser("demo", help="the main job: profile, quantize, schedule, run on a local agent, report")
+    d = _cmd(sub, "demo", help="the main job: profile, quantize, schedule, run on a local agent, report")
     d.add_argument("--model", default="smollm2-135m")
     d.add_argument("--out", default="out", help="folder for report.html, trace.json, summary.json (and .cache/)")
     d.add_argument("--prompt-len", type=int, default=1024, help="prompt of the scheduled prefill")

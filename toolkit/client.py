@@ -98,6 +98,8 @@ class Client:
         self.url, self.process, self.timeout_s, self.tunnel = url, process, timeout_s, tunnel
         self.stderr = stderr  # a local agent's stderr tail
         self.temp_store = None  # a store folder this client made and removes on close
+        self.store = None  # a local agent's store folder (its flash)
+        self.local_options: dict | None = None  # how Client.local started it, so a closed one can be started again
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -113,28 +115,49 @@ class Client:
     # ---- ways to get one ----------------------------------------------------------------------
     @classmethod
     def local(cls, store: str | Path | None = None, memory_budget_mb: float | None = None,
-              startup_timeout_s: float = 60.0, lanes=None, npu_backend: str | None = None):
+              startup_timeout_s: float = 60.0, lanes=None, npu_backend: str | None = None, say=None):
         """Start `python -m edgeprobe_agent` on a free loopback port; close() stops it. npu_backend: numba | hvx
-        (the npu lane's kernels: NPU semantics on this CPU, or Hexagon HVX code under qemu-hexagon)."""
-        store = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE")
-                     or Path(tempfile.gettempdir()) / f"edgeprobe-agent-store-{os.getuid()}")
-        cmd = [sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(store),
-               "--parent-pid", str(os.getpid())]  # a killed host must not leave its agent holding the store
-        if memory_budget_mb is not None:
-            cmd += ["--memory-budget", str(memory_budget_mb)]
-        if lanes is not None:
-            cmd += ["--lanes", ",".join(lanes)]
-        if npu_backend is not None:
-            cmd += ["--npu-backend", npu_backend]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        tail = StderrTail(proc.stderr)
-        url = _read_listen_line(proc, startup_timeout_s, tail)
+        (the npu lane's kernels: NPU semantics on this CPU, or Hexagon HVX code under qemu-hexagon).
+
+        store: the agent's flash. Given, it is used as is (another agent holding it is an error). Left out, it is
+        $EDGEPROBE_AGENT_STORE or <tmp>/edgeprobe-agent-store-<uid>; when another agent holds that one (a notebook,
+        a second `edgeprobe run`), the first free sibling <store>-2, <store>-3, ... is used and `say` (default:
+        a line on stderr) tells which."""
+        options = {"store": store, "memory_budget_mb": memory_budget_mb, "startup_timeout_s": startup_timeout_s,
+                   "lanes": lanes, "npu_backend": npu_backend}
+        base = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE")
+                    or Path(tempfile.gettempdir()) / f"edgeprobe-agent-store-{os.getuid()}")
+        # concurrent hosts pick and lock a default store one at a time, so two never start on the same sibling
+        with (_pick_lock(base) if store is None else _no_lock()):
+            chosen = base if store is not None else _free_store(base)
+            if chosen != base:
+                (say or (lambda m: print(m, file=sys.stderr)))(
+                    f"edgeprobe: the agent store {base} is in use by another agent; this run's agent uses {chosen} "
+                    "(uploads there once; pass --store / store= to choose)")
+            cmd = [sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(chosen),
+                   "--parent-pid", str(os.getpid())]  # a killed host must not leave its agent holding the store
+            if memory_budget_mb is not None:
+                cmd += ["--memory-budget", str(memory_budget_mb)]
+            if lanes is not None:
+                cmd += ["--lanes", ",".join(lanes)]
+            if npu_backend is not None:
+                cmd += ["--npu-backend", npu_backend]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            tail = StderrTail(proc.stderr)
+            url = _read_listen_line(proc, startup_timeout_s, tail)
         try:
-            return cls(url, process=proc, stderr=tail)
+            client = cls(url, process=proc, stderr=tail)
         except BaseException:
             proc.kill()  # no client holds it: it must not outlive this failed start
             proc.wait(timeout=5)
             raise
+        client.store, client.local_options = chosen, options
+        return client
+
+    @property
+    def closed(self) -> bool:
+        """True once close() ran (or the socket is gone): requests would fail with a raw ZeroMQ error."""
+        return self.sock.closed
 
     @classmethod
     def connect(cls, url: str, curve_server_key: bytes | None = None):
@@ -308,6 +331,58 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class _no_lock:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _pick_lock:
+    """An exclusive flock beside the default store, held while a host picks a store and its agent locks it."""
+
+    def __init__(self, base: Path):
+        base.parent.mkdir(parents=True, exist_ok=True)
+        self.path = base.parent / f".{base.name}.pick.lock"
+
+    def __enter__(self):
+        import fcntl
+
+        self.f = open(self.path, "a+")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()  # closing the file releases the lock
+        return False
+
+
+def _store_held(root: Path) -> bool:
+    """Whether an agent holds root/.lock (the store's lock; device_agent.store._lock_store)."""
+    import fcntl
+
+    if not (root / ".lock").exists():
+        return False
+    with open(root / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f, fcntl.LOCK_UN)
+        return False
+
+
+def _free_store(base: Path, tries: int = 32) -> Path:
+    """base, or its first sibling base-2, base-3, ... that no agent holds."""
+    for i in range(1, tries + 1):
+        cand = base if i == 1 else base.with_name(f"{base.name}-{i}")
+        if not _store_held(cand):
+            return cand
+    raise DeviceError("store_busy", f"{tries} agent stores beside {base} are all in use; stop an agent or pass a "
+                                    "store of its own (--store DIR, Device.local(store=...))")
 
 
 def _read_listen_line(proc: subprocess.Popen, timeout_s: float, tail: StderrTail) -> str:

@@ -21,6 +21,24 @@ SCHEMES = ("w8a8-shadow", "w8a8", "q4_0-tile", "float")
 CHUNKS = (16, 32, 64, 128, 256, 512)
 
 
+class DeviceClosedError(RuntimeError):
+    """The panel's device was closed and cannot be reopened from the panel."""
+
+
+def _sentence(e: BaseException) -> str:
+    """What the panel shows for a failed run: a sentence saying what to do, never a raw ZeroMQ error."""
+    import zmq
+
+    from .client import AgentLostError
+
+    if isinstance(e, zmq.ZMQError):
+        return (f"The connection to the agent is gone ({e.strerror}). Run the cell that opens the device again, "
+                "then press Run.")
+    if isinstance(e, AgentLostError):
+        return f"The agent stopped answering: {e} Press Run to try again, or reopen the device."
+    return str(e).strip() or type(e).__name__
+
+
 def _widgets():
     try:
         import ipywidgets as W
@@ -59,9 +77,11 @@ class TimelineExplorer:
         }
         # the constructor's choices go through set(), so a value not offered is named, not a traitlets error
         self.set(scheduler=scheduler, scheme=scheme, prune_rate=prune_rate, **({"chunk": chunk} if chunk else {}))
+        # never shrunk by a long status line beside it (that cut the label to "Run on the ag…")
         self.button = W.Button(description="Run on the agent", button_style="primary", icon="play",
-                               layout=W.Layout(width="auto"))
-        self.status = W.HTML()
+                               layout=W.Layout(width="auto", min_width="max-content", flex="0 0 auto"))
+        self.status = W.HTML(layout=W.Layout(flex="1 1 auto"))
+        self.notice = ""  # a sentence about the device, shown before the next run's numbers
         self.width = width
         self.figure = go.FigureWidget(layout=dict(height=360, width=width, title="press Run", xaxis_title="time (ms)"))
         self.button.on_click(lambda _b: self.run(raise_errors=False))
@@ -124,13 +144,14 @@ class TimelineExplorer:
         self.error = None
         try:
             qm = self._quantized(s["scheme"], s["prune_rate"])
+            dev = self._device()
             if s["scheduler"] == "layer":
-                res = self.dev.prefill(qm, self.prompt, progress=False)
+                res = dev.prefill(qm, self.prompt, progress=False)
             else:
-                res = self.dev.prefill_chunked(qm, self.prompt, chunk=s["chunk"], scheduler=s["scheduler"],
-                                               profile=self.profile, progress=False)
+                res = dev.prefill_chunked(qm, self.prompt, chunk=s["chunk"], scheduler=s["scheduler"],
+                                          profile=self.profile, progress=False)
         except Exception as e:  # noqa: BLE001  (the panel must survive a bad setting or a lost agent)
-            self.status.value = f"<b style='color:#b00'>{type(e).__name__}: {html.escape(str(e))}</b>"
+            self.status.value = f"<b style='color:#b00'>{html.escape(_sentence(e))}</b>"
             self.button.disabled = False
             self.error = e
             if raise_errors:
@@ -140,8 +161,11 @@ class TimelineExplorer:
         row = {**s, "makespan_ms": m["makespan_ms"], "wall_s": time.perf_counter() - t0,
                **{f"{lane}_busy_pct": v["busy_pct"] for lane, v in m["lanes"].items()},
                **{f"{lane}_bubble_ms": v["bubble_ms"] for lane, v in m["lanes"].items()}}
-        if "predicted_makespan_ms" in res.trace.meta:
-            row["predicted_makespan_ms"] = res.trace.meta["predicted_makespan_ms"]
+        pred = res.trace.meta.get("predicted_makespan_ms") or self._predict_layer(qm, s)
+        if pred:  # the prediction's error beside the measurement, so a 2x miss is never silent
+            row["predicted_makespan_ms"] = pred
+            row["predicted_over_measured"] = pred / row["makespan_ms"]
+        row["flash_read_mb"] = m.get("flash_read_bytes", 0) / 1e6  # a cold run's first reads: not in the prediction
         if self.check_host:
             row["cosine_vs_host"] = cosine(res.logits[0], qm.forward(self.prompt, logits="last"))
         self.result = res
@@ -154,13 +178,64 @@ class TimelineExplorer:
             self.figure.layout = new.layout
         bits = [f"makespan <b>{row['makespan_ms']:.0f} ms</b>"]
         if "predicted_makespan_ms" in row:
-            bits.append(f"predicted {row['predicted_makespan_ms']:.0f} ms")
+            name = getattr(self.profile, "name", self.profile)
+            bits.append(f"predicted {row['predicted_makespan_ms']:.0f} ms = <b>{row['predicted_over_measured']:.2f}× "
+                        f"measured</b> ({html.escape(str(name))})")
+        if row["flash_read_mb"] > 0.5:
+            bits.append(f"cold: {row['flash_read_mb']:.0f} MB first read from flash, not predicted")
         bits += [f"{lane} busy {v['busy_pct']:.0f}%" for lane, v in m["lanes"].items()]
         if "cosine_vs_host" in row:
             bits.append(f"cosine vs host {row['cosine_vs_host']:.5f}")
-        self.status.value = " · ".join(bits) + f" <span style='color:#888'>(run {len(self.history)}, {row['wall_s']:.1f} s)</span>"
+        self.status.value = (f"<i>{html.escape(self.notice)}</i><br>" if self.notice else "") + " · ".join(bits) + \
+            f" <span style='color:#888'>(run {len(self.history)}, {row['wall_s']:.1f} s)</span>"
+        self.notice = ""
         self.button.disabled = False
         return res
+
+    def snapshot(self):
+        """The panel's timeline as a plain plotly Figure: what an exported page (no widget JavaScript) can show."""
+        import plotly.graph_objects as go
+
+        return go.Figure(self.figure)
+
+    def _predict_layer(self, qm, s: dict):
+        """The layer-by-layer plan's predicted makespan (ms): its ops as one chunk, in order, on the panel's cost
+        model; None where the cost model cannot price it."""
+        if s["scheduler"] != "layer":
+            return None
+        from .models import ModelConfig
+        from .schedule import ScheduleError, chunk_graph, device_profile, schedule
+
+        try:
+            n = len(self.prompt)
+            graph = chunk_graph(ModelConfig(**qm.manifest["config"]), n, n, manifest=qm.manifest)
+            return schedule(graph, device_profile(self.profile), "in-order").makespan_us / 1e3
+        except (ScheduleError, ValueError, KeyError):
+            return None
+
+    def _device(self):
+        """The device to run on: the one given, or, once a later cell closed it (notebook 05's last cell does), a
+        new one the panel opens like it and owns: a local agent again (its store keeps the uploaded blobs), or the
+        same URL. An SSH device is not redeployed from a button press."""
+        if not getattr(self.dev, "closed", False):
+            return self.dev
+        old = self.dev
+        if getattr(old, "local_options", None) is not None:
+            self.dev = type(old).local(**old.local_options, say=lambda m: None)
+            self.notice = "The notebook's device was closed, so the panel started its own local agent."
+        elif getattr(old, "tunnel", None) is None and getattr(old, "url", None):
+            self.dev = type(old).connect(old.url)
+            self.notice = f"The notebook's device was closed, so the panel reconnected to {old.url}."
+        else:
+            raise DeviceClosedError("The device was closed by a later cell; open it again (Device.ssh(...)) and make a "
+                                    "new TimelineExplorer with it.")
+        self.owns_device = True
+        return self.dev
+
+    def close(self) -> None:
+        """Stop the agent the panel opened itself (a device passed in stays the caller's to close)."""
+        if getattr(self, "owns_device", False):
+            self.dev.close()
 
     @staticmethod
     def describe(s: dict) -> str:

@@ -20,6 +20,7 @@ class DeviceProfile:
     rates: dict            # lane -> {op kind: GFLOP/s (GOP/s for int8)}
     launch_us: dict        # lane -> fixed cost per subgraph, µs
     sync_us: float = 0.0   # added when a subgraph waits for one on another lane
+    op_us: dict = field(default_factory=dict)  # lane -> fixed cost per op (dispatch, allocation, event), µs
     source: str = ""
     modelled: bool = True
     notes: dict = field(default_factory=dict)
@@ -36,14 +37,15 @@ class DeviceProfile:
     def op_time_us(self, op: dict, lane: str | None = None) -> float:
         """One template op (graph.template: cost [kind, FLOPs, bytes]) on a lane, launch cost excluded."""
         kind, flops, _ = op["cost"]
-        return flops / (self.rate(lane or op["lane"], kind) * 1e3)  # GFLOP/s -> FLOP/µs
+        lane = lane or op["lane"]
+        return self.op_us.get(lane, 0.0) + flops / (self.rate(lane, kind) * 1e3)  # GFLOP/s -> FLOP/µs
 
     def time_us(self, g: Subgraph, lane: str | None = None) -> float:
         """A subgraph: its lane's launch cost plus each op's FLOPs at the lane's rate for the op's cost kind."""
         lane = lane or g.lane
         if lane not in self.rates:
             raise ScheduleError(f"device profile {self.name!r} has no lane {lane!r} (lanes: {', '.join(self.rates)})")
-        t = self.launch_us.get(lane, 0.0)
+        t = self.launch_us.get(lane, 0.0) + self.op_us.get(lane, 0.0) * len(g.costs)
         for kind, flops in g.costs:
             t += flops / (self.rate(lane, kind) * 1e3)
         return t
@@ -68,13 +70,17 @@ SNAPDRAGON_8GEN3 = DeviceProfile(
 
 # This host's lanes as edgeprobe emulates them (2 cores): rates from bench/quant.py and bench/agent.py —
 # exact int8 GEMM by K-blocked float32 BLAS on one thread ≈60–100 GOP/s (the emulated NPU), numpy float
-# ≈100 GFLOP/s on one thread, OpenCL on PoCL ≈38 GFLOP/s. For predictions that match the agent, measure.
+# ≈100 GFLOP/s on one thread, OpenCL on PoCL ≈38 GFLOP/s. Elementwise ops (norms, SwiGLU, adds, RoPE; "FLOPs" =
+# output elements) run at numpy's ≈0.3 G elements/s over their several passes, and every op pays ≈30 µs on its lane
+# thread (seen in agent traces: a 64×1536 SwiGLU takes ~0.4 ms, not the 1.4 µs a GEMM rate gives; the shadow GEMMs at
+# prune rate 0 are hundreds of such ops). For predictions that match the agent, measure.
 THIS_HOST = DeviceProfile(
     name="this-host-emulated",
-    rates={"npu": {"int8_linear": 70.0, "default": 70.0},
-           "cpu": {"attention": 30.0, "float_sparse": 5.0, "default": 30.0, "int8_linear": 70.0},
-           "gpu": {"attention": 20.0, "float_sparse": 5.0, "default": 38.0, "int8_linear": 38.0}},
+    rates={"npu": {"int8_linear": 70.0, "elementwise": 0.3, "default": 70.0},
+           "cpu": {"attention": 30.0, "float_sparse": 5.0, "elementwise": 0.3, "default": 30.0, "int8_linear": 70.0},
+           "gpu": {"attention": 20.0, "float_sparse": 5.0, "elementwise": 0.3, "default": 38.0, "int8_linear": 38.0}},
     launch_us={"npu": 200.0, "cpu": 100.0, "gpu": 300.0},
+    op_us={"npu": 30.0, "cpu": 30.0, "gpu": 60.0},
     sync_us=50.0,
     source="modelled from this machine's benchmarks (bench/quant.py, bench/agent.py)",
 )

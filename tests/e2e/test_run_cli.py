@@ -1,0 +1,67 @@
+"""`edgeprobe run` as a user runs it, in real processes against real local agents: a second run reuses the first
+one's preparation, a short prompt file is prefilled whole, and two runs at once both succeed."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgeprobe import Device
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    base = tmp_path_factory.mktemp("run_cli")
+    (base / "short.txt").write_text("def f(x): return x + 1\n")  # 11 tokens
+    e = {**os.environ, "TMPDIR": str(base), "EDGEPROBE_PREPARED_CACHE": str(base / "prepared"),
+         "EDGEPROBE_AGENT_STORE": str(base / "store")}
+    return base, e
+
+
+def _run(env, *extra, wait=True):
+    cmd = [sys.executable, "-m", "edgeprobe", "run", "--scheme", "q4_0-tile", "--prompt-file", str(env[0] / "short.txt"),
+           "--prompt-len", "64", "--no-progress", "--json", *extra]
+    p = subprocess.Popen(cmd, env=env[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return p.communicate(timeout=600) + (p.returncode,) if wait else p
+
+
+def test_a_second_run_reuses_the_first_runs_preparation_and_a_short_prompt_is_run_whole(env):
+    out, err, rc = _run(env)
+    assert rc == 0, err
+    first = json.loads(out.splitlines()[-1])
+    assert first["tokens"] == 11 and "fewer than --prompt-len 64: prefilling all 11" in err
+    assert "quantizing smollm2-135m to q4_0-tile" in err and "prepared q4_0-tile in" in err  # said, with its time
+    assert "uploaded" in err and first["upload_bytes"] > 100e6
+    entry, = (env[0] / "prepared").glob("smollm2-135m-q4_0-tile-*")
+    made = (entry / "manifest.json").stat().st_mtime_ns
+    out, err, rc = _run(env)
+    assert rc == 0, err
+    second = json.loads(out.splitlines()[-1])
+    assert "reusing q4_0-tile of smollm2-135m prepared earlier" in err and "quantizing" not in err
+    assert (entry / "manifest.json").stat().st_mtime_ns == made  # read, not written again
+    # the same blobs (content-addressed), so the agent's store needs nothing new and does not grow
+    assert second["upload_bytes"] == 0 and "already holds all" in err
+    assert second["logits_cosine_vs_host"] > 0.999
+
+
+def test_two_runs_at_once_beside_an_agent_holding_the_store_all_succeed(env):
+    base, e = env
+    with Device.local(store=base / "store"):  # a notebook's agent holding the default store
+        runs = [_run(env, wait=False) for _ in range(2)]
+        results = [p.communicate(timeout=600) + (p.returncode,) for p in runs]
+    stores = set()
+    for out, err, rc in results:
+        assert rc == 0, err
+        assert json.loads(out.splitlines()[-1])["tokens"] == 11
+        line, = [l for l in err.splitlines() if "is in use by another agent" in l]  # said in one line
+        stores.add(line.split("this run's agent uses ")[1].split(" ")[0])
+    assert stores == {str(base / "store-2"), str(base / "store-3")}  # one store each, picked without a collision
+
+
+def test_store_flag_names_the_local_agents_store(env, tmp_path):
+    out, err, rc = _run(env, "--store", str(tmp_path / "mine"))
+    assert rc == 0, err
+    assert (tmp_path / "mine" / "blobs").is_dir() and "uploaded" in err
+    out, err, rc = _run(env, "--store", str(tmp_path / "x"), "--device", "tcp://127.0.0.1:9")
+    assert rc == 2 and err.count("\n") == 1 and "--store is the local agent's flash" in err

@@ -1,0 +1,57 @@
+"""What a newcomer's first commands touch: the Makefile's setup stamps and what git ignores."""
+import shutil
+import subprocess
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_make_lab_after_make_test_does_not_set_up_again(tmp_path):
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    name = lambda spec: spec.split(">")[0].split("=")[0].split("<")[0].strip()
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    # the stamp is honest only while the test extra (with the core deps) installs everything the notebook extra does
+    assert {name(d) for d in extras["notebook"]} <= {name(d) for d in extras["test"] + deps}
+    shutil.copy(ROOT / "Makefile", tmp_path)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "setup.sh").write_text('echo "setup $1" >> setup.log\n')  # records each setup it runs
+    (tmp_path / ".venv").mkdir()
+    make = lambda *a: subprocess.run(["make", "--no-print-directory", *a], cwd=tmp_path, capture_output=True, text=True)
+    assert make("setup-test").returncode == 0
+    assert make("-q", "setup-notebook").returncode == 0, "make lab would run the notebook setup again"
+    assert make("-q", "setup").returncode == 0
+    assert (tmp_path / "setup.log").read_text().splitlines() == ["setup test"]
+
+
+def test_jupyter_checkpoints_are_ignored():
+    r = subprocess.run(["git", "check-ignore", "-q", "notebooks/.ipynb_checkpoints/01_outliers-checkpoint.ipynb"],
+                       cwd=ROOT)
+    assert r.returncode == 0
+
+
+def test_demo_summary_says_which_windows_each_perplexity_is_over():
+    from edgeprobe.demo import summary_lines
+
+    s = {"perplexity_heldout": 13.622, "perplexity_windows": 8, "perplexity_window": 512, "accuracy_windows": 4,
+         "accuracy_window": 256, "outlier_channels_pct": 1.0, "channels_for_80pct_outliers_pct": 0.5,
+         "ffn_inactive_fraction": 0.2, "accuracy": {"float": {"perplexity": 14.746, "delta_vs_float_pct": None},
+                                                    "w8a8": {"perplexity": 20.0, "delta_vs_float_pct": 35.6}},
+         "repeats": 2, "prompt_len": 1024, "chunk": 256, "in_order_ms": 1000, "predicted_in_order_ms": 900,
+         "ooo_ms": 900, "predicted_ooo_ms": 700, "ooo_vs_in_order": 0.9, "busy_pct_ooo": {"npu": 90},
+         "chunk_shared_memory_saving": 0.6, "report": "r", "trace": "t"}
+    text = "\n".join(summary_lines(s))
+    assert "held-out perplexity (float, 8 × 512 tokens)" in text and "14.746 (4 × 256;" in text
+    assert "0.90 (this run; the README's 0.69–0.75 is bench/schedule.py" in text
+
+
+def test_readme_links_only_documents_a_clone_has():
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert "../shared" not in text
+    for path in set(re.findall(r"`(docs/[\w./-]+\.md)`", text)):
+        assert (ROOT / path).exists(), path
+    for var in ("EDGEPROBE_AGENT_STORE", "EDGEPROBE_PREPARED_CACHE", "EDGEPROBE_NB_TOKENS", "EDGEPROBE_NB_PROMPT"):
+        assert var in text, var  # every variable a user may need is documented

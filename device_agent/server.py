@@ -37,7 +37,7 @@ import numpy as np
 import zmq
 
 from . import __version__
-from .backends import check_backend, lane_backends
+from .backends import check_backend, lane_backends, lane_kernels
 from .executor import EMULATED_LANES, LANES, Cancelled, Context, execute, validate
 from .ops import RunnerCache
 from .protocol import (ALLOWED_DTYPES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, AgentError,
@@ -151,6 +151,13 @@ class Agent:
         if lanes is not None and "gpu" in lanes and not opencl_devices():
             raise ValueError("the gpu lane needs an OpenCL device and none was found (Debian: pocl-opencl-icd)")
         self.lanes = [l for l in LANES if (l in lanes if lanes is not None else (l != "gpu" or opencl_devices()))]
+        # set by the launcher that runs this Python under an ISA emulator (the arm64 wrapper: "qemu-aarch64"): the cpu
+        # lane's results are real arm64 results but its times are emulation times, and every event says so
+        self.emulator = os.environ.get("EDGEPROBE_EMULATOR") or None
+        self.emulated = {**EMULATED_LANES, **({"cpu": "isa"} if self.emulator else {})}
+        # what computes on each lane, fixed for the agent's life: every trace event says it ("backend")
+        self.kernels = {l: lane_kernels(l, self.npu_backend if l == "npu" else "opencl" if l == "gpu" else None)
+                        for l in self.lanes}
         self.store = FlashStore(store_dir, memory_budget)
         self.ctx = zmq.Context()  # the agent's own: term() at exit waits for its last replies to leave
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -312,7 +319,7 @@ class Agent:
     def do_hello(self, ident, rid, h, arrays):
         cl = opencl_devices()
         return {"agent_version": __version__, "protocol": PROTOCOL_VERSION, "lanes": self.lanes,
-                "emulated_lanes": list(EMULATED_LANES), "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
+                "emulated_lanes": list(self.emulated), "emulator": self.emulator, "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
                 "cpu": platform.processor() or platform.machine(),
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
                 "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),
@@ -529,7 +536,7 @@ class Agent:
             ctx = Context(get=partial(self.store.get, on_read=flash.add), counters={}, runners=self.runners,
                           session=run.session, read_rows=partial(self.store.read_rows, on_read=flash.add),
                           read_blob=partial(self.store.read_cold, on_read=flash.add),
-                          backends={"npu": self.npu_backend})
+                          backends={"npu": self.npu_backend}, kernels=self.kernels, emulated=self.emulated)
             t0 = now_us()
             try:
                 outs, events = execute(plan, inputs, ctx, run.cancel, on_op)

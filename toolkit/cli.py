@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import EdgeprobeError
@@ -37,14 +38,42 @@ def cmd_eval(args) -> int:
 
 def _quantized(model, scheme: str, progress: bool, tolerance: float = 0.05):
     from .corpus import read_corpus
-    from .quant import calibration_profile, quantize
+    from .quant import quantize
     from .quant.schemes import NEEDS_PROFILE
 
     profile = None
     if scheme in NEEDS_PROFILE:  # activation scales from the bundled training corpus
-        profile = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), progress=progress)
+        profile = _calibration(model, model.tokenizer.encode(read_corpus("train")), progress)
     bits = _expert_bits(model, tolerance, progress) if scheme == "moe-mixed" else None
     return quantize(model, scheme, profile, expert_bits=bits)
+
+
+def _calibration(model, ids, progress: bool, tokens: int = 4096):
+    """calibration_profile(model, ids) cached on disk by model, tokens and edgeprobe version: every `run` and `eval`
+    of a calibrated scheme needs it and it takes 30 s or more on 2 cores; an unreadable cache entry is recomputed."""
+    import hashlib
+
+    import numpy as np
+
+    from . import __version__
+    from .models import default_cache_dir
+    from .profile import OutlierStats
+    from .quant import calibration_profile
+
+    key = hashlib.sha256(f"{model.sha256}|{__version__}|{tokens}|".encode()
+                         + np.asarray(ids[:tokens], np.int64).tobytes()).hexdigest()[:16]
+    path = default_cache_dir() / "calibration" / f"{key}.npz"
+    if path.exists():
+        try:
+            return OutlierStats.load(path)
+        except Exception:  # half-written by an interrupted run, or an older format: recompute
+            pass
+    profile = calibration_profile(model, ids, tokens=tokens, progress=progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npz")
+    profile.save(tmp)
+    os.replace(tmp, path)  # readers see a whole file or none
+    return profile
 
 
 def _expert_bits(model, tolerance: float, progress: bool) -> dict:
@@ -161,11 +190,14 @@ def cmd_profile(args) -> int:
 
 
 def open_device(spec: str, ssh_key=None, known_hosts=None, store=None, npu_backend=None):
-    """--device local | tcp://HOST:PORT | ssh://USER@HOST[:PORT] -> a connected Device."""
+    """--device local | arm64 | tcp://HOST:PORT | ssh://USER@HOST[:PORT] -> a connected Device. arm64: a local agent in
+    Debian's arm64 Python under qemu-aarch64, without numba (the emulated phone CPU; scripts/arm64_python.sh)."""
     from .device import Device
 
     if spec == "local":
         return Device.local(store=store, npu_backend=npu_backend)
+    if spec in ("arm64", "aarch64"):
+        return Device.local(store=store, npu_backend=npu_backend, arch="arm64")
     if spec.startswith(("tcp://", "ipc://")):
         return Device.connect(spec)
     if spec.startswith("ssh://"):
@@ -177,7 +209,7 @@ def open_device(spec: str, ssh_key=None, known_hosts=None, store=None, npu_backe
         if not ssh_key:
             raise ValueError("--device ssh://... needs --ssh-key PATH (the private key the device accepts)")
         return Device.ssh(host, user, ssh_key, port=int(port or 22), known_hosts=known_hosts)
-    raise ValueError(f"--device {spec!r}: use local, tcp://HOST:PORT or ssh://USER@HOST[:PORT]")
+    raise ValueError(f"--device {spec!r}: use local, arm64, tcp://HOST:PORT or ssh://USER@HOST[:PORT]")
 
 
 def cmd_run(args) -> int:
@@ -189,8 +221,8 @@ def cmd_run(args) -> int:
     from .trace import cosine
 
     check_scheme(args.scheme)
-    if not (args.device == "local" or args.device.startswith(("tcp://", "ipc://", "ssh://"))):
-        print(f"edgeprobe: error: --device {args.device!r}: use local, tcp://HOST:PORT or ssh://USER@HOST[:PORT]",
+    if not (args.device in ("local", "arm64", "aarch64") or args.device.startswith(("tcp://", "ipc://", "ssh://"))):
+        print(f"edgeprobe: error: --device {args.device!r}: use local, arm64, tcp://HOST:PORT or ssh://USER@HOST[:PORT]",
               file=sys.stderr)
         return 2
     if args.scheduler != "layer" and args.chunk < 1:
@@ -223,7 +255,7 @@ def cmd_run(args) -> int:
     progress = not args.no_progress
     try:
         dev = open_device(args.device, args.ssh_key, args.known_hosts, npu_backend=args.npu_backend)
-    except ValueError as e:
+    except (ValueError, EdgeprobeError) as e:  # a bad --device, or an arm64 device that is not built
         print(f"edgeprobe: error: {e}", file=sys.stderr)
         return 2
     chosen = (dev.info.get("backends") or {}).get("npu", {}).get("chosen", "numba")
@@ -256,11 +288,12 @@ def cmd_run(args) -> int:
             return 2
         upload = dev.uploaded_bytes - before
         info = dev.info
-    if args.npu_backend != "numba":  # the same plan with the npu lane's numba kernels, on a local agent
+    if args.npu_backend != "numba" or not info.get("numba"):  # the same plan on a local agent's numba kernels
         from .device import Device
 
         with Device.local(npu_backend="numba") as ref_dev:
             ref, _ = _prefill(args, ref_dev, qm, tokens, ids, progress)
+            extra["numba_reference_numba"] = ref_dev.info.get("numba")  # None: this host lacks numba too
         extra["logits_max_abs_diff_vs_numba"] = float(np.abs(res.logits.astype(np.float64) - ref.logits).max())
         extra["numba_reference_device"] = "local"
     extra["npu_backend"] = args.npu_backend
@@ -275,7 +308,7 @@ def cmd_run(args) -> int:
            "bubbles": {k: v["bubbles"] for k, v in m["lanes"].items()}, "upload_bytes": int(upload),
            "logits_cosine_vs_host": cosine(res.logits[-1], np.asarray(host)), "counters": res.counters,
            "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu", "backends")},
-           "trace": args.trace, "scheduler": args.scheduler,
+           **_agent_fields(info), "trace": args.trace, "scheduler": args.scheduler,
            "chunk": args.chunk if chunked else None,
            "predicted_makespan_ms": res.trace.meta.get("predicted_makespan_ms"), **extra}
     if args.json:
@@ -344,8 +377,8 @@ def _run_decode(args, dev, qm, model, tokens, progress: bool, before: int) -> in
            "tok_per_s": n / (pre["makespan_ms"] / 1e3), "makespan_ms": pre["makespan_ms"],
            "lanes": {k: round(v["busy_pct"], 2) for k, v in dec.trace.metrics()["lanes"].items()},
            "upload_bytes": int(dev.uploaded_bytes - before), "logits_cosine_vs_host": cos[0],
-           "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu")},
-           "trace": args.trace, "scheduler": "layer", "chunk": None, "npu_backend": args.npu_backend,
+           "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu", "backends")},
+           **_agent_fields(info), "trace": args.trace, "scheduler": "layer", "chunk": None, "npu_backend": args.npu_backend,
            "decode_steps": args.decode, "batch": args.batch, "temperature": args.temperature, "seed": args.seed,
            "decode_tok_per_s": dec.decode_tok_per_s,
            "decode_step_ms_median": float(np.median(dec.step_ms)),
@@ -358,6 +391,11 @@ def _run_decode(args, dev, qm, model, tokens, progress: bool, before: int) -> in
               f"{out['decode_tok_per_s']:.1f} tok/s summed over the batch (median step {out['decode_step_ms_median']:.1f} ms); "
               f"logits cosine vs host >= {min(cos):.6f}")
     return 0
+
+
+def _agent_fields(info: dict) -> dict:
+    """The agent's machine, numba version (None: numpy kernels) and ISA emulator (None: native), for run's JSON."""
+    return {"agent_machine": info.get("machine"), "agent_numba": info.get("numba"), "agent_emulator": info.get("emulator")}
 
 
 def _plain_profile(p) -> dict:
@@ -577,7 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--scheme", default="w8a8-shadow")
     r.add_argument("--prompt-file", help="UTF-8 prompt text (default: the bundled held-out corpus)")
     r.add_argument("--prompt-len", type=int, default=None, help="tokens of the prompt to prefill (default 256)")
-    r.add_argument("--device", default="local", help="local | tcp://HOST:PORT | ssh://USER@HOST[:PORT]")
+    r.add_argument("--device", default="local", help="local | arm64 (a local agent in an emulated arm64 Python, no "
+                                                       "numba) | tcp://HOST:PORT | ssh://USER@HOST[:PORT]")
     r.add_argument("--scheduler", default="layer", choices=["layer", "in-order", "ooo", "hetero"],
                    help="layer: one layer-by-layer pass; in-order / ooo: chunked prefill scheduled by mllm-NPU §3.4; "
                         "hetero: every int8 GEMM partitioned between the gpu and npu lanes by HeteroLLM's solver "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -98,6 +99,7 @@ class Client:
         self.url, self.process, self.timeout_s, self.tunnel = url, process, timeout_s, tunnel
         self.stderr = stderr  # a local agent's stderr tail
         self.temp_store = None  # a store folder this client made and removes on close
+        self.agent_path = None  # the folder an emulated local agent imported its packages from (removed on close)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -113,28 +115,43 @@ class Client:
     # ---- ways to get one ----------------------------------------------------------------------
     @classmethod
     def local(cls, store: str | Path | None = None, memory_budget_mb: float | None = None,
-              startup_timeout_s: float = 60.0, lanes=None, npu_backend: str | None = None):
+              startup_timeout_s: float = 60.0, lanes=None, npu_backend: str | None = None, arch: str | None = None):
         """Start `python -m edgeprobe_agent` on a free loopback port; close() stops it. npu_backend: numba | hvx
-        (the npu lane's kernels: NPU semantics on this CPU, or Hexagon HVX code under qemu-hexagon)."""
-        store = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE")
-                     or Path(tempfile.gettempdir()) / f"edgeprobe-agent-store-{os.getuid()}")
-        cmd = [sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(store),
-               "--parent-pid", str(os.getpid())]  # a killed host must not leave its agent holding the store
+        (the npu lane's kernels: NPU semantics on this CPU, or Hexagon HVX code under qemu-hexagon). arch: None (this
+        machine) or "arm64": the agent runs in Debian's arm64 Python under qemu-aarch64, without numba, as on a phone
+        (arm64.py; its own default store)."""
+        from . import arm64
+
+        argv, agent_path = arm64.interpreter(arch)
+        default = f"edgeprobe-agent-store-{os.getuid()}" + ("" if agent_path is None else "-arm64")
+        store = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE") or Path(tempfile.gettempdir()) / default)
+        cmd = argv + ["-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(store),
+                      "--parent-pid", str(os.getpid())]  # a killed host must not leave its agent holding the store
         if memory_budget_mb is not None:
             cmd += ["--memory-budget", str(memory_budget_mb)]
         if lanes is not None:
             cmd += ["--lanes", ",".join(lanes)]
         if npu_backend is not None:
             cmd += ["--npu-backend", npu_backend]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        tail = StderrTail(proc.stderr)
-        url = _read_listen_line(proc, startup_timeout_s, tail)
+        env = None
+        if agent_path is not None:  # the emulated device sees only its own packages and the agent's
+            env = {**os.environ, "PYTHONPATH": str(agent_path)}
         try:
-            return cls(url, process=proc, stderr=tail)
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+            tail = StderrTail(proc.stderr)
+            url = _read_listen_line(proc, startup_timeout_s, tail)
+            try:
+                client = cls(url, process=proc, stderr=tail)
+            except BaseException:
+                proc.kill()  # no client holds it: it must not outlive this failed start
+                proc.wait(timeout=5)
+                raise
         except BaseException:
-            proc.kill()  # no client holds it: it must not outlive this failed start
-            proc.wait(timeout=5)
+            if agent_path is not None:
+                shutil.rmtree(agent_path, ignore_errors=True)
             raise
+        client.agent_path = agent_path
+        return client
 
     @classmethod
     def connect(cls, url: str, curve_server_key: bytes | None = None):
@@ -298,10 +315,9 @@ class Client:
             self.process.stdout.close()
         if self.tunnel is not None:
             self.tunnel.close()
-        if self.temp_store is not None:
-            import shutil
-
-            shutil.rmtree(self.temp_store, ignore_errors=True)
+        for d in (self.temp_store, self.agent_path):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
 
     def __enter__(self):
         return self

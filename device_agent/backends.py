@@ -44,11 +44,11 @@ def _why_not(lane: str, name: str, opencl=None) -> str | None:
 
         return hvx_bridge.unavailable_reason()
     if name == "opencl":
-        if opencl is None:
-            from .server import opencl_devices
+        from .server import opencl_devices, opencl_unavailable
 
+        if opencl is None:
             opencl = opencl_devices()
-        return None if opencl else "no OpenCL device (Debian: pocl-opencl-icd; pip install pyopencl)"
+        return None if opencl else opencl_unavailable()
     return f"unknown backend {name!r}"
 
 

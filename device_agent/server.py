@@ -70,6 +70,23 @@ def opencl_devices() -> list[dict]:
         return []
 
 
+def opencl_unavailable() -> str | None:
+    """Why there is no gpu lane here (None when pyopencl finds a device), naming what to install or check."""
+    try:
+        import pyopencl as cl
+    except ImportError:
+        return "pyopencl is not installed (pip install pyopencl; Termux: pkg install ocl-icd opencl-headers first)"
+    try:
+        if any(p.get_devices() for p in cl.get_platforms()):
+            return None
+        err = ""
+    except Exception as e:  # ocl-icd raises PLATFORM_NOT_FOUND_KHR when no .icd file names a driver
+        err = f" ({type(e).__name__}: {str(e)[:120]})"
+    return (f"pyopencl found no OpenCL device{err}: no ICD names a driver it can load (Debian: pocl-opencl-icd; on a "
+            "phone under Termux the vendor's /vendor/lib64/libOpenCL.so must be named in $PREFIX/etc/OpenCL/vendors and "
+            "be loadable from Termux; see README, On a real phone)")
+
+
 def numba_version() -> str | None:
     """numba's version, or None where it is missing (a phone under Termux may lack it; kernels fall back)."""
     try:
@@ -149,8 +166,11 @@ class Agent:
         if lanes is not None and (not lanes or set(lanes) - set(LANES)):
             raise ValueError(f"lanes must be some of {', '.join(LANES)}, got {', '.join(lanes) or 'none'}")
         if lanes is not None and "gpu" in lanes and not opencl_devices():
-            raise ValueError("the gpu lane needs an OpenCL device and none was found (Debian: pocl-opencl-icd)")
+            raise ValueError(f"the gpu lane needs an OpenCL device: {opencl_unavailable()}")
         self.lanes = [l for l in LANES if (l in lanes if lanes is not None else (l != "gpu" or opencl_devices()))]
+        # lanes this agent does without, and why (hello says so: a phone whose OpenCL driver Termux cannot reach)
+        self.lanes_missing = {l: ("not asked for (--lanes)" if lanes is not None else opencl_unavailable())
+                              for l in LANES if l not in self.lanes}
         # set by the launcher that runs this Python under an ISA emulator (the arm64 wrapper: "qemu-aarch64"): the cpu
         # lane's results are real arm64 results but its times are emulation times, and every event says so
         self.emulator = os.environ.get("EDGEPROBE_EMULATOR") or None
@@ -319,7 +339,7 @@ class Agent:
     def do_hello(self, ident, rid, h, arrays):
         cl = opencl_devices()
         return {"agent_version": __version__, "protocol": PROTOCOL_VERSION, "lanes": self.lanes,
-                "emulated_lanes": list(self.emulated), "emulator": self.emulator, "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
+                "lanes_missing": self.lanes_missing, "emulated_lanes": list(self.emulated), "emulator": self.emulator, "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
                 "cpu": platform.processor() or platform.machine(),
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
                 "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),

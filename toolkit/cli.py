@@ -268,9 +268,9 @@ def cmd_run(args) -> int:
     lacking = sorted(need - set(dev.info.get("lanes", [])))
     if lacking:  # before the minutes of quantizing
         dev.close()
+        why = (dev.info.get("lanes_missing") or {}).get("gpu") or "the gpu lane needs OpenCL (Debian pocl-opencl-icd)"
         print(f"edgeprobe: error: --scheduler {args.scheduler} puts work on lanes {lacking} that this agent lacks (it has "
-              f"{dev.info.get('lanes')}){'; the gpu lane needs OpenCL (Debian pocl-opencl-icd)' if 'gpu' in lacking else ''}",
-              file=sys.stderr)
+              f"{dev.info.get('lanes')}){f'; gpu: {why}' if 'gpu' in lacking else ''}", file=sys.stderr)
         return 2
     qm = _quantized(model, args.scheme, progress)
     from .schedule import ScheduleError

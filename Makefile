@@ -2,20 +2,22 @@
 VENV  := .venv
 BIN   := $(VENV)/bin
 SETUP := scripts/setup.sh
+# the emulated arm64 device (scripts/arm64_python.sh); rebuilt by `make test` if its cache was removed
+ARM64 := $(or $(EDGEPROBE_ARM64),$(or $(EDGEPROBE_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/edgeprobe)/arm64)
 
 .PHONY: demo test bench lab setup setup-test setup-notebook clean-venv
 
-$(VENV)/.setup-base: pyproject.toml $(SETUP)
+$(VENV)/.setup-base: pyproject.toml $(SETUP) scripts/arm64_python.sh
 	bash $(SETUP)
 	touch $@
 
 # the test extra holds every notebook package (tests/test_setup.py checks), so it stamps the notebook setup too:
 # `make lab` after `make test` must not install again
-$(VENV)/.setup-test: pyproject.toml $(SETUP)
+$(VENV)/.setup-test: pyproject.toml $(SETUP) scripts/arm64_python.sh
 	bash $(SETUP) test
 	touch $@ $(VENV)/.setup-base $(VENV)/.setup-notebook
 
-$(VENV)/.setup-notebook: pyproject.toml $(SETUP)
+$(VENV)/.setup-notebook: pyproject.toml $(SETUP) scripts/arm64_python.sh
 	bash $(SETUP) notebook
 	touch $@ $(VENV)/.setup-base
 
@@ -26,7 +28,10 @@ setup-notebook: $(VENV)/.setup-notebook
 demo: setup
 	$(BIN)/edgeprobe demo
 
-test: setup-test
+$(ARM64)/bin/python3:
+	bash scripts/arm64_python.sh $(ARM64)
+
+test: setup-test $(ARM64)/bin/python3
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
 
 # JupyterLab on loopback only; it prints the URL with its access token.

@@ -11,6 +11,18 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+# what the agent imports, as (module, pip name); numba and pyopencl are optional (numpy kernels; no gpu lane)
+REQUIRED = (("numpy", "numpy"), ("zmq", "pyzmq"), ("msgpack", "msgpack"))
+INSTALL_HINT = ("pip install {pips}  (on a phone, in Termux: pkg install python python-numpy libzmq; "
+                "pip install pyzmq msgpack)")
+
+
+def missing_packages() -> list[str]:
+    """The pip names of REQUIRED packages this Python cannot import (checked before any of them is imported)."""
+    import importlib.util
+
+    return [pip for mod, pip in REQUIRED if importlib.util.find_spec(mod) is None]
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="edgeprobe_agent", description="edgeprobe device agent (ZeroMQ ROUTER)")
@@ -28,6 +40,11 @@ def main(argv=None) -> int:
                     help="stop when this process is gone (Device.local passes its own pid, so a killed host leaves no "
                          "agent holding the store)")
     args = ap.parse_args(argv)
+    missing = missing_packages()
+    if missing:  # a bare phone: say what to install, not a traceback from deep inside an import
+        print(f"edgeprobe-agent: error: this Python ({sys.executable}, {'.'.join(map(str, sys.version_info[:3]))}) "
+              f"lacks {', '.join(missing)}; install: {INSTALL_HINT.format(pips=' '.join(missing))}", file=sys.stderr)
+        return 2
     from .server import Agent
 
     secret = public = None

@@ -4,10 +4,31 @@
     npu   numba: NPU-semantics kernels on this CPU (numpy where numba is missing: same results);
           hvx: Hexagon v67 HVX machine code under qemu-hexagon
     gpu   opencl
+
+A backend names a lane's code path; `lane_kernels` says what really computes on it: "numba", or "numpy" where numba
+is missing (the kernels' numpy references: same results within each kernel's stated tolerance), "opencl", "hvx".
+hello reports both, and every trace event carries its lane's kernels as "backend".
 """
 from __future__ import annotations
 
 BACKENDS = {"cpu": ("numba", "numpy"), "npu": ("numba", "hvx"), "gpu": ("opencl",)}
+
+
+def numba_available() -> bool:
+    """Is numba importable here? (Termux has no numba package; the kernels then run their numpy references.)"""
+    try:
+        import numba  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def lane_kernels(lane: str, chosen: str | None) -> str | None:
+    """What computes on `lane` under backend `chosen`: numba, numpy (numba missing) or opencl. The kernels pick numba
+    whenever it imports; the hvx backend runs only NPU work as Hexagon code (those events say "hvx" themselves)."""
+    if lane in ("cpu", "npu"):
+        return "numba" if numba_available() else "numpy"
+    return chosen
 
 
 def _why_not(lane: str, name: str, opencl=None) -> str | None:
@@ -15,11 +36,7 @@ def _why_not(lane: str, name: str, opencl=None) -> str | None:
     if name == "numba" and lane == "npu":
         return None  # the NPU-semantics kernels fall back to numpy without numba
     if name == "numba":
-        try:
-            import numba  # noqa: F401
-        except ImportError:
-            return "numba is not installed (pip install numba)"
-        return None
+        return None if numba_available() else "numba is not installed (pip install numba; Termux has no numba package)"
     if name == "numpy":
         return None
     if name == "hvx":
@@ -27,11 +44,11 @@ def _why_not(lane: str, name: str, opencl=None) -> str | None:
 
         return hvx_bridge.unavailable_reason()
     if name == "opencl":
-        if opencl is None:
-            from .server import opencl_devices
+        from .server import opencl_devices, opencl_unavailable
 
+        if opencl is None:
             opencl = opencl_devices()
-        return None if opencl else "no OpenCL device (Debian: pocl-opencl-icd; pip install pyopencl)"
+        return None if opencl else opencl_unavailable()
     return f"unknown backend {name!r}"
 
 
@@ -50,14 +67,16 @@ def check_backend(lane: str, name: str) -> str:
 
 
 def lane_backends(chosen: dict, lanes, opencl=None) -> dict:
-    """hello's view: {lane: {"available": [...], "chosen": name, "unavailable": {name: why}}} for the agent's lanes."""
+    """hello's view: {lane: {"available": [...], "chosen": name, "kernels": what computes, "unavailable": {name: why}}}
+    for the agent's lanes."""
     out = {}
     for lane in lanes:
         names = BACKENDS.get(lane, ())
         why = {n: _why_not(lane, n, opencl) for n in names}
         avail = [n for n in names if why[n] is None]
         default = chosen.get(lane) or (avail[0] if avail else None)
-        out[lane] = {"available": avail, "chosen": default, "unavailable": {n: w for n, w in why.items() if w}}
+        out[lane] = {"available": avail, "chosen": default, "kernels": lane_kernels(lane, default),
+                     "unavailable": {n: w for n, w in why.items() if w}}
         if lane == "npu":  # what the lane's events' time means (executor.EMULATED_LANES, the hvx backend's "isa")
             out[lane]["emulated"] = "isa" if default == "hvx" else "semantics"
             if default == "hvx":

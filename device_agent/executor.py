@@ -143,6 +143,8 @@ class Context:
     read_rows: object = None         # (sha, rows, lane=) -> rows of a blob read from flash, not kept resident
     read_blob: object = None         # sha -> a whole blob read from flash, not kept resident
     backends: dict = field(default_factory=dict)  # lane -> kernel backend chosen for it ("npu": "numba" | "hvx")
+    kernels: dict = field(default_factory=dict)   # lane -> what computes there (backends.lane_kernels): events' "backend"
+    emulated: dict = field(default_factory=lambda: dict(EMULATED_LANES))  # lane -> what its events' time is, by default
     event: dict | None = None        # fields the running op adds to its trace event (isa, emulated, DSP counts)
 
 
@@ -196,9 +198,9 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                       "layer": op.get("layer", -1), "chunk": op.get("chunk", 0),
                       "bytes_in": int(sum(a.nbytes for a in args if isinstance(a, np.ndarray))),
                       "bytes_out": int(out.nbytes), "flops": int(flops(op["kind"], args, out, op.get("attrs", {}), lane_ctx)),
-                      "emulated": lane_ctx.event.pop("emulated", EMULATED_LANES.get(lane, False)),
+                      "emulated": lane_ctx.event.pop("emulated", ctx.emulated.get(lane, False)),
                       "deps": sorted(plan.parents[name]), "shape": list(out.shape), "group": op.get("group", name),
-                      **lane_ctx.event}
+                      **({"backend": ctx.kernels[lane]} if lane in ctx.kernels else {}), **lane_ctx.event}
                 with lock:
                     results[name] = out
                     events.append(ev)

@@ -144,7 +144,7 @@ def _hvx_call(fn, x, ctx):
     c = {}
     y = fn(x, counters=ctx.counters, dsp_counts=c)
     if ctx.event is not None:
-        ctx.event.update({"emulated": "isa", "isa": ISA, **dsp_estimate(c)})
+        ctx.event.update({"emulated": "isa", "isa": ISA, "backend": "hvx", **dsp_estimate(c)})
     for name, k in (("hvx_packets", "packets"), ("hvx_insns", "hvx_insns")):
         ctx.counters[name] = ctx.counters.get(name, 0) + int(c.get(k, 0))
     return y

@@ -37,7 +37,7 @@ import numpy as np
 import zmq
 
 from . import __version__
-from .backends import check_backend, lane_backends
+from .backends import check_backend, lane_backends, lane_kernels
 from .executor import EMULATED_LANES, LANES, Cancelled, Context, execute, validate
 from .ops import RunnerCache
 from .protocol import (ALLOWED_DTYPES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, AgentError,
@@ -68,6 +68,23 @@ def opencl_devices() -> list[dict]:
                  "compute_units": d.max_compute_units} for p in cl.get_platforms() for d in p.get_devices()]
     except Exception:  # no ICD installed: no GPU lane
         return []
+
+
+def opencl_unavailable() -> str | None:
+    """Why there is no gpu lane here (None when pyopencl finds a device), naming what to install or check."""
+    try:
+        import pyopencl as cl
+    except ImportError:
+        return "pyopencl is not installed (pip install pyopencl; Termux: pkg install ocl-icd opencl-headers first)"
+    try:
+        if any(p.get_devices() for p in cl.get_platforms()):
+            return None
+        err = ""
+    except Exception as e:  # ocl-icd raises PLATFORM_NOT_FOUND_KHR when no .icd file names a driver
+        err = f" ({type(e).__name__}: {str(e)[:120]})"
+    return (f"pyopencl found no OpenCL device{err}: no ICD names a driver it can load (Debian: pocl-opencl-icd; on a "
+            "phone under Termux the vendor's /vendor/lib64/libOpenCL.so must be named in $PREFIX/etc/OpenCL/vendors and "
+            "be loadable from Termux; see README, On a real phone)")
 
 
 def numba_version() -> str | None:
@@ -149,8 +166,18 @@ class Agent:
         if lanes is not None and (not lanes or set(lanes) - set(LANES)):
             raise ValueError(f"lanes must be some of {', '.join(LANES)}, got {', '.join(lanes) or 'none'}")
         if lanes is not None and "gpu" in lanes and not opencl_devices():
-            raise ValueError("the gpu lane needs an OpenCL device and none was found (Debian: pocl-opencl-icd)")
+            raise ValueError(f"the gpu lane needs an OpenCL device: {opencl_unavailable()}")
         self.lanes = [l for l in LANES if (l in lanes if lanes is not None else (l != "gpu" or opencl_devices()))]
+        # lanes this agent does without, and why (hello says so: a phone whose OpenCL driver Termux cannot reach)
+        self.lanes_missing = {l: ("not asked for (--lanes)" if lanes is not None else opencl_unavailable())
+                              for l in LANES if l not in self.lanes}
+        # set by the launcher that runs this Python under an ISA emulator (the arm64 wrapper: "qemu-aarch64"): the cpu
+        # lane's results are real arm64 results but its times are emulation times, and every event says so
+        self.emulator = os.environ.get("EDGEPROBE_EMULATOR") or None
+        self.emulated = {**EMULATED_LANES, **({"cpu": "isa"} if self.emulator else {})}
+        # what computes on each lane, fixed for the agent's life: every trace event says it ("backend")
+        self.kernels = {l: lane_kernels(l, self.npu_backend if l == "npu" else "opencl" if l == "gpu" else None)
+                        for l in self.lanes}
         self.store = FlashStore(store_dir, memory_budget)
         self.ctx = zmq.Context()  # the agent's own: term() at exit waits for its last replies to leave
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -312,7 +339,7 @@ class Agent:
     def do_hello(self, ident, rid, h, arrays):
         cl = opencl_devices()
         return {"agent_version": __version__, "protocol": PROTOCOL_VERSION, "lanes": self.lanes,
-                "emulated_lanes": list(EMULATED_LANES), "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
+                "lanes_missing": self.lanes_missing, "emulated_lanes": list(self.emulated), "emulator": self.emulator, "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
                 "cpu": platform.processor() or platform.machine(),
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
                 "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),
@@ -529,7 +556,7 @@ class Agent:
             ctx = Context(get=partial(self.store.get, on_read=flash.add), counters={}, runners=self.runners,
                           session=run.session, read_rows=partial(self.store.read_rows, on_read=flash.add),
                           read_blob=partial(self.store.read_cold, on_read=flash.add),
-                          backends={"npu": self.npu_backend})
+                          backends={"npu": self.npu_backend}, kernels=self.kernels, emulated=self.emulated)
             t0 = now_us()
             try:
                 outs, events = execute(plan, inputs, ctx, run.cancel, on_op)

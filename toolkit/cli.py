@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -163,11 +164,14 @@ def cmd_profile(args) -> int:
 
 
 def open_device(spec: str, ssh_key=None, known_hosts=None, store=None, npu_backend=None, say=None):
-    """--device local | tcp://HOST:PORT | ssh://USER@HOST[:PORT] -> a connected Device."""
+    """--device local | arm64 | tcp://HOST:PORT | ssh://USER@HOST[:PORT] -> a connected Device. arm64: a local agent in
+    Debian's arm64 Python under qemu-aarch64, without numba (the emulated phone CPU; scripts/arm64_python.sh)."""
     from .device import Device
 
     if spec == "local":
         return Device.local(store=store, npu_backend=npu_backend, say=say)
+    if spec in ("arm64", "aarch64"):
+        return Device.local(store=store, npu_backend=npu_backend, say=say, arch="arm64")
     if spec.startswith(("tcp://", "ipc://")):
         return Device.connect(spec)
     if spec.startswith("ssh://"):
@@ -179,7 +183,7 @@ def open_device(spec: str, ssh_key=None, known_hosts=None, store=None, npu_backe
         if not ssh_key:
             raise ValueError("--device ssh://... needs --ssh-key PATH (the private key the device accepts)")
         return Device.ssh(host, user, ssh_key, port=int(port or 22), known_hosts=known_hosts)
-    raise ValueError(f"--device {spec!r}: use local, tcp://HOST:PORT or ssh://USER@HOST[:PORT]")
+    raise ValueError(f"--device {spec!r}: use local, arm64, tcp://HOST:PORT or ssh://USER@HOST[:PORT]")
 
 
 def cmd_run(args) -> int:
@@ -191,8 +195,8 @@ def cmd_run(args) -> int:
     from .trace import cosine
 
     check_scheme(args.scheme)
-    if not (args.device == "local" or args.device.startswith(("tcp://", "ipc://", "ssh://"))):
-        print(f"edgeprobe: error: --device {args.device!r}: use local, tcp://HOST:PORT or ssh://USER@HOST[:PORT]",
+    if not (args.device in ("local", "arm64", "aarch64") or args.device.startswith(("tcp://", "ipc://", "ssh://"))):
+        print(f"edgeprobe: error: --device {args.device!r}: use local, arm64, tcp://HOST:PORT or ssh://USER@HOST[:PORT]",
               file=sys.stderr)
         return 2
     if args.scheduler != "layer" and args.chunk < 1:
@@ -211,7 +215,7 @@ def cmd_run(args) -> int:
         print("edgeprobe: error: --decode prefills layer by layer inside its decode session; leave --scheduler at layer",
               file=sys.stderr)
         return 2
-    if args.store is not None and args.device != "local":
+    if args.store is not None and args.device not in ("local", "arm64", "aarch64"):
         print(f"edgeprobe: error: --store is the local agent's flash; --device {args.device} keeps its own store "
               "(start that agent with `edgeprobe agent --store DIR`)", file=sys.stderr)
         return 2
@@ -234,7 +238,7 @@ def cmd_run(args) -> int:
     try:
         dev = open_device(args.device, args.ssh_key, args.known_hosts, store=args.store, npu_backend=args.npu_backend,
                           say=say)
-    except ValueError as e:
+    except (ValueError, EdgeprobeError) as e:  # a bad --device, or an arm64 device that is not built
         print(f"edgeprobe: error: {e}", file=sys.stderr)
         return 2
     chosen = (dev.info.get("backends") or {}).get("npu", {}).get("chosen", "numba")
@@ -247,9 +251,9 @@ def cmd_run(args) -> int:
     lacking = sorted(need - set(dev.info.get("lanes", [])))
     if lacking:  # before the minutes of quantizing
         dev.close()
+        why = (dev.info.get("lanes_missing") or {}).get("gpu") or "the gpu lane needs OpenCL (Debian pocl-opencl-icd)"
         print(f"edgeprobe: error: --scheduler {args.scheduler} puts work on lanes {lacking} that this agent lacks (it has "
-              f"{dev.info.get('lanes')}){'; the gpu lane needs OpenCL (Debian pocl-opencl-icd)' if 'gpu' in lacking else ''}",
-              file=sys.stderr)
+              f"{dev.info.get('lanes')}){f'; gpu: {why}' if 'gpu' in lacking else ''}", file=sys.stderr)
         return 2
     try:
         qm = _quantized(model, args.scheme, progress, say=say)
@@ -276,11 +280,12 @@ def cmd_run(args) -> int:
             return 2
         upload = dev.uploaded_bytes - before
         info = dev.info
-    if args.npu_backend != "numba":  # the same plan with the npu lane's numba kernels, on a local agent
+    if args.npu_backend != "numba" or not info.get("numba"):  # the same plan on a local agent's numba kernels
         from .device import Device
 
         with Device.local(npu_backend="numba") as ref_dev:
             ref, _ = _prefill(args, ref_dev, qm, tokens, ids, progress)
+            extra["numba_reference_numba"] = ref_dev.info.get("numba")  # None: this host lacks numba too
         extra["logits_max_abs_diff_vs_numba"] = float(np.abs(res.logits.astype(np.float64) - ref.logits).max())
         extra["numba_reference_device"] = "local"
     extra["npu_backend"] = args.npu_backend
@@ -295,7 +300,7 @@ def cmd_run(args) -> int:
            "bubbles": {k: v["bubbles"] for k, v in m["lanes"].items()}, "upload_bytes": int(upload),
            "logits_cosine_vs_host": cosine(res.logits[-1], np.asarray(host)), "counters": res.counters,
            "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu", "backends")},
-           "trace": args.trace, "scheduler": args.scheduler,
+           **_agent_fields(info), "trace": args.trace, "scheduler": args.scheduler,
            "chunk": args.chunk if chunked else None,
            "predicted_makespan_ms": res.trace.meta.get("predicted_makespan_ms"), **extra}
     if out["predicted_makespan_ms"]:  # the cost model's error, beside the measurement
@@ -369,8 +374,8 @@ def _run_decode(args, dev, qm, model, tokens, progress: bool, before: int) -> in
            "tok_per_s": n / (pre["makespan_ms"] / 1e3), "makespan_ms": pre["makespan_ms"],
            "lanes": {k: round(v["busy_pct"], 2) for k, v in dec.trace.metrics()["lanes"].items()},
            "upload_bytes": int(dev.uploaded_bytes - before), "logits_cosine_vs_host": cos[0],
-           "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu")},
-           "trace": args.trace, "scheduler": "layer", "chunk": None, "npu_backend": args.npu_backend,
+           "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu", "backends")},
+           **_agent_fields(info), "trace": args.trace, "scheduler": "layer", "chunk": None, "npu_backend": args.npu_backend,
            "decode_steps": args.decode, "batch": args.batch, "temperature": args.temperature, "seed": args.seed,
            "decode_tok_per_s": dec.decode_tok_per_s,
            "decode_step_ms_median": float(np.median(dec.step_ms)),
@@ -383,6 +388,11 @@ def _run_decode(args, dev, qm, model, tokens, progress: bool, before: int) -> in
               f"{out['decode_tok_per_s']:.1f} tok/s summed over the batch (median step {out['decode_step_ms_median']:.1f} ms); "
               f"logits cosine vs host >= {min(cos):.6f}")
     return 0
+
+
+def _agent_fields(info: dict) -> dict:
+    """The agent's machine, numba version (None: numpy kernels) and ISA emulator (None: native), for run's JSON."""
+    return {"agent_machine": info.get("machine"), "agent_numba": info.get("numba"), "agent_emulator": info.get("emulator")}
 
 
 def _plain_profile(p) -> dict:
@@ -638,10 +648,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt-file", help="UTF-8 prompt text (default: the bundled held-out corpus)")
     r.add_argument("--prompt-len", type=int, default=None,
                    help="tokens of the prompt to prefill (default 256); a shorter prompt file is prefilled whole")
-    r.add_argument("--device", default="local", help="local | tcp://HOST:PORT | ssh://USER@HOST[:PORT]")
+    r.add_argument("--device", default="local", help="local | arm64 (a local agent in an emulated arm64 Python, no "
+                                                       "numba) | tcp://HOST:PORT | ssh://USER@HOST[:PORT]")
     r.add_argument("--store", default=None,
-                   help="--device local: the agent's blob store (its flash). Default $EDGEPROBE_AGENT_STORE, else "
-                        "<tmp>/edgeprobe-agent-store-<uid>; when another agent holds that one, a free sibling "
+                   help="--device local / arm64: the agent's blob store (its flash). Default $EDGEPROBE_AGENT_STORE, "
+                        "else <tmp>/edgeprobe-agent-store-<uid>; when another agent holds that one, a free sibling "
                         "(<store>-2, ...) is used and said")
     r.add_argument("--scheduler", default="layer", choices=["layer", "in-order", "ooo", "hetero"],
                    help="layer: one layer-by-layer pass; in-order / ooo: chunked prefill scheduled by mllm-NPU §3.4; "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,7 @@ class Client:
         self.temp_store = None  # a store folder this client made and removes on close
         self.store = None  # a local agent's store folder (its flash)
         self.local_options: dict | None = None  # how Client.local started it, so a closed one can be started again
+        self.agent_path = None  # the folder an emulated local agent imported its packages from (removed on close)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -115,43 +117,57 @@ class Client:
     # ---- ways to get one ----------------------------------------------------------------------
     @classmethod
     def local(cls, store: str | Path | None = None, memory_budget_mb: float | None = None,
-              startup_timeout_s: float = 60.0, lanes=None, npu_backend: str | None = None, say=None):
+              startup_timeout_s: float = 60.0, lanes=None, npu_backend: str | None = None, say=None,
+              arch: str | None = None):
         """Start `python -m edgeprobe_agent` on a free loopback port; close() stops it. npu_backend: numba | hvx
-        (the npu lane's kernels: NPU semantics on this CPU, or Hexagon HVX code under qemu-hexagon).
+        (the npu lane's kernels: NPU semantics on this CPU, or Hexagon HVX code under qemu-hexagon). arch: None (this
+        machine) or "arm64": the agent runs in Debian's arm64 Python under qemu-aarch64, without numba, as on a phone
+        (arm64.py; its own default store).
 
         store: the agent's flash. Given, it is used as is (another agent holding it is an error). Left out, it is
-        $EDGEPROBE_AGENT_STORE or <tmp>/edgeprobe-agent-store-<uid>; when another agent holds that one (a notebook,
-        a second `edgeprobe run`), the first free sibling <store>-2, <store>-3, ... is used and `say` (default:
-        a line on stderr) tells which."""
+        $EDGEPROBE_AGENT_STORE or <tmp>/edgeprobe-agent-store-<uid>[-arm64]; when another agent holds that one (a
+        notebook, a second `edgeprobe run`), the first free sibling <store>-2, <store>-3, ... is used and `say`
+        (default: a line on stderr) tells which."""
+        from . import arm64
+
         options = {"store": store, "memory_budget_mb": memory_budget_mb, "startup_timeout_s": startup_timeout_s,
-                   "lanes": lanes, "npu_backend": npu_backend}
-        base = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE")
-                    or Path(tempfile.gettempdir()) / f"edgeprobe-agent-store-{os.getuid()}")
-        # concurrent hosts pick and lock a default store one at a time, so two never start on the same sibling
-        with (_pick_lock(base) if store is None else _no_lock()):
-            chosen = base if store is not None else _free_store(base)
-            if chosen != base:
-                (say or (lambda m: print(m, file=sys.stderr)))(
-                    f"edgeprobe: the agent store {base} is in use by another agent; this run's agent uses {chosen} "
-                    "(uploads there once; pass --store / store= to choose)")
-            cmd = [sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(chosen),
-                   "--parent-pid", str(os.getpid())]  # a killed host must not leave its agent holding the store
-            if memory_budget_mb is not None:
-                cmd += ["--memory-budget", str(memory_budget_mb)]
-            if lanes is not None:
-                cmd += ["--lanes", ",".join(lanes)]
-            if npu_backend is not None:
-                cmd += ["--npu-backend", npu_backend]
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            tail = StderrTail(proc.stderr)
-            url = _read_listen_line(proc, startup_timeout_s, tail)
+                   "lanes": lanes, "npu_backend": npu_backend, "arch": arch}
+        argv, agent_path = arm64.interpreter(arch)
+        default = f"edgeprobe-agent-store-{os.getuid()}" + ("" if agent_path is None else "-arm64")
+        base = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE") or Path(tempfile.gettempdir()) / default)
+        env = None
+        if agent_path is not None:  # the emulated device sees only its own packages and the agent's
+            env = {**os.environ, "PYTHONPATH": str(agent_path)}
         try:
-            client = cls(url, process=proc, stderr=tail)
+            # concurrent hosts pick and lock a default store one at a time, so two never start on the same sibling
+            with (_pick_lock(base) if store is None else _no_lock()):
+                chosen = base if store is not None else _free_store(base)
+                if chosen != base:
+                    (say or (lambda m: print(m, file=sys.stderr)))(
+                        f"edgeprobe: the agent store {base} is in use by another agent; this run's agent uses {chosen} "
+                        "(uploads there once; pass --store / store= to choose)")
+                cmd = argv + ["-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(chosen),
+                              "--parent-pid", str(os.getpid())]  # a killed host must not leave its agent holding the store
+                if memory_budget_mb is not None:
+                    cmd += ["--memory-budget", str(memory_budget_mb)]
+                if lanes is not None:
+                    cmd += ["--lanes", ",".join(lanes)]
+                if npu_backend is not None:
+                    cmd += ["--npu-backend", npu_backend]
+                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                tail = StderrTail(proc.stderr)
+                url = _read_listen_line(proc, startup_timeout_s, tail)
+            try:
+                client = cls(url, process=proc, stderr=tail)
+            except BaseException:
+                proc.kill()  # no client holds it: it must not outlive this failed start
+                proc.wait(timeout=5)
+                raise
         except BaseException:
-            proc.kill()  # no client holds it: it must not outlive this failed start
-            proc.wait(timeout=5)
+            if agent_path is not None:
+                shutil.rmtree(agent_path, ignore_errors=True)
             raise
-        client.store, client.local_options = chosen, options
+        client.store, client.local_options, client.agent_path = chosen, options, agent_path
         return client
 
     @property
@@ -321,10 +337,9 @@ class Client:
             self.process.stdout.close()
         if self.tunnel is not None:
             self.tunnel.close()
-        if self.temp_store is not None:
-            import shutil
-
-            shutil.rmtree(self.temp_store, ignore_errors=True)
+        for d in (self.temp_store, self.agent_path):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
 
     def __enter__(self):
         return self

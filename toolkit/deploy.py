@@ -5,7 +5,8 @@ fingerprint — an unknown key is refused, never accepted silently. The agent an
 copied over SFTP (only files whose sha256 changed, with a progress bar), the agent is started
 detached (setsid + nohup, `;` before the background command so the channel does not hang), bound to
 the device's loopback, and a local port is forwarded to it through the SSH connection: ZeroMQ
-then runs over the tunnel.
+then runs over the tunnel. Only the device's code goes over (`edgeprobe_agent` and `edgeprobe_kernels`, their .py
+and .cl files), never the host toolkit; the device needs only Python with numpy, pyzmq and msgpack.
 """
 from __future__ import annotations
 
@@ -190,8 +191,12 @@ def deploy_ssh(host: str, user: str, key_path, port: int = 22, python: str = "py
             break
         time.sleep(0.3)
     c.close()
-    raise DeployError(f"the agent did not start on {host}: {log[-800:] or 'no output'}; the device needs Python with "
-                      "numpy, numba, pyzmq and msgpack (Termux: pkg install python numpy; pip install numba pyzmq msgpack)")
+    said = [l for l in log.splitlines() if l.startswith("edgeprobe-agent: error:")]
+    if said:  # the agent named the problem itself (missing packages with their install command, a bad option)
+        raise DeployError(f"the agent did not start on {host} ({python}): {said[-1][len('edgeprobe-agent: error: '):]}")
+    raise DeployError(f"the agent did not start on {host}: {log[-800:] or 'no output'}; the device needs Python {python!r} "
+                      "with numpy, pyzmq and msgpack (numba optional; Termux: pkg install python python-numpy libzmq; "
+                      "pip install pyzmq msgpack)")
 
 
 def start_local_sshd(folder, sshd: str | None = None):

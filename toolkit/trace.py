@@ -5,6 +5,8 @@ bytes_in, bytes_out, flops, emulated, deps, shape}. Lanes are processors (cpu, n
 for reads from flash. Events of emulated lanes say so: emulated "semantics" (a phone NPU's kernels computed by
 this CPU), "isa" (real Hexagon machine code under qemu-hexagon: then also isa, hvx_packets and the labelled
 dsp_cycles_estimate / dsp_clock_hz), False for measured work. Both strings are truthy: `if e["emulated"]` holds.
+An agent in an emulated arm64 Python (qemu-aarch64) marks its cpu lane "isa" too. `backend` says what computed the
+op: numba, numpy (an agent without numba, as under Termux), opencl or hvx.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import numpy as np
 LANE_ORDER = ("npu", "gpu", "cpu", "io")
 LANE_LABEL = {"npu": "npu (emulated on CPU)", "gpu": "gpu (OpenCL)", "cpu": "cpu", "io": "io (flash reads)"}
 ISA_LANE_LABEL = "npu (Hexagon HVX code under qemu-hexagon)"  # the npu lane's events carry an isa: the hvx backend
-EVENT_ARGS = ("layer", "chunk", "bytes_in", "bytes_out", "flops", "emulated", "shape", "isa", "hvx_packets",
+EVENT_ARGS = ("layer", "chunk", "bytes_in", "bytes_out", "flops", "emulated", "backend", "shape", "isa", "hvx_packets",
               "hvx_insns", "scalar_packets", "dsp_cycles_estimate", "dsp_us_estimate", "dsp_clock_hz")
 
 
@@ -36,6 +38,8 @@ class Trace:
         """How a lane is named on timelines: what its processor is here (an isa lane runs Hexagon code)."""
         if lane == "npu" and any(e.get("isa") for e in self.events if e["lane"] == lane):
             return ISA_LANE_LABEL
+        if lane == "cpu" and any(e.get("emulated") == "isa" for e in self.events if e["lane"] == lane):
+            return "cpu (arm64 code under qemu-aarch64)"  # an agent in the emulated arm64 Python
         return LANE_LABEL.get(lane, lane)
 
     def _t0(self) -> float:

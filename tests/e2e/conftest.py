@@ -62,3 +62,17 @@ def slow_plan():
                 "inputs": [{"input": "x"} if i == 0 else {"op": f"mv{i - 1}"}, {"input": "w"}]} for i in range(n)]
         return {"ops": ops}, {"x": np.ones((1, 4096), np.float32), "w": np.eye(4096, dtype=np.float32)}
     return make
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    """A real OpenSSH server on 127.0.0.1 (Termux's sshd stand-in) with its own keys; info: port, key, known_hosts,
+    dir (which also holds wrong_known_hosts: another key under the server's name)."""
+    from edgeprobe.deploy import start_local_sshd
+
+    proc, info = start_local_sshd(tmp_path_factory.mktemp("sshd"))
+    d = info["dir"]
+    (d / "wrong_known_hosts").write_text(f"[127.0.0.1]:{info['port']} " + " ".join((d / "client.pub").read_text().split()[:2]) + "\n")
+    yield info
+    proc.terminate()
+    proc.wait(timeout=10)

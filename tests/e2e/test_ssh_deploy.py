@@ -19,18 +19,6 @@ def _free_port() -> int:
     return port
 
 
-@pytest.fixture(scope="module")
-def sshd(tmp_path_factory):
-    from edgeprobe.deploy import start_local_sshd
-
-    proc, info = start_local_sshd(tmp_path_factory.mktemp("sshd"))
-    d = info["dir"]
-    (d / "wrong_known_hosts").write_text(f"[127.0.0.1]:{info['port']} " + " ".join((d / "client.pub").read_text().split()[:2]) + "\n")
-    yield info
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
 def test_deploy_run_and_redeploy_over_ssh(sshd, tmp_path):
     user = os.environ.get("USER") or __import__("getpass").getuser()
     remote = str(tmp_path / "remote")

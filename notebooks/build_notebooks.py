@@ -717,7 +717,8 @@ for name in MODELS:
     prof = calibration_profile(m, train, tokens=CALIB, window=min(WINDOW, CALIB))
     tables[name] = accuracy_table(m, held, prof, window=WINDOW, max_windows=WINDOWS)
     print(m.name, "-", WINDOWS, "held-out windows of", WINDOW, "tokens")
-    print(format_table(tables[name]), "\n")
+    print(format_table(tables[name]))
+    print()
     if name == MODELS[0]:
         model, train, heldout, profile = m, train, held, prof
     del m

@@ -17,6 +17,7 @@ def test_make_lab_after_make_test_does_not_set_up_again(tmp_path):
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     (tmp_path / "scripts").mkdir()
     (tmp_path / "scripts" / "setup.sh").write_text('echo "setup $1" >> setup.log\n')  # records each setup it runs
+    (tmp_path / "scripts" / "arm64_python.sh").write_text("")  # a prerequisite of the stamps
     (tmp_path / ".venv").mkdir()
     make = lambda *a: subprocess.run(["make", "--no-print-directory", *a], cwd=tmp_path, capture_output=True, text=True)
     assert make("setup-test").returncode == 0

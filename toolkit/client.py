@@ -30,6 +30,8 @@ from edgeprobe_agent.protocol import (CHUNK_BYTES, HEARTBEAT_S, HEARTBEAT_TIMEOU
 from .errors import EdgeprobeError
 from .trace import Trace
 
+EMULATED_TIMEOUT_S = 60.0  # HEARTBEAT_TIMEOUT_S for an agent under qemu-aarch64 (Client.local(arch="arm64"))
+
 STDERR_TAIL_BYTES = 64 << 10  # what a local agent's stderr keeps for error messages
 
 
@@ -158,7 +160,9 @@ class Client:
                 tail = StderrTail(proc.stderr)
                 url = _read_listen_line(proc, startup_timeout_s, tail)
             try:
-                client = cls(url, process=proc, stderr=tail)
+                # qemu-user runs the agent 20-50x slower, more on a loaded host: its replies wait longer
+                client = cls(url, process=proc, stderr=tail,
+                             timeout_s=HEARTBEAT_TIMEOUT_S if agent_path is None else EMULATED_TIMEOUT_S)
             except BaseException:
                 proc.kill()  # no client holds it: it must not outlive this failed start
                 proc.wait(timeout=5)

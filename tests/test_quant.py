@@ -73,7 +73,7 @@ def test_w8a8_linear_is_the_integer_formula(smollm, quantized, profile):
 
 def test_channel_shadow_is_per_channel_int8_plus_every_outlier_in_float(smollm, quantized, profile, ids,
                                                                          independent_linear):
-    """w8a8c-shadow: per-output-channel weight scales, the activation clip at the 99th percentile, no pruning."""
+    """w8a8c-shadow: per-output-channel weight scales, the activation clip at p99.1, no pruning."""
     from edgeprobe.profile.outliers import CHANNEL_CLIP_PERCENTILE
 
     qm = quantized["w8a8c-shadow"]
@@ -88,7 +88,7 @@ def test_channel_shadow_is_per_channel_int8_plus_every_outlier_in_float(smollm, 
     x[2, 7], x[4, 100] = 20 * rec["clip"], -9 * rec["clip"]  # outliers for the shadow GEMM
     ref = independent_linear(qm, smollm)(name, x)
     np.testing.assert_allclose(qm.linear(name, x), ref, rtol=1e-5, atol=1e-5 * float(np.abs(ref).max()))
-    with pytest.raises(ValueError, match="percentiles"):  # a profile without the 99th percentile is refused
+    with pytest.raises(ValueError, match="percentiles"):  # a percentile the profile lacks is refused
         profile.clips_at(97.5)
     # per-channel scales and the tight clip beat the paper's per-tensor variant on held-out text
     assert _ppl(qm.forward(ids[:W]), ids[:W]) < _ppl(quantized["w8a8-shadow"].forward(ids[:W]), ids[:W])

@@ -103,8 +103,8 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
                     *_JSON_IO)
     print_fn(f"held-out    perplexity {ev['perplexity']:.3f} over {ev['tokens_scored']} tokens{' (cached)' if hit_e else ''}")
     step("profiles")
-    # v2: the profile also holds the 99th-percentile clips w8a8c-shadow quantizes with
-    outl, hit_o = _cached(cache / f"{tag}-outliers-{profile_tokens}-v2.npz",
+    # v3: the profile also holds the p99.1 clips w8a8c-shadow quantizes with
+    outl, hit_o = _cached(cache / f"{tag}-outliers-{profile_tokens}-v3.npz",
                           lambda: profile_outliers(m, train, tokens=profile_tokens, window=512,
                                                    calib_tokens=profile_tokens, progress=progress),
                           OutlierStats.load, lambda v, p: v.save(p))
@@ -115,7 +115,7 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     print_fn(f"profiles    {outl.tokens:,} tokens for outliers, {spar.tokens:,} for sparsity"
              f"{' (cached)' if hit_o and hit_s else ''}")
     step("accuracy")
-    acc, hit_a = _cached(cache / f"{tag}-accuracy-{accuracy_windows}-{profile_tokens}-v2.json",
+    acc, hit_a = _cached(cache / f"{tag}-accuracy-{accuracy_windows}-{profile_tokens}-v3.json",
                      lambda: accuracy_table(m, held, outl, ACCURACY_SCHEMES, window=256,
                                             max_windows=accuracy_windows, progress=progress),
                      *_JSON_IO)

@@ -51,7 +51,7 @@ def test_demo_writes_a_report_that_renders_in_chromium_and_reruns_from_caches(tm
     assert s["perplexity_heldout"] == pytest.approx(float(np.exp(window_nll(forward(m, ids), ids).mean())), abs=2e-3)
     # mllm-NPU Table 5's order: shadow outliers repair most of what per-tensor W8A8 loses; nothing beats float
     assert acc["float"] < acc["w8a8-shadow"] < acc["w8a8"] and acc["float"] < acc["q4_0-tile"]
-    # per-channel weight scales and p99 clips with every outlier in float: near float (+0.2% over 8 x 256 seen)
+    # per-channel weight scales and p99.1 clips with every outlier in float: near float (+0.6% over 8 x 256 seen)
     assert acc["w8a8c-shadow"] < min(acc["w8a8-shadow"], 1.05 * acc["float"])
     assert all(v["delta_vs_float_pct"] == pytest.approx(100 * (acc[k] / acc["float"] - 1), abs=0.02)
                for k, v in s["accuracy"].items())

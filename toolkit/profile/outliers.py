@@ -26,8 +26,9 @@ from .runner import windows
 TENSOR_POINTS = ("attn_in", "attn_out", "ffn_in", "ffn_act")
 LLM_INT8_THRESHOLD = 6.0
 # w8a8c-shadow's activation clip: with per-channel weight scales the int8 part tolerates a tight clip, and the
-# 1% of values above it go to the float shadow GEMM (SmolLM2 held-out ppl: 99.99 -> 1.045x, 99.0 -> 1.002x)
-CHANNEL_CLIP_PERCENTILE = 99.0
+# values above it go to the float shadow GEMM: under 1% of them on held-out text. Held-out ppl vs float (8 x 256):
+# SmolLM2 p99.99 1.045x, p99.9 1.025x, p99.1 1.006x, p99.0 1.002x; Gemma 3 p99.1 1.012x, p99.0 1.019x (1.02% in float)
+CHANNEL_CLIP_PERCENTILE = 99.1
 
 
 def tensor_names(model: Model) -> list[str]:

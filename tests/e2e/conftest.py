@@ -1,3 +1,5 @@
+import socket
+
 import numpy as np
 import pytest
 
@@ -76,3 +78,13 @@ def sshd(tmp_path_factory):
     yield info
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """free_port() -> a loopback TCP port nothing listens on now (for a deployed agent's port)."""
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    return pick

@@ -11,7 +11,6 @@ and the logits then differ by up to 3.0 (cosine 0.9984). Both runs are determini
 """
 import json
 import os
-import socket
 import subprocess
 import sys
 import venv
@@ -27,14 +26,6 @@ from edgeprobe.device import Device
 # int8 GEMMs are exact on both machines; the float32 parts (BLAS sums, shadow rows, attention) may round differently
 # on arm64 OpenBLAS than on x86: measured max |dlogit| 1.1e-5 at logits of magnitude ~10-20
 LOGIT_ATOL_VS_NUMBA = 1e-3
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _user() -> str:
@@ -84,11 +75,11 @@ def test_decode_on_the_emulated_arm64_agent(store):
           f"min cosine vs host {out['decode_logits_min_cosine_vs_host']:.7f}")
 
 
-def test_ssh_deploy_into_the_arm64_python_sends_only_agent_and_kernels(sshd, tmp_path, tiny):
+def test_ssh_deploy_into_the_arm64_python_sends_only_agent_and_kernels(sshd, tmp_path, tiny, free_port):
     remote = tmp_path / "phone"
     qm = tiny(2, seed=16, scheme="q4_0-tile")  # LUT dequantization and FP16 GEMMs, in numpy there
     dev = Device.ssh("127.0.0.1", _user(), sshd["key"], port=sshd["port"], python=str(arm64.python()),
-                     known_hosts=sshd["known_hosts"], remote_dir=str(remote), agent_port=_free_port(), progress=False)
+                     known_hosts=sshd["known_hosts"], remote_dir=str(remote), agent_port=free_port(), progress=False)
     try:
         assert dev.info["machine"] == "aarch64" and dev.info["numba"] is None and dev.info["emulator"] == "qemu-aarch64"
         got = dev.generate(qm, [1, 2, 3], 3, progress=False)
@@ -107,7 +98,7 @@ def test_ssh_deploy_into_the_arm64_python_sends_only_agent_and_kernels(sshd, tmp
     assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(got.logits, want.logits))
 
 
-def test_a_device_python_without_pyzmq_is_told_what_to_install(sshd, tmp_path):
+def test_a_device_python_without_pyzmq_is_told_what_to_install(sshd, tmp_path, free_port):
     """A real interpreter that has numpy and msgpack but no pyzmq: a venv given only those two packages."""
     env = tmp_path / "phone-venv"
     venv.EnvBuilder(with_pip=False).create(env)
@@ -119,7 +110,7 @@ def test_a_device_python_without_pyzmq_is_told_what_to_install(sshd, tmp_path):
             (site / name).symlink_to(have / name)
     with pytest.raises(DeployError) as e:
         Device.ssh("127.0.0.1", _user(), sshd["key"], port=sshd["port"], python=str(env / "bin" / "python"),
-                   known_hosts=sshd["known_hosts"], remote_dir=str(tmp_path / "r"), agent_port=_free_port(),
+                   known_hosts=sshd["known_hosts"], remote_dir=str(tmp_path / "r"), agent_port=free_port(),
                    progress=False)
     msg = str(e.value)
     assert "lacks pyzmq;" in msg and "pip install pyzmq" in msg  # pyzmq alone: numpy and msgpack were found

@@ -1,6 +1,5 @@
 """Deployment over a real OpenSSH server on 127.0.0.1 (standing in for Termux's sshd on a phone)."""
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -11,19 +10,11 @@ from edgeprobe.deploy import DeployError
 from edgeprobe.device import Device
 
 
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
-
-
-def test_deploy_run_and_redeploy_over_ssh(sshd, tmp_path):
+def test_deploy_run_and_redeploy_over_ssh(sshd, tmp_path, free_port):
     user = os.environ.get("USER") or __import__("getpass").getuser()
     remote = str(tmp_path / "remote")
     dev = Device.ssh("127.0.0.1", user, sshd["key"], port=sshd["port"], python=sys.executable,
-                     known_hosts=sshd["known_hosts"], remote_dir=remote, agent_port=_free_port(), progress=False)
+                     known_hosts=sshd["known_hosts"], remote_dir=remote, agent_port=free_port(), progress=False)
     try:
         assert dev.info["protocol"] == 1 and "npu" in dev.info["lanes"]
         assert (Path(remote) / "edgeprobe_agent" / "server.py").exists()

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .ops import OPS, OpError, RunnerCache, flops
+from .ops import OPS, OpError, RunnerCache, check_fused, flops
 from .protocol import AgentError
 from .store import now_us
 
@@ -43,6 +43,17 @@ class Plan:
     lane_order: dict     # lane -> [names]
     outputs: list
     parents: dict        # name -> set of names it waits for
+    deps: dict = field(default_factory=dict)    # name -> sorted parents (what its trace event lists)
+    waits: dict = field(default_factory=dict)   # name -> parents on other lanes (the only ones to wait for)
+    signals: set = field(default_factory=set)   # ops another lane waits for (the only ones that need an Event)
+
+    def __post_init__(self):
+        lane = {n: self.ops[n]["lane"] for n in self.order}
+        self.deps = {n: sorted(self.parents[n]) for n in self.order}
+        # a lane runs in order, so a parent on the same lane placed earlier is done already; one placed later
+        # would be a cycle, which validate refuses
+        self.waits = {n: [p for p in self.deps[n] if lane[p] != lane[n]] for n in self.order}
+        self.signals = {p for n in self.order for p in self.waits[n]}
 
 
 def validate(plan, has_blob, lanes=LANES) -> Plan:
@@ -65,6 +76,8 @@ def validate(plan, has_blob, lanes=LANES) -> Plan:
         if not isinstance(op.get("inputs", []), list) or not isinstance(op.get("deps", []), list) \
                 or not isinstance(op.get("attrs", {}), dict):
             raise PlanError("bad_plan", f"op {name!r}: inputs and deps must be lists, attrs a map")
+        if op["kind"] == "fused":
+            check_fused(name, op.get("attrs", {}), len(op.get("inputs", [])))
         ops[name] = op
         order.append(name)
     parents = {}
@@ -156,7 +169,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
     Each lane counts into its own dict (one owner per dict); they are added into ctx.counters after the join.
     """
     cancel = cancel or threading.Event()
-    done = {n: threading.Event() for n in plan.order}
+    done = {n: threading.Event() for n in plan.signals}  # one per cross-lane hand-off, not per op
     results: dict = {}
     events: list = []
     failure: list = []
@@ -178,7 +191,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
         try:
             for name in names:
                 op = plan.ops[name]
-                for p in plan.parents[name]:
+                for p in plan.waits[name]:
                     while not done[p].wait(0.05):
                         if cancel.is_set() or failure:
                             raise Cancelled()
@@ -199,24 +212,29 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                       "bytes_in": int(sum(a.nbytes for a in args if isinstance(a, np.ndarray))),
                       "bytes_out": int(out.nbytes), "flops": int(flops(op["kind"], args, out, op.get("attrs", {}), lane_ctx)),
                       "emulated": lane_ctx.event.pop("emulated", ctx.emulated.get(lane, False)),
-                      "deps": sorted(plan.parents[name]), "shape": list(out.shape), "group": op.get("group", name),
+                      "deps": plan.deps[name], "shape": list(out.shape), "group": op.get("group", name),
                       **({"backend": ctx.kernels[lane]} if lane in ctx.kernels else {}), **lane_ctx.event}
                 with lock:
                     results[name] = out
                     events.append(ev)
-                done[name].set()
+                if name in done:
+                    done[name].set()
                 if on_op:
                     on_op(ev)
         except BaseException as e:
             with lock:
                 failure.append(e)
 
-    threads = [threading.Thread(target=lane_worker, args=(lane, names), name=f"lane-{lane}", daemon=True)
-               for lane, names in plan.lane_order.items() if names]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    busy = [(lane, names) for lane, names in plan.lane_order.items() if names]
+    if len(busy) == 1:  # one lane (a decode step): run it on this thread, no thread to start and join
+        lane_worker(*busy[0])
+    else:
+        threads = [threading.Thread(target=lane_worker, args=(lane, names), name=f"lane-{lane}", daemon=True)
+                   for lane, names in busy]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
     for counts in lane_counters.values():
         for k, v in counts.items():
             ctx.counters[k] = ctx.counters.get(k, 0) + v

@@ -7,12 +7,14 @@ cached runners are built without counters and get the calling run's at each call
 """
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
 
 from edgeprobe_kernels.linear_records import (NPU_RUNNERS, RUNNERS, SHADOW_KINDS, W8A8_KINDS, run_w8a8, shadow_delta,
                                               w8a8_scale, x_wt)
+from edgeprobe_kernels.q8_0 import matmul_q8_0
 from edgeprobe_kernels.llama_ops import apply_rope, attention, geglu_act, head_rms_norm, rms_norm, rope_tables, swiglu_act
 
 from .protocol import AgentError
@@ -202,6 +204,12 @@ def _session_start(attrs, ctx) -> int:
     return int(attrs.get("start", 0))
 
 
+@functools.lru_cache(maxsize=256)
+def _rope_tables(d, theta, start, T, factors):
+    """rope_tables, kept: a decode step's 2 x n_layers rope ops share one position (lru_cache is thread-safe)."""
+    return rope_tables(d, theta, start, T, factors)
+
+
 def op_rope(inp, attrs, ctx):
     """x: float32[batch * T, heads * head_dim], rows sequence-major; positions from start (or the session)."""
     x = _arr(inp[0], "x", 2)
@@ -209,7 +217,8 @@ def op_rope(inp, attrs, ctx):
     if x.shape[0] % B:
         raise OpError("bad_input", f"{x.shape[0]} rows do not split into batch {B}")
     T = x.shape[0] // B
-    cos, sin = rope_tables(d, float(attrs["theta"]), _session_start(attrs, ctx), T, attrs.get("freq_factors"))
+    ff = attrs.get("freq_factors")
+    cos, sin = _rope_tables(d, float(attrs["theta"]), _session_start(attrs, ctx), T, tuple(ff) if ff else None)
     return apply_rope(x.reshape(B, T, h, d), cos, sin).reshape(x.shape[0], h * d)
 
 
@@ -262,16 +271,28 @@ def op_sigmoid_mul(inp, attrs, ctx):
 
 
 def op_lm_head(inp, attrs, ctx):
-    """last_only: the last position of each of `batch` sequences -> float32[batch, vocab]."""
+    """inputs x, W float32[vocab, hidden] — or x, codes int8[vocab, hidden], scales float32[vocab, hidden/32]: a
+    Q8_0 head as llama.cpp runs it (kernels/q8_0.py). last_only: the last position of each of `batch` sequences
+    -> float32[batch, vocab]."""
+    if len(inp) not in (2, 3):
+        raise OpError("bad_input", f"lm_head takes x and W, or x, Q8_0 codes and scales; got {len(inp)} inputs")
     x, w = _arr(inp[0], "x", 2), _arr(inp[1], "w", 2)
     B = int(attrs.get("batch", 1))
     if attrs.get("last_only", True):
         x = x.reshape(B, x.shape[0] // B, x.shape[1])[:, -1]
+    if len(inp) == 3:
+        d = _arr(inp[2], "scales", 2)
+        if w.dtype != np.int8 or w.shape[1] != x.shape[1] or d.shape != (w.shape[0], x.shape[1] // 32):
+            raise OpError("bad_input", f"a Q8_0 head needs codes int8[vocab, {x.shape[1]}] and scales "
+                                       f"[vocab, {x.shape[1] // 32}], got {w.dtype}{w.shape} and {d.shape}")
+        return matmul_q8_0(x, w, d)
     return x_wt(x, w)
 
 
 def flops(kind: str, inp, out, attrs, ctx=None) -> int:
-    """Multiply-adds x2 of the op (0 for data movement)."""
+    """Multiply-adds x2 of the op (0 for data movement; a fused op reports its sub-ops' sum itself)."""
+    if kind == "fused":
+        return 0
     if kind == "linear" and attrs.get("part") != "shadow":
         rows = attrs.get("rows")
         m = attrs.get("pad_to") or (rows[1] - rows[0] if rows else inp[0].shape[0])  # padded rows are computed too
@@ -289,6 +310,50 @@ def flops(kind: str, inp, out, attrs, ctx=None) -> int:
     return int(out.size)
 
 
+def op_fused(inp, attrs, ctx):
+    """A run of one lane's consecutive ops computed back to back as one op (a decode step's layer: its ~15 ops
+    cost more in hand-offs than in arithmetic). attrs ops: [{"name", "kind", "inputs": [{"arg": i} (the fused
+    op's input i) | {"op": an earlier sub-op}], "attrs"}]; the value is the last sub-op's. The op's trace event
+    gets the summed flops, and parts_us: each sub-op kind's time inside it."""
+    from time import perf_counter_ns
+
+    local, parts, total = {}, {}, 0
+    t = perf_counter_ns()
+    for sub in attrs["ops"]:
+        args = [inp[r["arg"]] if "arg" in r else local[r["op"]] for r in sub["inputs"]]
+        a = sub.get("attrs", {})
+        out = OPS[sub["kind"]](args, a, ctx)
+        local[sub["name"]] = out
+        total += flops(sub["kind"], args, out, a, ctx)
+        t1 = perf_counter_ns()
+        parts[sub["kind"]] = parts.get(sub["kind"], 0.0) + (t1 - t) / 1000.0
+        t = t1
+    if ctx.event is not None:
+        ctx.event.update({"flops": int(total), "parts_us": parts, "fused_ops": len(attrs["ops"])})
+    return out
+
+
+def check_fused(name: str, attrs: dict, n_inputs: int) -> None:
+    """Refuse a malformed fused op before the plan runs (called by the executor's validate)."""
+    subs = attrs.get("ops")
+    if not isinstance(subs, list) or not subs:
+        raise OpError("bad_attrs", f"fused op {name!r} needs a non-empty list attrs.ops")
+    seen = set()
+    for i, sub in enumerate(subs):
+        if not isinstance(sub, dict) or not isinstance(sub.get("name"), str) or sub.get("kind") not in OPS \
+                or sub["kind"] == "fused" or not isinstance(sub.get("inputs", []), list) \
+                or not isinstance(sub.get("attrs", {}), dict):
+            raise OpError("bad_attrs", f"fused op {name!r}: sub-op #{i} needs a name, a kind this agent runs (not "
+                                       "fused), a list of inputs and a map of attrs")
+        for r in sub.get("inputs", []):
+            ok = isinstance(r, dict) and len(r) == 1 and (
+                ("arg" in r and isinstance(r["arg"], int) and 0 <= r["arg"] < n_inputs) or r.get("op") in seen)
+            if not ok:
+                raise OpError("bad_attrs", f"fused op {name!r}: sub-op {sub['name']!r} input {str(r)[:40]} must be "
+                                           f"{{'arg': i < {n_inputs}}} or {{'op': an earlier sub-op}}")
+        seen.add(sub["name"])
+
+
 def _ffn_flash(inp, attrs, ctx):
     from .neurons import op_ffn_flash  # imports ops (for OpError): loaded on first use
 
@@ -303,4 +368,4 @@ def _moe_ffn(inp, attrs, ctx):
 
 OPS = {"ffn_flash": _ffn_flash, "moe_ffn": _moe_ffn, "embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
        "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat, "sigmoid_mul": op_sigmoid_mul,
-       "geglu": op_geglu}
+       "geglu": op_geglu, "fused": op_fused}

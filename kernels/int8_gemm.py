@@ -51,6 +51,32 @@ if numba is not None:
                 c[m0 + r] = acc[r]
 
 
+if numba is not None:
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def _gemv_s8s32_nb(a, w, c):
+        M, K = a.shape
+        for n in numba.prange(w.shape[0]):  # one output channel per iteration: its weight row read once for all M
+            for m in range(M):
+                acc = np.int32(0)
+                for k in range(K):  # contiguous int8 row: vectorizes to int16 products, int32 sums
+                    acc += np.int32(np.int16(w[n, k]) * np.int16(a[m, k]))
+                c[m, n] = acc
+
+
+GEMV_M = 8  # up to this many rows (decode steps, small batches) the int8 row-dot kernel beats BLAS on float copies
+
+
+def gemv_s8s32(a: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """a: int8[M, K] (M <= GEMV_M), w: int8[N, K] (row-major: output channel n's weights contiguous) -> int32[M, N],
+    exact. Decode is memory-bound: this reads the int8 weights once (a quarter of a float32 copy's bytes), split
+    over output channels across threads. Without numba (the agent on Termux): the exact BLAS path."""
+    if numba is None:
+        return gemm_s8s32(a, np.ascontiguousarray(w.T))
+    c = np.empty((a.shape[0], w.shape[0]), np.int32)
+    _gemv_s8s32_nb(np.ascontiguousarray(a), w, c)
+    return c
+
+
 # |sum of EXACT_K products| <= 1024 * 127 * 127 < 2^24: float32 holds every partial sum exactly
 EXACT_K = 1024
 
@@ -71,11 +97,24 @@ def gemm_s8s32(a: np.ndarray, bt: np.ndarray, bt_f32: np.ndarray | None = None) 
     bf = bt.astype(np.float32) if bt_f32 is None else bt_f32
     K = a.shape[1]
     if K <= EXACT_K:
-        return (af @ bf if a.shape[0] > 32 else (bf.T @ af.T).T).astype(np.int32)  # few rows: see x_wt
+        return gemm_exact_f32(af, bf).astype(np.int32)
     c = np.zeros((a.shape[0], bt.shape[1]), np.int32)
     for k0 in range(0, K, EXACT_K):
         c += (af[:, k0:k0 + EXACT_K] @ bf[k0:k0 + EXACT_K]).astype(np.int32)
     return c
+
+
+def gemm_exact_f32(af: np.ndarray, bf: np.ndarray) -> np.ndarray:
+    """af float32[M, K], bf float32[K, N], both holding int8 values, K <= EXACT_K -> float32[M, N] holding the
+    exact int32 sums (every partial sum is an integer below 2^24)."""
+    return af @ bf if af.shape[0] > 32 else (bf.T @ af.T).T  # few rows: see linear_records.x_wt
+
+
+def quantize_per_tensor_f32(x: np.ndarray, scale: float) -> np.ndarray:
+    """quantize_per_tensor's int8 values as float32 (what the BLAS path multiplies), without the int8 round trip."""
+    q = x / np.float32(scale)
+    np.rint(q, out=q)
+    return np.clip(q, -127, 127, out=q)
 
 
 def gemm_s8s32_numba(a: np.ndarray, bt: np.ndarray) -> np.ndarray:

@@ -37,6 +37,9 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out.reshape(B, T, H, d)
 
 
+ATTN_BLOCK = 128  # query rows per block of a long prompt's attention
+
+
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0) -> np.ndarray:
     """Causal grouped-query attention, optionally over a sliding window (Gemma 3's local layers).
 
@@ -47,6 +50,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
     B, T, H, d = q.shape
     KV, S = k.shape[1], k.shape[2]
     G = H // KV
+    if T > ATTN_BLOCK:  # long prompts: query blocks, each over the keys it can see (scores stay in cache)
+        out = np.empty((B, T, H * d), np.float32)
+        for t0 in range(0, T, ATTN_BLOCK):
+            t1 = min(T, t0 + ATTN_BLOCK)
+            s1 = start + t1  # keys after the block's last position are masked for all of its queries
+            out[:, t0:t1] = attention(q[:, t0:t1], k[:, :, :s1], v[:, :, :s1], start + t0, window).reshape(B, t1 - t0, H * d)
+        return out.reshape(B * T, H * d)
     # The G query heads of a KV head share its keys: one GEMM of M = G*T rows per KV head.
     qg = q.transpose(0, 2, 1, 3).reshape(B, KV, G * T, d) * np.float32(1.0 / np.sqrt(d))
     scores = np.matmul(qg, k.swapaxes(-1, -2))  # [B, KV, G*T, S]

@@ -45,5 +45,6 @@ OP_KINDS = {
     "sigmoid_mul": "x, g[rows, 1] -> x * sigmoid(g) (Qwen-MoE's shared-expert gate)",
     "moe_ffn": "x, router -> routed top-k SwiGLU experts mixed by router weights (EdgeMoE streaming in attrs)",
     "ffn_flash": "x, predictor A, B, b -> the FFN from the predicted-active neurons read from flash (LLM in a flash)",
-    "lm_head": "x, W -> logits of the last position of each sequence (or every row)",
+    "lm_head": "x, W (or Q8_0 codes, scales) -> logits of the last position of each sequence (or every row)",
+    "fused": "a run of one lane's consecutive ops of a layer, computed back to back (attrs ops; a decode step)",
 }

@@ -228,7 +228,7 @@ def _as_batch(tokens, vocab: int) -> tuple[np.ndarray, bool]:
 
 
 def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = None,
-            linear: LinearFn | None = None, logits: str = "all") -> np.ndarray:
+            linear: LinearFn | None = None, logits: str = "all", head=None) -> np.ndarray:
     """Run tokens through the model, appending to `cache` if given (prefill or decode).
 
     tokens: int[T] or int[B, T], at positions cache.length..cache.length+T-1.
@@ -236,6 +236,7 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
             "none" -> the final normed hidden state float32[(B,) T, hidden] (no LM head).
     hooks: a callable hook(name, x) for every point, or a dict name -> hook(name, x); see module doc.
     linear: replaces the float linears, e.g. by a quantized simulation: linear(name, x) -> y.
+    head: replaces the LM head: head(x float32[M, hidden]) -> float32[M, vocab] (a quantized model's Q8_0 head).
     """
     c = model.config
     toks, single = _as_batch(tokens, c.vocab_size)
@@ -247,6 +248,7 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
         raise TokenRangeError(f"{start + T} positions exceed the model's context length {c.context_length}; "
                               "use shorter windows or reset the cache")
     linear = linear or float_linear(model)
+    head = head or model.head
     W = model.weights
     x = np.asarray(W["token_embd.weight"][toks.reshape(-1)], dtype=np.float32)  # [N, hidden]
     if c.embed_scale != 1.0:
@@ -294,9 +296,10 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
     if logits == "none":
         out = x.reshape(B, T, -1)
     elif logits == "last":
-        out = (x.reshape(B, T, -1)[:, -1] @ model.output_weight.T)
+        last = x.reshape(B, T, -1)[:, -1]
+        out = head(np.ascontiguousarray(last)) if head else last @ model.output_weight.T
     elif logits == "all":
-        out = (x @ model.output_weight.T).reshape(B, T, -1)
+        out = (head(x) if head else x @ model.output_weight.T).reshape(B, T, -1)
     else:
         raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
     return out[0] if single else out

@@ -11,6 +11,7 @@ import numpy as np
 from edgeprobe_kernels.linear_records import SHADOW_KINDS, weight_blobs
 
 from .graph import NPU_KINDS, Weights, model_ops, order_by_schedule, place_by_kind, place_by_stage
+from .graph.place import fuse_layers
 
 __all__ = ["prefill_plan", "chunked_prefill_plan", "shadow_layers", "attach_expert_streaming", "NPU_KINDS"]
 
@@ -27,7 +28,10 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
     ops = model_ops(Weights.of(manifest), n_tokens, batch=batch, session=session, last_only=last_only, split=split,
                     ffn_flash=ffn_flash, experts_flash=experts_flash)
     kind = "decode" if session and n_tokens == 1 else "prefill"
-    return place_by_kind(ops, float_lane, {"kind": kind, "tokens": n_tokens, "batch": batch, "scheme": manifest["scheme"]})
+    decode = kind == "decode" and split is None
+    plan = place_by_kind(ops, float_lane, {"kind": kind, "tokens": n_tokens, "batch": batch, "scheme": manifest["scheme"]},
+                         decode=decode)
+    return fuse_layers(plan) if decode else plan  # a decode step: each layer one op on the cpu lane
 
 
 def chunked_prefill_plan(manifest: dict, sched) -> dict:

@@ -10,28 +10,33 @@ A split's pieces (HeteroLLM) keep the lanes the template pinned.
 """
 from __future__ import annotations
 
+from edgeprobe_kernels.linear_records import W8A8_KINDS
+
 from .template import NPU_KINDS, GraphError
 
 DEFAULT_STAGE_LANES = {"qkv": "npu", "shadow": "cpu", "attn": "cpu", "ffn": "npu"}
 
 
-def lane_by_kind(op: dict, float_lane: str = "cpu") -> str:
+def lane_by_kind(op: dict, float_lane: str = "cpu", decode: bool = False) -> str:
+    """decode: a decode step of mllm-NPU's int8 schemes runs on the CPU (its decoding backend); the NPU TTS
+    paper's q4_0-tile decodes on the NPU."""
     if op.get("lane"):
         return op["lane"]
     if op["kind"] != "linear":
         return "cpu"
     part = op["attrs"].get("part", "all")
-    if part == "shadow":
+    kind = op["attrs"]["rec"]["kind"]
+    if part == "shadow" or (decode and kind in W8A8_KINDS):
         return "cpu"
-    return "npu" if op["attrs"]["rec"]["kind"] in NPU_KINDS else float_lane
+    return "npu" if kind in NPU_KINDS else float_lane
 
 
-def place_by_kind(ops: list, float_lane: str = "cpu", meta: dict | None = None) -> dict:
+def place_by_kind(ops: list, float_lane: str = "cpu", meta: dict | None = None, decode: bool = False) -> dict:
     """A layer-by-layer plan: lanes by op kind, each lane in program order. Ungrouped (group = op)."""
     out = []
     for op in ops:
         o = {k: v for k, v in op.items() if k != "group"}
-        o["lane"] = lane_by_kind(op, float_lane)
+        o["lane"] = lane_by_kind(op, float_lane, decode)
         out.append(o)
     return {"ops": out, "outputs": [ops[-1]["name"]], "meta": dict(meta or {})}
 
@@ -65,3 +70,65 @@ def order_by_schedule(ops: list, slots: dict, meta: dict | None = None) -> dict:
     for op in placed:
         lane_order.setdefault(op["lane"], []).append(op["name"])
     return {"ops": placed, "lane_order": lane_order, "outputs": [ops[-1]["name"]], "meta": dict(meta or {})}
+
+
+UNFUSED = {"embed", "lm_head", "moe_ffn", "ffn_flash"}  # their own events: inputs, outputs and flash reads
+
+
+def fuse_layers(plan: dict, lanes=("cpu",)) -> dict:
+    """Each layer's run of consecutive ops on one lane becomes one `fused` op named blk.{layer}, computed back to
+    back on the agent (ops.op_fused): a decode step's ~15 ops per layer cost more in hand-offs than in arithmetic.
+    A run is fused only when nothing outside it reads any op of it but its last (one value leaves the layer)."""
+    ops = plan["ops"]
+    if plan.get("lane_order"):
+        raise GraphError("fuse_layers fuses plans that run in program order (placed by kind)")
+    readers: dict = {}
+    for op in ops:
+        for r in op.get("inputs", []):
+            if "op" in r:
+                readers.setdefault(r["op"], set()).add(op["name"])
+        for d in op.get("deps", []):
+            readers.setdefault(d, set()).add(op["name"])
+    runs, cur = [], []
+    for op in ops:
+        key = (op["lane"], op.get("layer", -1))
+        if cur and key == (cur[0]["lane"], cur[0].get("layer", -1)) and op["kind"] not in UNFUSED:
+            cur.append(op)
+            continue
+        runs.append(cur)
+        cur = [op] if op["lane"] in lanes and op.get("layer", -1) >= 0 and op["kind"] not in UNFUSED else []
+        if not cur:
+            runs.append([op])
+    runs.append(cur)
+    out, renamed = [], {}
+    for run in filter(None, runs):
+        names = {o["name"] for o in run}
+        leaving = [o["name"] for o in run if readers.get(o["name"], set()) - names or o["name"] in plan["outputs"]]
+        if len(run) < 2 or leaving != [run[-1]["name"]]:
+            out.extend(run)
+            continue
+        args, subs, deps = [], [], set()
+        index = {}
+        for o in run:
+            refs = []
+            for r in o.get("inputs", []):
+                if r.get("op") in names:
+                    refs.append(r)
+                else:
+                    key = tuple(r.items())[0]
+                    if key not in index:
+                        index[key] = len(args)
+                        args.append(dict(r))
+                    refs.append({"arg": index[key]})
+            subs.append({"name": o["name"], "kind": o["kind"], "inputs": refs, "attrs": o.get("attrs", {})})
+            deps |= set(o.get("deps", [])) - names
+        name = f"blk.{run[0]['layer']}"
+        renamed[run[-1]["name"]] = name
+        out.append({"name": name, "kind": "fused", "lane": run[0]["lane"], "inputs": args, "deps": sorted(deps),
+                    "attrs": {"ops": subs}, "layer": run[0]["layer"], "chunk": run[0].get("chunk", 0)})
+    for op in out:  # readers of a fused run's last op read the fused op
+        op["inputs"] = [{"op": renamed[r["op"]]} if r.get("op") in renamed else r for r in op.get("inputs", [])]
+        if op.get("deps"):
+            op["deps"] = [renamed.get(d, d) for d in op["deps"]]
+    outputs = [renamed.get(n, n) for n in plan["outputs"]]
+    return {**plan, "ops": out, "outputs": outputs, "meta": {**plan.get("meta", {}), "fused": True}}

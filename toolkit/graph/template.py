@@ -69,6 +69,16 @@ class Weights:
             raise GraphError(f"the manifest has no tensor {name!r}; quantize the model again")
         return {"blob": T[name]}
 
+    def head(self) -> tuple[list, int]:
+        """The LM head's weight inputs and their bytes: a quantized model's Q8_0 head (codes, scales; see
+        quant.qmodel), else the float output matrix."""
+        c = self.config
+        n = c["vocab_size"] * c["hidden"]
+        hd = (self.manifest or {}).get("head")
+        if hd:
+            return [{"blob": hd["codes"]}, {"blob": hd["scales"]}], n + n // 32 * 4
+        return [self.tensor(N.OUTPUT)], n * 4
+
     def rec(self, linear: str) -> dict:
         if self.manifest is not None:
             L = self.manifest["linears"]
@@ -157,6 +167,9 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
     L, h, d = c["n_layers"], c["hidden"], c["head_dim"]
     H, KV, eps, theta = c["n_heads"], c["n_kv_heads"], c["rms_eps"], c["rope_theta"]
     ops: list[dict] = []
+    # a decode step runs on one processor (mllm-NPU decodes with its CPU backend): no hand-off between an int8
+    # GEMM and its shadow, so each linear is one op computing both (fewer ops: decode is per-op-overhead bound)
+    one_op_linears = session and tokens == 1 and split is None
 
     def add(name, kind, inputs, layer, ci, stage, shape, cost=("elementwise", None, 0), group_layer=None, **attrs):
         flops = cost[1] if cost[1] is not None else int(shape[0] * shape[1])
@@ -177,7 +190,7 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
         n_out, k_in = rec.get("shape") or w.shape(name)
         op = f"{pfx}.{lname}"
         wb = w.weight_bytes(rec, (n_out, k_in))
-        shadowed = rec["kind"] in SHADOW_KINDS and bool(rec.get("shadow"))
+        shadowed = rec["kind"] in SHADOW_KINDS and bool(rec.get("shadow")) and not one_op_linears
         choice = (split or {}).get(lname)
         if choice is not None and rec["kind"] not in W8A8_KINDS:
             raise GraphError(f"a HeteroLLM split needs int8 linears ({', '.join(sorted(W8A8_KINDS))}); "
@@ -259,8 +272,9 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
     n = add("output_norm", "rms_norm", [x, w.tensor(N.OUTPUT_NORM)], -1, n_chunks - 1, "ffn", (R, h),
             group_layer=L - 1, eps=eps)
     vocab = c["vocab_size"]
-    add("lm_head", "lm_head", [n, w.tensor(N.OUTPUT)], -1, n_chunks - 1, "ffn", (rows, vocab),
-        ("linear", 2 * rows * h * vocab, vocab * h * 4), group_layer=L - 1, last_only=last_only, batch=batch)
+    head, head_bytes = w.head()
+    add("lm_head", "lm_head", [n, *head], -1, n_chunks - 1, "ffn", (rows, vocab),
+        ("linear", 2 * rows * h * vocab, head_bytes), group_layer=L - 1, last_only=last_only, batch=batch)
     return ops
 
 

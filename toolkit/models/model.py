@@ -26,6 +26,7 @@ class Model:
     sha256: str
     name: str = ""
     meta: dict = field(default_factory=dict)
+    head: object = None  # x float32[M, hidden] -> logits, when the LM head is not x @ output_weight^T (Q8_0)
 
     def w(self, name: str) -> np.ndarray:
         return self.weights[name]

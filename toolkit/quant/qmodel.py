@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from edgeprobe_kernels.q8_0 import QK, matmul_q8_0, quantize_q8_0
 
 from .. import __version__
 from ..errors import ManifestError, StatsMismatchError, UnknownSchemeError, UnsupportedModelError
@@ -51,7 +52,8 @@ class QuantizedModel:
             loaders = {n: (lambda sha=sha: self.store.get(sha)) for n, sha in m["tensors"].items()}
             self._model = Model(config=ModelConfig(**m["config"]), tokenizer=tok, weights=LazyWeights(loaders, None),
                                 source=f"quantized:{self.scheme}", sha256=m["model"]["sha256"],
-                                name=m["model"]["name"], meta={"format": FORMAT, "scheme": self.scheme})
+                                name=m["model"]["name"], meta={"format": FORMAT, "scheme": self.scheme},
+                                head=self.head if m.get("head") else None)
         return self._model
 
     def linear(self, name: str, x: np.ndarray) -> np.ndarray:
@@ -61,6 +63,15 @@ class QuantizedModel:
             rec = self.manifest["linears"][name]
             run = self._runners[name] = SCHEMES[rec["kind"]][1](rec, self.store.get, self.counters)
         return run(x)
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        """The LM head as the agent runs it: x float32[M, hidden] -> logits float32[M, vocab] (Q8_0, or float)."""
+        hd = self.manifest.get("head")
+        if not hd:
+            return x @ self.model.output_weight.T
+        if "head" not in self._runners:
+            self._runners["head"] = (self.store.get(hd["codes"]), self.store.get(hd["scales"]))
+        return matmul_q8_0(x, *self._runners["head"])
 
     def forward(self, tokens, **kw) -> np.ndarray:
         return forward(self.model, tokens, linear=self.linear, **kw)
@@ -72,7 +83,7 @@ class QuantizedModel:
             by_role[meta["role"]] += meta["nbytes"]
         return {"linear_weights": by_role["weight"] + by_role["weight-scales"] + by_role["smooth-scales"],
                 "shadow_resident": by_role["shadow-resident"] + by_role["shadow-index"],
-                "shadow_flash": by_role["shadow-flash"], "float_tensors": by_role["float"],
+                "shadow_flash": by_role["shadow-flash"], "float_tensors": by_role["float"], "head": by_role["head"],
                 "total": sum(by_role.values())}
 
     # ---- persistence ------------------------------------------------------------------------------
@@ -170,12 +181,16 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
     linear_weights = {linear_tensor(n) for n in names}
     tensors = {n: store.put(np.asarray(model.weights[n], np.float32), "float")
                for n in model.weights if n not in linear_weights}
+    head = None
+    if scheme != "float" and c.hidden % QK == 0:  # the LM head as llama.cpp runs a Q8_0 output (kernels/q8_0.py)
+        codes, scales = quantize_q8_0(np.asarray(model.output_weight, np.float32))
+        head = {"kind": "q8_0", "codes": store.put(codes, "head"), "scales": store.put(scales, "head")}
     tok = (store.put(np.frombuffer(json.dumps(model.tokenizer.to_json()).encode(), np.uint8), "tokenizer")
            if model.tokenizer is not None else None)  # a toy model built in code has no tokenizer
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "edgeprobe_version": __version__, "scheme": scheme,
         "model": {"name": model.name, "sha256": model.sha256}, "config": dataclasses.asdict(c),
-        "tokenizer": tok, "tensors": tensors, "linears": linears, "blobs": store.meta,
+        "tokenizer": tok, "tensors": tensors, "linears": linears, "head": head, "blobs": store.meta,
         "params": {"prune_rate": prune_rate, "coverage": coverage, "alpha": alpha, "int8_threshold": int8_threshold,
                    "expert_bits": ctx.get("expert_bits"),
                    "profile": None if profile is None else {"tokens": profile.tokens,

@@ -1,0 +1,212 @@
+"""The agent's lanes beside llama.cpp on the same cores, the same model and the same tokens (issue 17).
+
+llama.cpp runs through llama-cpp-python, built natively (GGML_NATIVE=ON) into a side environment the first time
+(a few minutes of compiling; never part of `make test`): $EDGEPROBE_CACHE/llamacpp, else ~/.cache/edgeprobe/llamacpp.
+It runs SmolLM2-135M's own GGUF (Q4_1 linears, Q8_0 embedding/head) on 2 threads in its own process, driven over
+a pipe; the agent is a local edgeprobe agent (npu lane: NPU semantics emulated with numba on this CPU). Each
+measurement alternates the two, A/B/A/B, so both see the same machine.
+
+    .venv/bin/python bench/vs_llamacpp.py [--repeats 3] [--lengths 64,256,1024] [--schemes w8a8-shadow,w8a8,q4_0-tile,float]
+
+Prints, per scheme and prompt length: prefill tok/s of llama.cpp and of the agent, warm (model uploaded, one
+prefill done; best of 2) and first run (a new agent process on a store that holds the blobs: its first prefill
+reads them from flash and compiles its runners); then batch-1 decode (64 greedy steps after a 64-token prompt,
+the host picking each token from the logits on both sides), the per-token time outside the agent's ops, and one
+decode step's profile. With --repeats N every ratio is the median of N rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+LLAMA_VERSION = "0.3.36"
+
+WORKER = textwrap.dedent('''
+    import json, sys, time
+    import numpy as np
+    from llama_cpp import Llama
+    llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=2, n_threads_batch=2, n_batch=2048,
+                n_ubatch=512, logits_all=False, verbose=False)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        toks = req["tokens"]
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(toks)
+        prefill_s = time.perf_counter() - t
+        out = {"prefill_s": prefill_s}
+        if req.get("steps"):
+            fed = []
+            t = time.perf_counter()
+            for _ in range(req["steps"]):  # greedy: argmax of the last logits, then one token through the model
+                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                fed.append(tok)
+                llm.eval([tok])
+            out.update(decode_s=time.perf_counter() - t, tokens=fed)
+        print(json.dumps(out), flush=True)
+''')
+
+
+def side_env() -> Path:
+    """The side environment's python with llama-cpp-python, built here when missing."""
+    root = Path(os.environ.get("EDGEPROBE_CACHE", Path.home() / ".cache" / "edgeprobe")) / "llamacpp"
+    py = root / "bin" / "python"
+    probe = [str(py), "-c", "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != %r)" % LLAMA_VERSION]
+    if py.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return py
+    print(f"building llama-cpp-python {LLAMA_VERSION} (GGML_NATIVE=ON) into {root}: a few minutes, once", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+    env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"}
+    r = subprocess.run([str(py), "-m", "pip", "install", "--no-cache-dir", f"llama-cpp-python=={LLAMA_VERSION}"],
+                       env=env, capture_output=True, text=True)
+    if r.returncode:
+        sys.exit(f"building llama-cpp-python failed (it needs cmake and a C++ compiler: apt-get install cmake g++):\n"
+                 f"{r.stderr[-3000:]}")
+    return py
+
+
+class LlamaCpp:
+    """llama.cpp in its own process (the side environment), one request per line over a pipe."""
+
+    def __init__(self, gguf: Path, n_ctx: int):
+        py = side_env()
+        self.script = Path(tempfile.mkdtemp()) / "llamacpp_worker.py"
+        self.script.write_text(WORKER)
+        self.p = subprocess.Popen([str(py), str(self.script), str(gguf), str(n_ctx)], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        if not json.loads(self.p.stdout.readline()).get("ready"):
+            raise RuntimeError("llama.cpp worker did not start")
+
+    def run(self, tokens, steps: int = 0) -> dict:
+        self.p.stdin.write(json.dumps({"tokens": [int(t) for t in tokens], "steps": steps}) + "\n")
+        self.p.stdin.flush()
+        return json.loads(self.p.stdout.readline())
+
+    def close(self):
+        self.p.stdin.close()
+        self.p.wait(30)
+
+
+def agent_prefill(dev, qm, tokens) -> tuple[float, float]:
+    """(wall seconds of one prefill request seen from the host, the agent's makespan in seconds)."""
+    t = time.perf_counter()
+    r = dev.prefill(qm, tokens, progress=False)
+    return time.perf_counter() - t, r.trace.metrics()["makespan_ms"] / 1e3
+
+
+def decode_profile(dec, steps: int) -> tuple[dict, float]:
+    """Per-kind ms of one decode step (fused layers broken into their parts) and the per-step time outside ops."""
+    by: dict = {}
+    n = 0
+    for e in dec.trace.events:
+        g = e.get("group", "")
+        if not g.startswith("step") or g == "step0":
+            continue
+        n = max(n, int(g[4:]))
+        parts = e.get("parts_us") or {e["kind"]: e["end_us"] - e["start_us"]}
+        for k, v in parts.items():
+            by[k] = by.get(k, 0.0) + v / 1e3
+        if e.get("parts_us"):
+            by["(fused-op dispatch)"] = by.get("(fused-op dispatch)", 0.0) + (
+                e["end_us"] - e["start_us"] - sum(parts.values())) / 1e3
+    in_ops = sum(by.values()) / max(n, 1)
+    outside = dec.decode_s / steps * 1e3 - in_ops
+    return {k: v / max(n, 1) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}, outside
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=1, help="rounds; every ratio printed is their median")
+    ap.add_argument("--lengths", default="64,256,1024")
+    ap.add_argument("--schemes", default="w8a8-shadow,w8a8,q4_0-tile,float")
+    ap.add_argument("--decode-schemes", default="w8a8,w8a8-shadow")
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--no-first-run", action="store_true", help="skip the first-run measurement (a new agent each)")
+    args = ap.parse_args()
+    from edgeprobe import models
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.device import Device
+    from edgeprobe.models import _smollm2_135m
+    from edgeprobe.prepare import prepared
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    schemes = args.schemes.split(",")
+    m = models.load("smollm2-135m")
+    ids = m.tokenizer.encode(read_corpus("heldout"))
+    qms = {s: prepared(m, s, say=print) for s in dict.fromkeys(schemes + args.decode_schemes.split(","))}
+    llama = LlamaCpp(_smollm2_135m(), max(lengths) + args.steps + 64)
+    rows: dict = {}  # (what, scheme, length) -> list of (llama tok/s, agent tok/s) per round
+    extra: dict = {}
+    store = tempfile.mkdtemp(prefix="vs-llamacpp-store-")
+    load = os.getloadavg()[0]
+    try:
+        for rnd in range(args.repeats):
+            print(f"-- round {rnd + 1}/{args.repeats} (load average {os.getloadavg()[0]:.1f})", flush=True)
+            for s in schemes:
+                qm = qms[s]
+                if not args.no_first_run:  # a new agent on a store holding the blobs: its first prefill, cold
+                    with Device.local(store=store) as dev:
+                        dev.upload(qm, progress=False)
+                    for n in lengths:
+                        toks = ids[:n]
+                        ll = llama.run(toks)  # llama.cpp's first eval of this length: warm process, fresh KV
+                        with Device.local(store=store) as dev:
+                            wall, _ = agent_prefill(dev, qm, toks)
+                        rows.setdefault(("first run", s, n), []).append((n / ll["prefill_s"], n / wall))
+                with Device.local(store=store) as dev:
+                    dev.upload(qm, progress=False)
+                    for n in lengths:
+                        toks = ids[:n]
+                        agent_prefill(dev, qm, toks)  # warm: runners built, blobs resident
+                        llama.run(toks)
+                        a, b = [], []
+                        for _ in range(2):  # A/B/A/B, best of 2 each
+                            b.append(llama.run(toks)["prefill_s"])
+                            a.append(agent_prefill(dev, qm, toks)[0])
+                        rows.setdefault(("prefill warm", s, n), []).append((n / min(b), n / min(a)))
+            for s in args.decode_schemes.split(","):
+                qm = qms[s]
+                prompt = ids[:64]
+                with Device.local(store=store) as dev:
+                    dev.generate(qm, prompt, 4, progress=False)  # warm
+                    lr = llama.run(prompt, args.steps)
+                    d = dev.generate(qm, prompt, args.steps, progress=False)
+                    lr2 = llama.run(prompt, args.steps)
+                    d2 = dev.generate(qm, prompt, args.steps, progress=False)
+                best = min((d, d2), key=lambda x: x.decode_s)
+                ll_s = min(lr["decode_s"], lr2["decode_s"])
+                rows.setdefault(("decode b=1", s, 64), []).append((args.steps / ll_s, args.steps / best.decode_s))
+                prof, outside = decode_profile(best, args.steps)
+                extra.setdefault(s, []).append((prof, outside, best.step_ms))
+                same = sum(int(a == b) for a, b in zip(lr["tokens"], best.tokens[0].tolist()))
+                print(f"   decode {s}: {same}/{args.steps} greedy tokens equal to llama.cpp's (Q4_1 weights there)")
+    finally:
+        llama.close()
+    print(f"\nllama.cpp {LLAMA_VERSION} (SmolLM2-135M Q4_1 GGUF, 2 threads) vs the edgeprobe agent, same tokens, "
+          f"A/B interleaved; load average at start {load:.1f}; medians of {args.repeats} round(s)")
+    print(f"{'what':<14} {'scheme':<12} {'tokens':>6} {'llama.cpp tok/s':>16} {'agent tok/s':>12} {'ratio':>7}")
+    for (what, s, n), vals in rows.items():
+        lt = statistics.median(v[0] for v in vals)
+        at = statistics.median(v[1] for v in vals)
+        ratio = statistics.median(v[1] / v[0] for v in vals)
+        print(f"{what:<14} {s:<12} {n:>6} {lt:16.1f} {at:12.1f} {ratio:6.2f}x")
+    for s, runs in extra.items():
+        prof, outside, step_ms = runs[len(runs) // 2]
+        print(f"\none decode step, {s} (ms; fused layers broken into their parts): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in prof.items()))
+        print(f"   per-token time outside the agent's ops (round trip, sampling, dispatch): "
+              f"{statistics.median(r[1] for r in runs):.2f} ms; agent makespan per step "
+              f"{statistics.median(step_ms[1:]):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The LM head with llama.cpp's Q8_0 weights: int8 codes with one float scale per 32 inputs (ggml's block_q8_0),
+times float32 activations.
+
+SmolLM2's GGUF stores `token_embd` (its tied output) as Q8_0, so `quantize_q8_0` of the dequantized table gives
+back the file's codes and scales exactly, and the head computes with the very weights of the float model while
+reading 1.125 bytes per weight instead of 4: at batch 1 the head is a GEMV over the whole vocabulary, bound by
+those bytes. Activations stay float (no rounding step that a 1-ulp difference could flip), so the decode kernel
+(numba, M <= GEMV_M) and the BLAS path (prefill rows, perplexity) agree to float32 summation order.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+try:
+    import numba
+except ImportError:
+    numba = None
+
+QK = 32  # values per block (ggml's QK8_0)
+GEMV_M = 8
+ROWS = 4096  # output rows dequantized at a time on the BLAS path (no float copy of the whole head)
+
+
+def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """x float32[M, K] (K a multiple of 32) -> codes int8[M, K], scales float32[M, K/32]: d = absmax/127 per block,
+    q = round(x / d) (ggml rounds half away from zero; |x/d| <= 127, so no clipping is needed)."""
+    M, K = x.shape
+    if K % QK:
+        raise ValueError(f"Q8_0 needs rows of a multiple of {QK} values, got {K}")
+    b = np.asarray(x, np.float32).reshape(M, K // QK, QK)
+    d = (np.abs(b).max(axis=2) / np.float32(127)).astype(np.float32)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    r = b * inv[:, :, None]
+    q = (np.sign(r) * np.floor(np.abs(r) + np.float32(0.5))).astype(np.int8)
+    return q.reshape(M, K), d
+
+
+def dequantize_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """codes int8[N, K], scales float32[N, K/32] -> float32[N, K]."""
+    N, K = q.shape
+    return (q.reshape(N, K // QK, QK).astype(np.float32) * d[:, :, None]).reshape(N, K)
+
+
+if numba is not None:
+    @numba.njit(nogil=True, fastmath=True, inline="never")
+    def _row_q8_0(row, xm, dv, tmp):
+        """One output: the products in a contiguous pass (vectorizes), then block sums times their scales."""
+        K = row.shape[0]
+        for j in range(K):
+            tmp[j] = np.float32(row[j]) * xm[j]
+        acc = np.float32(0)
+        for b in range(K // 32):
+            s = np.float32(0)
+            for j in range(b * 32, b * 32 + 32):
+                s += tmp[j]
+            acc += dv[b] * s
+        return acc
+
+    @numba.njit(parallel=True, nogil=True, fastmath=True, cache=True)
+    def _matmul_q8_0_nb(x, q, d, y):
+        M, K = x.shape
+        V = q.shape[0]
+        for blk in numba.prange((V + 63) // 64):  # 64 output rows per task: less scheduling per row
+            tmp = np.empty(K, np.float32)
+            for v in range(blk * 64, min(V, blk * 64 + 64)):
+                for m in range(M):
+                    y[m, v] = _row_q8_0(q[v], x[m], d[v], tmp)
+
+
+def matmul_q8_0(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """x float32[M, K] @ (Q8_0 weights: codes int8[N, K], scales float32[N, K/32])^T -> float32[M, N]."""
+    M, K = x.shape
+    if q.shape[1] != K or d.shape != (q.shape[0], K // QK):
+        raise ValueError(f"Q8_0 head of codes {q.shape}, scales {d.shape} cannot take rows of {K} values")
+    N = q.shape[0]
+    x = np.ascontiguousarray(x, np.float32)
+    if numba is not None and M <= GEMV_M:
+        y = np.empty((M, N), np.float32)
+        _matmul_q8_0_nb(x, q, d, y)
+        return y
+    y = np.empty((M, N), np.float32)
+    for v in range(0, N, ROWS):
+        y[:, v:v + ROWS] = x @ dequantize_q8_0(q[v:v + ROWS], d[v:v + ROWS]).T
+    return y

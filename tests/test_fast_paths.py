@@ -1,0 +1,124 @@
+"""Issue 17's fast paths compute what the paths they replace compute: the int8 GEMV (exact, bit for bit), the
+exact-float BLAS path of w8a8 linears, the Q8_0 LM head (lossless on SmolLM2's own Q8_0 head, its decode
+kernel and BLAS path agreeing), a decode step's fused layers (the same logits as the unfused ops), and a fused op
+the agent refuses before running when it is malformed."""
+import numpy as np
+import pytest
+
+from edgeprobe.graph.local import host_session, run_plan
+from edgeprobe.graph.place import fuse_layers
+from edgeprobe.plan import prefill_plan
+from edgeprobe.quant import calibration_profile, quantize
+from edgeprobe_agent.executor import validate
+from edgeprobe_agent.protocol import AgentError
+from edgeprobe_kernels import q8_0
+from edgeprobe_kernels.int8_gemm import gemm_s8s32, gemm_s8s32_ref, gemv_s8s32, quantize_per_tensor
+from edgeprobe_kernels.linear_records import run_w8a8
+from edgeprobe_kernels.q8_0 import dequantize_q8_0, matmul_q8_0, quantize_q8_0
+
+from test_graph import toy_model
+
+
+@pytest.mark.parametrize("M", [1, 3, 8])
+@pytest.mark.parametrize("K,N", [(576, 192), (1536, 576), (70, 33)])
+def test_int8_gemv_is_exact(M, K, N):
+    rng = np.random.default_rng(K + N + M)
+    a = rng.integers(-127, 128, (M, K), dtype=np.int8)
+    w = rng.integers(-127, 128, (N, K), dtype=np.int8)
+    assert np.array_equal(gemv_s8s32(a, w), gemm_s8s32_ref(a, np.ascontiguousarray(w.T)))
+    full = np.full((M, K), 127, np.int8)  # the largest sums: still exact in int32
+    assert np.array_equal(gemv_s8s32(full, np.full((N, K), -127, np.int8)), np.full((M, N), -127 * 127 * K))
+
+
+@pytest.mark.parametrize("K", [576, 1536])
+def test_every_w8a8_path_gives_the_same_bits(K):
+    """Decode rows (GEMV), few and many rows (exact float BLAS, K <= 1024; int32 blocks above): one answer."""
+    rng = np.random.default_rng(K)
+    wt = rng.integers(-127, 128, (K, 300), dtype=np.int8)
+    rec = {"wt": "w", "scale_a": 0.031, "scale_w": 0.007}
+    agent = run_w8a8(rec, lambda s: wt, None, keep_f32=True)
+    host = run_w8a8(rec, lambda s: wt, None)
+    for M in (1, 7, 20, 64, 257):
+        x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
+        ref = gemm_s8s32_ref(quantize_per_tensor(x, 0.031), wt).astype(np.float32) * np.float32(0.031 * 0.007)
+        assert np.array_equal(agent(x), ref) and np.array_equal(host(x), ref), M
+
+
+def test_q8_0_head_is_smollm2s_own_and_both_paths_agree(smollm):
+    w = np.asarray(smollm.output_weight, np.float32)
+    q, d = quantize_q8_0(w)
+    assert np.array_equal(dequantize_q8_0(q, d), w)  # the GGUF's Q8_0 head, given back exactly
+    x = np.random.default_rng(0).standard_normal((9, w.shape[1])).astype(np.float32)
+    ref = x @ w.T
+    fast = matmul_q8_0(x[:4], q, d)          # the decode kernel (numba)
+    blas = matmul_q8_0(x, q, d)              # rows > GEMV_M: dequantized blocks through BLAS
+    scale = np.abs(ref).max()
+    assert np.abs(fast - ref[:4]).max() < 1e-5 * scale and np.abs(blas - ref).max() < 1e-5 * scale
+    assert (fast.argmax(1) == ref[:4].argmax(1)).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q8_0(w[:, :50])
+    with pytest.raises(ValueError, match="cannot take rows"):
+        matmul_q8_0(x[:, :64], q, d)
+
+
+def test_quantized_models_carry_a_q8_0_head_the_float_one_does_not():
+    m = toy_model(hidden=32)
+    assert quantize(m, "w8a8", calibration_profile(m, np.arange(40) % 48, tokens=40, window=20,
+                                                   progress=False)).manifest["head"]["kind"] == "q8_0"
+    assert quantize(m, "float").manifest["head"] is None
+
+
+def test_a_fused_decode_step_computes_what_its_ops_compute():
+    m = toy_model(layers=3, hidden=32)
+    qm = quantize(m, "w8a8", calibration_profile(m, np.arange(60) % 48, tokens=60, window=30, progress=False))
+    cfg = qm.manifest["config"]
+    prompt = np.arange(7, dtype=np.int32) % cfg["vocab_size"]
+    fused = prefill_plan(qm.manifest, 1, session=True)
+    assert [o["kind"] for o in fused["ops"]].count("fused") == cfg["n_layers"]
+    assert {o["lane"] for o in fused["ops"]} == {"cpu"}  # mllm-NPU decodes on its CPU backend
+    unfused = {**fused, "ops": [s for o in fused["ops"] for s in _unfuse(o)], "outputs": ["lm_head"]}
+    outs = []
+    for plan in (fused, unfused):
+        sess = host_session(cfg, 1, 16)
+        run_plan(prefill_plan(qm.manifest, len(prompt), session=True), qm.store.get, {"tokens": prompt}, sess, len(prompt))
+        o, events, _ = run_plan(plan, qm.store.get, {"tokens": np.array([5], np.int32)}, sess, 1)
+        outs.append(next(iter(o.values())))
+        if plan is fused:
+            layer = [e for e in events if e["kind"] == "fused"][0]
+            assert layer["flops"] > 0 and {"linear", "attention", "rms_norm"} <= set(layer["parts_us"])
+    assert np.array_equal(outs[0], outs[1])
+
+
+def _unfuse(op):
+    """The sub-ops of a fused op as plain ops again (inputs by name), for the comparison above."""
+    if op["kind"] != "fused":
+        return [op]
+    out = []
+    subs = op["attrs"]["ops"]
+    for i, s in enumerate(subs):
+        ins = [op["inputs"][r["arg"]] if "arg" in r else r for r in s["inputs"]]
+        name = op["name"] if i == len(subs) - 1 else s["name"]
+        out.append({"name": name, "kind": s["kind"], "lane": op["lane"], "inputs": ins, "attrs": s["attrs"],
+                    "layer": op["layer"]})
+    return out
+
+
+@pytest.mark.parametrize("attrs,match", [
+    ({}, "non-empty list"),
+    ({"ops": [{"name": "a", "kind": "fused", "inputs": []}]}, "not fused"),
+    ({"ops": [{"name": "a", "kind": "add", "inputs": [{"arg": 5}]}]}, "arg"),
+    ({"ops": [{"name": "a", "kind": "add", "inputs": [{"op": "later"}]}, {"name": "later", "kind": "add", "inputs": []}]},
+     "earlier sub-op"),
+])
+def test_a_malformed_fused_op_is_refused_before_running(attrs, match):
+    plan = {"ops": [{"name": "f", "kind": "fused", "lane": "cpu", "inputs": [{"input": "x"}], "attrs": attrs}]}
+    with pytest.raises(AgentError, match=match):
+        validate(plan, has_blob=lambda s: True)
+
+
+def test_fusion_leaves_runs_whose_inner_values_are_read_elsewhere():
+    plan = {"ops": [{"name": "a", "kind": "add", "lane": "cpu", "layer": 0, "inputs": [{"input": "x"}]},
+                    {"name": "b", "kind": "add", "lane": "cpu", "layer": 0, "inputs": [{"op": "a"}]},
+                    {"name": "c", "kind": "add", "lane": "cpu", "layer": 1, "inputs": [{"op": "a"}, {"op": "b"}]}],
+            "outputs": ["c"]}
+    assert [o["name"] for o in fuse_layers(plan)["ops"]] == ["a", "b", "c"]  # a leaves layer 0 besides b

@@ -128,10 +128,14 @@ def main():
     ap.add_argument("--repeats", type=int, default=1, help="rounds; every ratio printed is their median")
     ap.add_argument("--lengths", default="64,256,1024")
     ap.add_argument("--schemes", default="w8a8-shadow,w8a8,q4_0-tile,float")
-    ap.add_argument("--decode-schemes", default="w8a8,w8a8-shadow")
+    ap.add_argument("--decode-schemes", default="w8a8,w8a8c-shadow,q4_0-tile")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--no-first-run", action="store_true", help="skip the first-run measurement (a new agent each)")
+    ap.add_argument("--lane-threads", default="auto", choices=["auto", "1"],
+                    help="auto: an agent op computing alone uses both cores, as llama.cpp's 2 threads do; 1: one "
+                         "core per lane (the agent's default)")
     args = ap.parse_args()
+    os.environ["EDGEPROBE_LANE_THREADS"] = args.lane_threads  # the agents started below inherit it
     from edgeprobe import models
     from edgeprobe.corpus import read_corpus
     from edgeprobe.device import Device
@@ -191,8 +195,9 @@ def main():
                 print(f"   decode {s}: {same}/{args.steps} greedy tokens equal to llama.cpp's (Q4_1 weights there)")
     finally:
         llama.close()
-    print(f"\nllama.cpp {LLAMA_VERSION} (SmolLM2-135M Q4_1 GGUF, 2 threads) vs the edgeprobe agent, same tokens, "
-          f"A/B interleaved; load average at start {load:.1f}; medians of {args.repeats} round(s)")
+    print(f"\nllama.cpp {LLAMA_VERSION} (SmolLM2-135M Q4_1 GGUF, 2 threads) vs the edgeprobe agent (lane threads "
+          f"{args.lane_threads}), same tokens, A/B interleaved; load average at start {load:.1f}; medians of "
+          f"{args.repeats} round(s)")
     print(f"{'what':<14} {'scheme':<12} {'tokens':>6} {'llama.cpp tok/s':>16} {'agent tok/s':>12} {'ratio':>7}")
     for (what, s, n), vals in rows.items():
         lt = statistics.median(v[0] for v in vals)

@@ -3,12 +3,17 @@
 import os
 
 # A lane stands for one processor: kernels run single-threaded so concurrent lanes do not oversubscribe cores.
-for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+# EDGEPROBE_LANE_THREADS=auto: an op computing alone gets every core (threads.py), so numba's pool holds them all;
+# fast on an idle machine, but 2-thread kernels collapse when other processes share the cores: opt-in.
+LANE_THREADS = os.environ.get("EDGEPROBE_LANE_THREADS", "1")
+for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
+os.environ.setdefault("NUMBA_NUM_THREADS", str(len(os.sched_getaffinity(0)) if LANE_THREADS == "auto" else 1))
 
 import argparse  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 # what the agent imports, as (module, pip name); numba and pyopencl are optional (numpy kernels; no gpu lane)
@@ -22,6 +27,16 @@ def missing_packages() -> list[str]:
     import importlib.util
 
     return [pip for mod, pip in REQUIRED if importlib.util.find_spec(mod) is None]
+
+
+def _warm() -> None:
+    """Load the numba kernels from numba's cache while the client uploads and sends its plan."""
+    try:
+        from edgeprobe_kernels.warm import warm
+
+        warm()
+    except Exception as e:  # a cold kernel is slower, not wrong: say so and serve anyway
+        print(f"edgeprobe-agent: warming the kernels failed ({type(e).__name__}: {e})", file=sys.stderr, flush=True)
 
 
 def main(argv=None) -> int:
@@ -62,6 +77,11 @@ def main(argv=None) -> int:
         return 2
     signal.signal(signal.SIGTERM, lambda *a: setattr(agent, "_stop", True))
     print(f"edgeprobe-agent listening on {agent.url}", flush=True)
+    threading.Thread(target=_warm, daemon=True, name="warm-kernels").start()  # the first run need not load them
+    if LANE_THREADS == "auto":
+        from .threads import CORES_IN_USE
+
+        CORES_IN_USE.enable()
     try:
         agent.serve_forever()
     except KeyboardInterrupt:

@@ -22,6 +22,7 @@ import numpy as np
 from .ops import OPS, OpError, RunnerCache, check_fused, flops
 from .protocol import AgentError
 from .store import now_us
+from .threads import CORES_IN_USE
 
 LANES = ("cpu", "npu", "gpu")
 # a phone's NPU cannot run here: what its events' time is unless the op says more (the hvx backend says "isa")
@@ -155,6 +156,7 @@ class Context:
     session: object = None           # the run's decode session (KV cache kept on the agent), if any
     read_rows: object = None         # (sha, rows, lane=) -> rows of a blob read from flash, not kept resident
     read_blob: object = None         # sha -> a whole blob read from flash, not kept resident
+    map_blob: object = None          # sha -> the blob memory-mapped: rows paged in from flash when touched
     backends: dict = field(default_factory=dict)  # lane -> kernel backend chosen for it ("npu": "numba" | "hvx")
     kernels: dict = field(default_factory=dict)   # lane -> what computes there (backends.lane_kernels): events' "backend"
     emulated: dict = field(default_factory=lambda: dict(EMULATED_LANES))  # lane -> what its events' time is, by default
@@ -199,6 +201,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                     raise Cancelled()
                 args = [resolve(r) for r in op.get("inputs", [])]
                 lane_ctx.event = {}
+                threads = CORES_IN_USE.enter()
                 t0 = now_us()
                 try:
                     out = OPS[op["kind"]](args, op.get("attrs", {}), lane_ctx)
@@ -206,14 +209,17 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                     raise
                 except Exception as e:  # a kernel failing on bad shapes must not kill the agent
                     raise OpError("op_failed", f"op {name!r} ({op['kind']}) failed: {type(e).__name__}: {e}") from None
-                t1 = now_us()
+                finally:
+                    t1 = now_us()
+                    CORES_IN_USE.leave()
                 ev = {"name": name, "kind": op["kind"], "lane": lane, "start_us": t0, "end_us": t1,
                       "layer": op.get("layer", -1), "chunk": op.get("chunk", 0),
                       "bytes_in": int(sum(a.nbytes for a in args if isinstance(a, np.ndarray))),
                       "bytes_out": int(out.nbytes), "flops": int(flops(op["kind"], args, out, op.get("attrs", {}), lane_ctx)),
                       "emulated": lane_ctx.event.pop("emulated", ctx.emulated.get(lane, False)),
                       "deps": plan.deps[name], "shape": list(out.shape), "group": op.get("group", name),
-                      **({"backend": ctx.kernels[lane]} if lane in ctx.kernels else {}), **lane_ctx.event}
+                      **({"backend": ctx.kernels[lane]} if lane in ctx.kernels else {}),
+                      **({"threads": threads} if threads else {}), **lane_ctx.event}
                 with lock:
                     results[name] = out
                     events.append(ev)

@@ -83,12 +83,15 @@ def _runner(ctx, rec, part, cols=None):
     runners = NPU_RUNNERS if ctx.lane == "npu" else RUNNERS
     key = (part, cols, runners[kind] if kind in runners else None,
            tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
+    get = ctx.get
+    if kind in SHADOW_KINDS and ctx.map_blob is not None:  # cold shadow rows stay in flash: mapped, ~1% touched
+        get = lambda sha: ctx.map_blob(sha) if sha == rec.get("cold") else ctx.get(sha)
     if part == "int8" or (kind == "w8a8" and part == "all"):  # the emulated NPU keeps float32 copies
-        build = lambda: run_w8a8(rec, ctx.get, None, cols, keep_f32=True)
+        build = lambda: run_w8a8(rec, get, None, cols, keep_f32=True)
     elif part == "shadow":
-        build = lambda: shadow_delta(rec, ctx.get, None)
+        build = lambda: shadow_delta(rec, get, None)
     elif kind in runners:
-        build = lambda: runners[kind](rec, ctx.get, None)
+        build = lambda: runners[kind](rec, get, None)
     else:
         raise OpError("unknown_record", f"linear record kind {kind!r} is unknown to this agent")
     return ctx.runners.get(key, build)

@@ -555,7 +555,7 @@ class Agent:
             flash = _FlashLog()
             ctx = Context(get=partial(self.store.get, on_read=flash.add), counters={}, runners=self.runners,
                           session=run.session, read_rows=partial(self.store.read_rows, on_read=flash.add),
-                          read_blob=partial(self.store.read_cold, on_read=flash.add),
+                          read_blob=partial(self.store.read_cold, on_read=flash.add), map_blob=self.store.map,
                           backends={"npu": self.npu_backend}, kernels=self.kernels, emulated=self.emulated)
             t0 = now_us()
             try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import mmap
 import os
 import queue
 import sys
@@ -81,6 +82,7 @@ class FlashStore:
         threading.Thread(target=self._hash_worker, daemon=True, name="blob-sha256").start()
         self.reads = self.read_bytes = 0
         self._sidecars: dict = {}   # sha -> dtype/shape of finished blobs, read once
+        self._mapped: dict = {}     # sha -> read-only memory map of a finished blob (map)
 
     # ---- what is here -------------------------------------------------------------------------
     def has(self, sha: str) -> bool:
@@ -308,6 +310,25 @@ class FlashStore:
                     "end_us": t1, "bytes_in": len(rows) * row_bytes, "bytes_out": 0, "flops": 0,
                     "emulated": False, "blob": sha, "runs": len(breaks) + 1})
         return out
+
+    def map(self, sha: str) -> np.ndarray:
+        """The blob memory-mapped read-only: nothing is read now; the rows a kernel touches are paged in from flash
+        then (the shadow outliers' cold rows, of which a run reads ~1%; llama.cpp maps its weights the same way)."""
+        with self._lock:
+            a = self._mapped.get(sha)
+        if a is not None:
+            return a
+        if not self.has(sha):
+            raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
+        meta = self._meta_of(sha)
+        n = int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
+        if n == 0:
+            return self.get(sha)
+        with open(self.blob_dir / sha, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        a = np.frombuffer(mm, dtype=meta["dtype"], count=n // np.dtype(meta["dtype"]).itemsize).reshape(meta["shape"])
+        with self._lock:
+            return self._mapped.setdefault(sha, a)
 
     def read_cold(self, sha: str, lane: str = "io", on_read=None) -> np.ndarray:
         """A whole blob read from flash without keeping it resident, pages dropped after (see read_rows)."""

@@ -1,0 +1,80 @@
+"""How many cores an op's kernels may use: all of them while no other lane is computing, else one.
+
+A lane stands for one processor, so lanes that overlap get a core each (the agent starts BLAS and numba with one
+thread). But a lane computing alone — a decode step, or the NPU's GEMMs between the CPU's norms in a
+layer-by-layer prefill — would leave the other core idle, which llama.cpp on the same cores does not: there the
+op's BLAS and numba kernels use every core. Each trace event records the threads its op had.
+"""
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import threading
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _openblas_setter():
+    """numpy's bundled OpenBLAS's set_num_threads (process-wide), or None (another BLAS: left as started)."""
+    try:
+        import numpy as np
+
+        libs = glob.glob(os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs", "lib*openblas*"))
+        for path in libs:
+            lib = ctypes.CDLL(path)
+            for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+                if hasattr(lib, name):
+                    return getattr(lib, name)
+    except OSError:
+        pass
+    return None
+
+
+class Cores:
+    """Counts the lanes computing right now (every run's, one lock) and sets each op's thread counts."""
+
+    def __init__(self, cores: int = CORES):
+        self.cores, self.enabled = cores, False
+        self._busy = 0
+        self._blas = 1
+        self._lock = threading.Lock()
+        self._set_blas = self._set_numba = None
+
+    def enable(self) -> None:
+        """In the agent process (which starts BLAS with one thread): give lone ops every core from now on. Not
+        in a host process running plans in-process, whose BLAS settings are its user's."""
+        if self.cores < 2:
+            return
+        self._set_blas = _openblas_setter()
+        try:
+            import numba
+
+            self._set_numba = numba.set_num_threads if numba.config.NUMBA_NUM_THREADS > 1 else None
+        except ImportError:
+            self._set_numba = None
+        self.enabled = True
+
+    def enter(self) -> int | None:
+        """An op starts on the calling lane thread: its thread count (all cores if it computes alone); None
+        when not enabled (the kernels keep the process's settings)."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            self._busy += 1
+            k = self.cores if self._busy == 1 else 1
+            if self._set_blas is not None and k != self._blas:
+                self._set_blas(k)  # process-wide: an op already running keeps the threads it started with
+                self._blas = k
+        if self._set_numba is not None:
+            self._set_numba(k)  # numba's count is per calling thread
+        return k
+
+    def leave(self) -> None:
+        if not self.enabled:
+            return
+        with self._lock:
+            self._busy -= 1
+
+
+CORES_IN_USE = Cores()

@@ -1,7 +1,8 @@
-"""The blob store's durable write path: no blob under its name before its bytes and sidecar are fsynced and
-verified, no "complete" reply before its name is durable, and a killed agent leaves only whole blobs and
+"""The blob store's durable write path: no blob under its name before its bytes and index line are fsynced and
+its sha256 verified, no "complete" reply before its name is durable, and a killed agent leaves only whole blobs and
 resumable partials."""
 import hashlib
+import json
 import os
 import signal
 import threading
@@ -67,8 +68,7 @@ def test_a_blob_is_fsynced_verified_and_renamed_before_its_complete_reply(tmp_pa
         rename = next(k for k, e in enumerate(events) if e[0] == "replace" and e[2] == f"{blob_dir}/{sha}")
         part = f"{tmp_path / 'f' / 'partial' / sha}.part"
         assert any(e == ("fsync", part) for e in events[:rename])  # the bytes are on flash before the name
-        side = next(k for k, e in enumerate(events) if e[0] == "replace" and e[2] == f"{blob_dir}/{sha}.json")
-        assert side < rename  # has() never sees a blob without its dtype/shape
+        assert ("fsync", f"{blob_dir}/index.jsonl") in events[:rename]  # its dtype/shape are on flash before its name
         assert any(e == ("fsync", blob_dir) for e in events[rename:])  # the name is durable before the reply
         assert open(f"{blob_dir}/{sha}", "rb").read() == raw
     # a group commit: fewer folder fsyncs than blobs is allowed, more than one per blob is not
@@ -101,8 +101,9 @@ def test_a_killed_agent_leaves_only_whole_blobs_and_the_next_one_resumes(tmp_pat
     proc.wait(timeout=10)
     dev.sock.close(0)
     visible = [p.name for p in (store / "blobs").iterdir() if len(p.name) == 64]
-    for sha in visible:  # whatever made it under its name is whole and has its sidecar
-        assert (store / "blobs" / sha).read_bytes() == blobs[sha] and (store / "blobs" / f"{sha}.json").exists()
+    indexed = {json.loads(line)["sha"] for line in (store / "blobs" / "index.jsonl").read_text().splitlines()}
+    for sha in visible:  # whatever made it under its name is whole and has its dtype/shape in the index
+        assert (store / "blobs" / sha).read_bytes() == blobs[sha] and sha in indexed
     t0 = time.monotonic()
     with Device.local(store=store) as again:  # a new agent on the same flash
         head = again.request("has_blobs", ids=list(blobs))[0]
@@ -116,3 +117,30 @@ def test_a_killed_agent_leaves_only_whole_blobs_and_the_next_one_resumes(tmp_pat
         assert (store / "blobs" / sha).read_bytes() == raw
     assert not list((store / "partial").glob("*.part"))
     assert time.monotonic() - t0 < 60
+
+
+def test_the_index_survives_a_torn_line_and_old_sidecars_still_read(tmp_path):
+    from edgeprobe_agent.store import FlashStore
+
+    (sha_a, raw_a), (sha_b, raw_b), (sha_c, raw_c) = _blob(200, 500), _blob(201, 700), _blob(202, 300)
+    st = FlashStore(tmp_path / "f", lock_wait_s=0)
+    for sha, raw in ((sha_a, raw_a), (sha_b, raw_b)):
+        assert st.put_chunk(sha, "float32", [len(raw) // 4], len(raw), 0, 1, 1 << 20, zlib.crc32(raw), raw) is True
+    st.close()
+    st._lock_file.close()  # as the agent's exit would: the next store may open the folder
+    blobs = tmp_path / "f" / "blobs"
+    with open(blobs / "index.jsonl", "a") as f:  # a power cut in the middle of the next group's append
+        f.write('{"sha": "' + sha_c[:20])
+    (blobs / sha_c).write_bytes(raw_c)  # and a blob an older agent stored, with its own sidecar
+    (blobs / f"{sha_c}.json").write_text('{"dtype": "float32", "shape": [300]}')
+    st = FlashStore(tmp_path / "f", lock_wait_s=0)
+    assert st.has(sha_a) and st.has(sha_b) and st.has(sha_c)
+    assert np.array_equal(st.get(sha_b), np.frombuffer(raw_b, np.float32)) and np.array_equal(st.get(sha_c), np.frombuffer(raw_c, np.float32))
+    (sha_d, raw_d) = _blob(203, 900)
+    assert st.put_chunk(sha_d, "float32", [900], len(raw_d), 0, 1, 1 << 20, zlib.crc32(raw_d), raw_d) is True
+    st.close()
+    st._lock_file.close()
+    st = FlashStore(tmp_path / "f", lock_wait_s=0)  # the record after the torn line is read back whole
+    assert st.has(sha_d) and np.array_equal(st.get(sha_d), np.frombuffer(raw_d, np.float32))
+    (blobs / sha_a).unlink()  # a blob whose rename a crash lost is not there, whatever the index says
+    assert not st.has(sha_a)

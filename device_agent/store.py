@@ -83,7 +83,7 @@ class FlashStore:
         self._metas: dict = {}        # sha -> partial sidecar content
         self._received: dict = {}     # sha -> chunk indices accepted (queued or written)
         self._finishing: dict = {}    # sha -> on_done callbacks waiting for the blob's commit
-        self._write_errors: dict = {}
+        self._write_errors: dict = {}  # sha -> the write failure its commit reports (under _done_lock)
         self._done_lock = threading.Lock()
         self._write_q: queue.Queue = queue.Queue()
         self._hash_q: queue.Queue = queue.Queue()
@@ -119,14 +119,16 @@ class FlashStore:
     # the hasher (a running sha256 of in-order chunks). Its reply waits for both, so what a reply reports is on
     # flash, and the client's window bounds the memory held here. The last chunk then goes to the committer,
     # which verifies the whole-blob sha256 and commits blobs in groups: one fsync per file, all of a group's
-    # fsyncs in flight at once (the filesystem's journal commits them together), the renames, then one fsync
-    # of the blob folder; only then do the group's uploads get their "complete" reply.
+    # fsyncs in flight at once (the filesystem's journal commits them together), the group's index lines with one
+    # fsync, the renames, then one fsync of the blob folder; only then do the group's uploads get "complete".
     def _write_worker(self) -> None:
         while True:
             c = self._write_q.get()
-            if c.fresh:
-                self._write_errors.pop(c.sha, None)  # a failure of an abandoned attempt is not this one's
-            if c.data is not None and c.sha not in self._write_errors:
+            with self._done_lock:
+                if c.fresh:
+                    self._write_errors.pop(c.sha, None)  # a failure of an abandoned attempt is not this one's
+                failed = c.sha in self._write_errors
+            if c.data is not None and not failed:
                 try:
                     part = self.part_dir / f"{c.sha}.part"
                     fd = os.open(part, os.O_WRONLY | (os.O_CREAT | os.O_TRUNC if c.fresh else 0), 0o644)
@@ -143,7 +145,8 @@ class FlashStore:
                         # chunk it lists but the disk lost, and the upload starts over
                         _atomic_write(self.part_dir / f"{c.sha}.json", json.dumps(c.meta).encode(), sync=False)
                 except Exception as e:  # the upload fails at its last chunk; this thread must live on
-                    self._write_errors[c.sha] = f"{type(e).__name__}: {e}"
+                    with self._done_lock:
+                        self._write_errors[c.sha] = f"{type(e).__name__}: {e}"
             self._chunk_done(c)
 
     def _hash_worker(self) -> None:
@@ -203,7 +206,8 @@ class FlashStore:
         for c in blobs:
             part = self.part_dir / f"{c.sha}.part"
             try:
-                err = self._write_errors.pop(c.sha, None)
+                with self._done_lock:
+                    err = self._write_errors.pop(c.sha, None)
                 if err:
                     raise StoreError("write_failed", f"writing blob {c.sha[:12]} to flash failed ({err}); free space "
                                                      "and upload again")

@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from edgeprobe_agent.protocol import (CHUNK_BYTES, crc32, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, pack,
-                                      unpack)
+from edgeprobe_agent.protocol import (CHUNK_BYTES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, crc32,
+                                      pack, unpack)
 
 from .errors import EdgeprobeError
 from .trace import Trace

@@ -19,6 +19,11 @@ import math
 import msgpack
 import numpy as np
 
+try:  # chunk checksums on both sides: ISA-L's CRC-32 gives zlib's values ~4x faster (11 vs 2.8 GB/s here)
+    from isal.isal_zlib import crc32
+except ImportError:  # a phone's agent without isal: the same checksum, slower
+    from zlib import crc32
+
 PROTOCOL_VERSION = 1
 REQUESTS = ("hello", "has_blobs", "put_blob", "load_model", "put_plan", "run", "cancel", "stats", "heartbeat", "bye",
             "open_session", "session_reorder", "close_session")

@@ -389,7 +389,7 @@ class Agent:
             raise ProtocolError("bad_request", "put_blob's 'shape' must be a list of non-negative ints")
         chunk = h["chunk"]
 
-        def done(result):  # called here, or from the store's hash thread once the last chunk's blob is finished
+        def done(result):  # called from the store's threads: once the chunk is written and hashed, or the blob committed
             if isinstance(result, StoreError):
                 self.outbox.put(("final", ident, error_reply(rid, result.code, str(result)), ()))
             else:

@@ -64,3 +64,15 @@ def test_every_error_code_the_agent_raises_is_in_the_table_and_the_docs():
     assert used and used <= set(ERRORS), sorted(used - set(ERRORS))
     docs = (ROOT / "docs" / "protocol.md").read_text()
     assert all(f"| `{code}` |" in docs for code in ERRORS), [c for c in ERRORS if f"| `{c}` |" not in docs]
+
+
+def test_chunk_crc32_is_zlibs_whichever_implementation_computes_it():
+    import zlib
+
+    from edgeprobe_agent import protocol
+
+    assert protocol.crc32.__module__ == "isal.isal_zlib"  # the host's fast path (isal is a dependency)
+    rng = np.random.default_rng(3)
+    for n in (0, 1, 4095, 1 << 20):  # a phone's agent checks with zlib what the host computed with ISA-L
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        assert protocol.crc32(a) == protocol.crc32(memoryview(a)) == zlib.crc32(a.tobytes())

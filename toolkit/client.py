@@ -17,15 +17,14 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import zmq
 
-from edgeprobe_agent.protocol import (CHUNK_BYTES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, pack,
-                                      unpack)
+from edgeprobe_agent.protocol import (CHUNK_BYTES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, crc32,
+                                      pack, unpack)
 
 from .errors import EdgeprobeError
 from .trace import Trace
@@ -209,6 +208,10 @@ class Client:
         """Wait for request `rid`'s final reply; any message from the agent proves it alive. An error reply
         under `rid` raises DeviceError at once; so does one under id -1 (the agent could not read some request
         of ours, and would never answer it under its id)."""
+        return self.wait_any({rid}, on_event, timeout_s)[1:]
+
+    def wait_any(self, rids, on_event=None, timeout_s: float | None = None) -> tuple[int, dict, list]:
+        """(rid, header, arrays) of the first final reply to any request in `rids`, as wait() for one."""
         timeout = timeout_s or self.timeout_s
         last = time.monotonic()
         last_ping = last
@@ -224,7 +227,8 @@ class Client:
                     err = header.get("error", {})
                     raise DeviceError(err.get("code", "?"), "the agent could not read the id of a request: "
                                                             f"{err.get('message', '')}")
-                if header.get("id") != rid:
+                rid = header.get("id")
+                if rid not in rids:
                     continue  # a reply to one of our heartbeats, or to an abandoned request
                 if not header.get("final"):
                     if on_event:
@@ -233,7 +237,7 @@ class Client:
                 if not header.get("ok"):
                     err = header.get("error", {})
                     raise DeviceError(err.get("code", "?"), err.get("message", "the agent reported an error"))
-                return header, arrays
+                return rid, header, arrays
             now = time.monotonic()
             if self.process is not None and self.process.poll() is not None:
                 raise AgentLostError(f"the local agent exited with status {self.process.returncode}; its stderr "
@@ -267,9 +271,13 @@ class Client:
         return best[1]
 
     # ---- upload ---------------------------------------------------------------------------------
-    def upload(self, qm, progress: bool = True, chunk_bytes: int = CHUNK_BYTES, window: int = 8) -> int:
+    def upload(self, qm, progress: bool = True, chunk_bytes: int = CHUNK_BYTES, window: int = 256,
+               window_bytes: int = 64 << 20) -> int:
         """Send every blob of `qm` (a QuantizedModel) that the agent lacks; chunks it already holds from an
-        interrupted upload are skipped. Returns the bytes sent."""
+        interrupted upload are skipped. Returns the bytes sent.
+
+        Up to `window` chunks and `window_bytes` bytes are in flight (the agent holds them until written and
+        hashed); each reply frees its own slot, so a blob being committed does not hold up the chunks behind it."""
         from tqdm.auto import tqdm
 
         blobs = qm.manifest["blobs"]
@@ -287,18 +295,17 @@ class Client:
         total = sum(min(chunk_bytes, len(raw) - i * chunk_bytes) for _, _, raw, i, _ in todo)
         sent = 0
         bar = tqdm(total=total, unit="B", unit_scale=True, desc="upload", disable=not progress or not total, leave=False)
-        pending: list[int] = []
+        pending: dict[int, int] = {}  # request id -> bytes in flight
         for sha, arr, raw, i, n in todo:
             piece = np.frombuffer(raw[i * chunk_bytes:(i + 1) * chunk_bytes], np.uint8)
-            pending.append(self.send("put_blob", [piece], sha=sha, dtype=arr.dtype.name, shape=list(arr.shape),
-                                     nbytes=len(raw), chunk=i, n_chunks=n, chunk_bytes=chunk_bytes,
-                                     chunk_crc32=zlib.crc32(piece)))
-            sent += len(piece)
+            while pending and (len(pending) >= window or sum(pending.values()) + len(piece) > window_bytes):
+                sent += pending.pop(self.wait_any(pending)[0])
+            rid = self.send("put_blob", [piece], sha=sha, dtype=arr.dtype.name, shape=list(arr.shape), nbytes=len(raw),
+                            chunk=i, n_chunks=n, chunk_bytes=chunk_bytes, chunk_crc32=crc32(piece))
+            pending[rid] = len(piece)
             bar.update(len(piece))
-            if len(pending) >= window:  # a few chunks in flight keep the pipe full without unbounded memory
-                self.wait(pending.pop(0))
-        for rid in pending:
-            self.wait(rid)
+        while pending:
+            sent += pending.pop(self.wait_any(pending)[0])
         bar.close()
         self.uploaded_bytes += sent
         return sent

@@ -134,15 +134,16 @@ def test_the_store_threads_survive_failures_and_still_answer(tmp_path, monkeypat
     def broken(*a, **k):
         raise RuntimeError("disk on fire")
     with monkeypatch.context() as m:
-        m.setattr(store_mod, "_atomic_write", broken)  # fails on the writer thread (the chunk list)
+        m.setattr(store_mod.os, "pwrite", broken)  # fails on the writer thread
         with pytest.raises(store_mod.StoreError, match="disk on fire") as e:
             put()
         assert e.value.code == "write_failed"
     with monkeypatch.context() as m:
-        m.setattr(store_mod.os, "fsync", broken)  # fails on the hash thread, finishing the blob
+        m.setattr(store_mod.os, "fsync", broken)  # fails on the commit's fsync threads, finishing the blob
         with pytest.raises(store_mod.StoreError, match="disk on fire") as e:
             put()
         assert e.value.code == "internal"
+        assert not st.has(sha)  # never visible without its fsync
     assert put() is True  # both threads lived on
     assert np.array_equal(st.get(sha), np.frombuffer(raw, np.float32))
 

@@ -7,9 +7,43 @@ from __future__ import annotations
 
 import numpy as np
 
+try:
+    import numba
+except ImportError:
+    numba = None
+
+FEW_ROWS = 8  # up to this many rows (decode steps) the numba kernels below replace numpy's per-call overheads
+
+if numba is not None:
+    @numba.njit(nogil=True, fastmath=True, cache=True)
+    def _rms_norm_nb(x, w, eps, out):
+        N, C = x.shape
+        for n in range(N):
+            ms = np.float32(0)
+            for c in range(C):
+                ms += x[n, c] * x[n, c]
+            r = np.float32(1.0 / np.sqrt(ms / C + eps))
+            for c in range(C):
+                out[n, c] = x[n, c] * r * w[c]
+
+    @numba.njit(nogil=True, cache=True)
+    def _rope_nb(x, cos, sin, out):
+        B, T, H, d = x.shape
+        for b in range(B):
+            for t in range(T):
+                for h in range(H):
+                    for i in range(d // 2):
+                        x0, x1, c, s = x[b, t, h, 2 * i], x[b, t, h, 2 * i + 1], cos[t, i], sin[t, i]
+                        out[b, t, h, 2 * i] = x0 * c - x1 * s
+                        out[b, t, h, 2 * i + 1] = x0 * s + x1 * c
+
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x: float32[N, C], w: float32[C] -> x / rms(x) * w (RMSNorm, Zhang & Sennrich 2019)."""
+    if numba is not None and x.shape[0] <= FEW_ROWS and x.dtype == np.float32 and w.dtype == np.float32:
+        out = np.empty(x.shape, np.float32)
+        _rms_norm_nb(np.ascontiguousarray(x), w, np.float32(eps), out)
+        return out
     ms = np.einsum("nc,nc->n", x, x) / x.shape[1]
     return x * (1.0 / np.sqrt(ms + eps))[:, None].astype(np.float32) * w
 
@@ -28,6 +62,10 @@ def rope_tables(head_dim: int, theta: float, start: int, length: int, factors=No
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """x: float32[B, T, heads, head_dim], rotating adjacent pairs (2i, 2i+1) — the GGUF layout."""
     B, T, H, d = x.shape
+    if numba is not None and B * T <= FEW_ROWS and x.dtype == np.float32:
+        out = np.empty(x.shape, np.float32)
+        _rope_nb(x, cos, sin, out)
+        return out
     xp = x.reshape(B, T, H, d // 2, 2)
     x0, x1 = xp[..., 0], xp[..., 1]
     c, s = cos[None, :, None, :], sin[None, :, None, :]

@@ -122,3 +122,27 @@ def test_fusion_leaves_runs_whose_inner_values_are_read_elsewhere():
                     {"name": "c", "kind": "add", "lane": "cpu", "layer": 1, "inputs": [{"op": "a"}, {"op": "b"}]}],
             "outputs": ["c"]}
     assert [o["name"] for o in fuse_layers(plan)["ops"]] == ["a", "b", "c"]  # a leaves layer 0 besides b
+
+
+def test_decode_sized_norms_and_rope_match_the_numpy_ones():
+    """rms_norm and apply_rope on a decode step's few rows take numba kernels: the same values as numpy's to
+    float32 rounding (the host's forward pass uses the same functions, so host and agent agree)."""
+    from edgeprobe_kernels import llama_ops as L
+
+    rng = np.random.default_rng(3)
+    x, w = rng.standard_normal((3, 96)).astype(np.float32), rng.standard_normal(96).astype(np.float32)
+    q = rng.standard_normal((3, 1, 4, 16)).astype(np.float32)
+    cos, sin = L.rope_tables(16, 1e4, 37, 1)
+    fast = L.rms_norm(x, w, 1e-5), L.apply_rope(q, cos, sin)
+    few, L.FEW_ROWS = L.FEW_ROWS, 0
+    try:
+        slow = L.rms_norm(x, w, 1e-5), L.apply_rope(q, cos, sin)
+    finally:
+        L.FEW_ROWS = few
+    assert np.allclose(fast[0], slow[0], rtol=1e-6, atol=1e-6) and np.array_equal(fast[1], slow[1])
+
+
+def test_the_agent_warms_every_kernel_it_calls():
+    from edgeprobe_kernels.warm import warm
+
+    assert warm() == ["gemv_s8s32", "matmul_q8_0", "shadow_gemm", "gemm_f16w_seq", "rms_norm, apply_rope"]

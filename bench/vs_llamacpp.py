@@ -48,7 +48,8 @@ WORKER = textwrap.dedent('''
             fed = []
             t = time.perf_counter()
             for _ in range(req["steps"]):  # greedy: argmax of the last logits, then one token through the model
-                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                last = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))  # the last row's logits
+                tok = int(np.argmax(last))
                 fed.append(tok)
                 llm.eval([tok])
             out.update(decode_s=time.perf_counter() - t, tokens=fed)
@@ -79,7 +80,8 @@ class LlamaCpp:
 
     def __init__(self, gguf: Path, n_ctx: int):
         py = side_env()
-        self.script = Path(tempfile.mkdtemp()) / "llamacpp_worker.py"
+        self._dir = tempfile.TemporaryDirectory(prefix="llamacpp-worker-")
+        self.script = Path(self._dir.name) / "llamacpp_worker.py"
         self.script.write_text(WORKER)
         self.p = subprocess.Popen([str(py), str(self.script), str(gguf), str(n_ctx)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
@@ -94,6 +96,7 @@ class LlamaCpp:
     def close(self):
         self.p.stdin.close()
         self.p.wait(30)
+        self._dir.cleanup()
 
 
 def agent_prefill(dev, qm, tokens) -> tuple[float, float]:
@@ -150,7 +153,8 @@ def main():
     llama = LlamaCpp(_smollm2_135m(), max(lengths) + args.steps + 64)
     rows: dict = {}  # (what, scheme, length) -> list of (llama tok/s, agent tok/s) per round
     extra: dict = {}
-    store = tempfile.mkdtemp(prefix="vs-llamacpp-store-")
+    tmp = tempfile.TemporaryDirectory(prefix="vs-llamacpp-")  # the agents' store: removed at the end
+    store = tmp.name
     load = os.getloadavg()[0]
     try:
         for rnd in range(args.repeats):
@@ -195,6 +199,7 @@ def main():
                 print(f"   decode {s}: {same}/{args.steps} greedy tokens equal to llama.cpp's (Q4_1 weights there)")
     finally:
         llama.close()
+        tmp.cleanup()
     print(f"\nllama.cpp {LLAMA_VERSION} (SmolLM2-135M Q4_1 GGUF, 2 threads) vs the edgeprobe agent (lane threads "
           f"{args.lane_threads}), same tokens, A/B interleaved; load average at start {load:.1f}; medians of "
           f"{args.repeats} round(s)")

@@ -55,3 +55,7 @@ class ManifestError(EdgeprobeError, ValueError):
 
 class ClusterError(EdgeprobeError, RuntimeError):
     """A Ray cluster that cannot be reached or used, or a profile shard that failed on it."""
+
+
+class FarmError(EdgeprobeError, RuntimeError):
+    """Devices of a farm that could not be opened or used (each named with its reason)."""

@@ -8,6 +8,7 @@ the last bits of the activations: the per-channel maxima move by up to ~2e-5 rel
 summary is compared as the issue asks (counts exactly, floats to 1e-6 relative); profiles are compared bit for bit
 against a reference pass held to one BLAS thread (threadpoolctl), which isolates what sharding and merging do.
 """
+import copy
 import json
 import os
 import signal
@@ -120,12 +121,13 @@ def test_every_profile_kind_sharded_on_ray_equals_one_pass(ray_cluster, smollm, 
     moe = models.load("tiny-moe")
     moe_ids = moe.tokenizer.encode(read_corpus("train")[:20000])
     toy = dataclasses.replace(smollm, name="", source="built in memory")  # no checkpoint a worker could load
+    with _one_thread():  # a co-activation profile that has seen a window already: both ways add to it
+        seen = run(moe, moe_ids[-W:], CoActivationStats.for_model(moe), window=W, progress=False)
     # the driver's own passes (sparsity's one-window calibration) held to the workers' one thread too
     with _one_thread(), RayRunner(ray_cluster["address"], shards=3, say=lambda m: None) as on_ray:
         got = {"outliers": jobs.profile_outliers(smollm, train_ids, 5 * W, W, progress=False, runner=on_ray),
                "sparsity": jobs.profile_sparsity(smollm, train_ids, 5 * W, W, progress=False, runner=on_ray),
-               "coactivation": on_ray(moe, moe_ids, CoActivationStats.for_model(moe), window=W, max_tokens=5 * W,
-                                      progress=False)}
+               "coactivation": on_ray(moe, moe_ids, copy.deepcopy(seen), window=W, max_tokens=5 * W, progress=False)}
         with pytest.raises(ClusterError, match="not loaded from a checkpoint"):  # a model built in memory
             on_ray(toy, np.arange(2 * W) % 64, OutlierStats.for_model(toy, {n: 1.0 for n in tensor_names(toy)}),
                    window=W)
@@ -133,8 +135,8 @@ def test_every_profile_kind_sharded_on_ray_equals_one_pass(ray_cluster, smollm, 
     with _one_thread():
         want = {"outliers": jobs.profile_outliers(smollm, train_ids, 5 * W, W, progress=False),
                 "sparsity": jobs.profile_sparsity(smollm, train_ids, 5 * W, W, progress=False),
-                "coactivation": run(moe, moe_ids, CoActivationStats.for_model(moe), window=W, max_tokens=5 * W,
-                                    progress=False)}
+                "coactivation": run(moe, moe_ids, copy.deepcopy(seen), window=W, max_tokens=5 * W, progress=False)}
+    assert got["coactivation"].windows == 1 + 5
     for kind in want:
         _same_profile(got[kind], want[kind])
     _same_summary(got["outliers"].summary(), want["outliers"].summary())

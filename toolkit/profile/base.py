@@ -50,6 +50,10 @@ class Profile:
             raise StatsMismatchError(f"this {self.KIND} profile belongs to model {self.model_name} "
                                      f"({self.model_sha256[:12]}), not {model.name} ({model.sha256[:12]})")
 
+    def empty(self) -> "Profile":
+        """A profile of the same model and settings that has seen nothing (what a shard starts from)."""
+        return type(self)(model_name=self.model_name, model_sha256=self.model_sha256, params=copy.deepcopy(self.params))
+
     # ---- values ---------------------------------------------------------------------------------
     def merge(self, other: "Profile") -> "Profile":
         """A new profile equal to one pass over both shards."""

@@ -20,7 +20,7 @@ import os
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -196,7 +196,8 @@ class RayRunner:
 
     def __call__(self, model: Model, ids, profile: Profile, window: int = 512, max_tokens: int | None = None,
                  progress: bool = True, desc: str = "profile") -> Profile:
-        """Stream `ids` (int[tokens]) into `profile` on the cluster, shard by shard: equal to runner.run(...)."""
+        """Stream `ids` (int[tokens]) into `profile` on the cluster, shard by shard: as runner.run(...) does, the
+        profile gains the windows (in place) and is returned; every shard starts from its empty() twin."""
         from tqdm.auto import tqdm
 
         ray = self._ray
@@ -206,8 +207,8 @@ class RayRunner:
         bounds = [(n * i // k, n * (i + 1) // k) for i in range(k)]
         ids = np.asarray(ids, np.int32)
         task = ray.remote(num_cpus=1, max_retries=self.max_retries)(profile_shard)
-        ref, empty = model_ref(model), profile.to_bytes()
-        empty_ref = ray.put(empty)  # one copy in the object store, read by every task
+        ref = model_ref(model)
+        empty_ref = ray.put(profile.empty().to_bytes())  # one copy in the object store, read by every task
         merged, done, pending, results = profile, 0, {}, {}
         t0 = time.perf_counter()
         bar = tqdm(total=k, desc=f"{desc} on ray", unit="shard", disable=not progress, leave=False)
@@ -244,10 +245,12 @@ class RayRunner:
             raise
         finally:
             bar.close()
+        for f in fields(profile):  # in place, as runner.run
+            setattr(profile, f.name, getattr(merged, f.name))
         got = self.reports[-k:]
         self.say(f"{desc}: {k} shards of {n} windows on {len({(r.host, r.pid) for r in got})} workers in "
                  f"{time.perf_counter() - t0:.1f} s (median shard {np.median([r.seconds for r in got]):.2f} s)")
-        return merged
+        return profile
 
     def summary(self) -> dict:
         """Every shard this runner ran, for shards.json: address, shards, workers, seconds."""

@@ -149,14 +149,20 @@ class Farm:
 
         named = dict(specs) if isinstance(specs, dict) else dict(zip(device_names(list(specs)), specs))
         opener = opener or (lambda spec: open_device(spec, **options))
-        opened, failed = {}, {}
-        with ThreadPoolExecutor(max_workers=len(named) or 1, thread_name_prefix="farm-open") as pool:
-            futures = {name: pool.submit(opener, spec) for name, spec in named.items()}
-            for name, fut in futures.items():
-                try:
-                    opened[name] = fut.result()
-                except Exception as e:  # noqa: BLE001 - every device's reason is reported below
-                    failed[name] = f"{type(e).__name__}: {e}" if not isinstance(e, (EdgeprobeError, ValueError)) else str(e)
+        opened, failed, futures = {}, {}, {}
+        try:
+            with ThreadPoolExecutor(max_workers=len(named) or 1, thread_name_prefix="farm-open") as pool:
+                futures = {name: pool.submit(opener, spec) for name, spec in named.items()}
+                for name, fut in futures.items():
+                    try:
+                        opened[name] = fut.result()
+                    except Exception as e:  # noqa: BLE001 - every device's reason is reported below
+                        failed[name] = str(e) if isinstance(e, (EdgeprobeError, ValueError)) else f"{type(e).__name__}: {e}"
+        except BaseException:  # Ctrl-C: the pool has waited for every open; close what opened
+            for fut in futures.values():
+                if fut.done() and not fut.cancelled() and fut.exception() is None:
+                    fut.result().close()
+            raise
         if failed:
             for dev in opened.values():
                 dev.close()
@@ -166,7 +172,8 @@ class Farm:
     def run(self, work, tokens: int | None = None, concurrent: bool = True) -> FarmResult:
         """work(dev) on every device — at once (a thread each) or, concurrent=False, in turn — and wait for all.
         work returns a RunResult (anything with .trace) or (it, extra dict). tokens: tokens each run processed,
-        for tok/s. A device's exception becomes its row's error; the other devices finish."""
+        for tok/s. A device's exception becomes its row's error; the other devices finish. Ctrl-C waits for the
+        runs in flight (a client is never closed under a thread that is using it)."""
         def one(name, dev) -> DeviceRun:
             before, t0 = getattr(dev, "uploaded_bytes", 0), time.time()
             try:

@@ -94,7 +94,8 @@ def free_port():
 def ray_cluster():
     """A real Ray cluster on 127.0.0.1 for the session: `ray start --head --block` with 2 CPUs, a 100 MB object store,
     no dashboard, its own ports, temp dir and auth token. Stopped by its PID at the end (never `ray stop`, which
-    stops every cluster of the machine). Yields {"address", "env", "pid"}; env is what a process joining it needs
+    stops every cluster of the machine). Yields {"address" (its GCS), "client" (its Ray Client server, ray://), "env",
+    "pid"}; env is what a process joining it needs
     (this process's os.environ gets the same for the session: ray reads it when first imported)."""
     import os
     import secrets
@@ -122,8 +123,10 @@ def ray_cluster():
     cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--num-cpus", "2",
            "--object-store-memory", str(100_000_000), "--include-dashboard", "false", "--disable-usage-stats",
            "--temp-dir", str(temp)]
-    for flag in ("--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
-                 "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port"):
+    client = port()
+    cmd += ["--ray-client-server-port", str(client)]
+    for flag in ("--dashboard-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                 "--runtime-env-agent-port", "--metrics-export-port"):
         cmd += [flag, str(port())]  # Ray's fixed defaults would collide with another cluster on this machine
     log = temp / "head.log"
     with open(log, "w") as f:
@@ -135,7 +138,8 @@ def ray_cluster():
             pytest.fail(f"`ray start --head` did not start: {log.read_text()[-3000:]}")
         time.sleep(0.2)
     try:
-        yield {"address": f"127.0.0.1:{gcs}", "env": {**os.environ}, "pid": head.pid}
+        yield {"address": f"127.0.0.1:{gcs}", "client": f"ray://127.0.0.1:{client}", "env": {**os.environ},
+               "pid": head.pid}
     finally:
         head.send_signal(signal.SIGTERM)  # --block: it stops the processes it started, then exits
         try:

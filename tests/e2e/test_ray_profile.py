@@ -85,14 +85,15 @@ def test_cli_profile_on_ray_equals_the_single_process_run(ray_cluster, tmp_path)
     base = ["profile", "outliers", "--tokens", str(4 * W), "--window", str(W), "--json"]
     one = _cli(base + ["--out", str(tmp_path / "one"), "--no-progress"], env)
     assert one.returncode == 0, one.stderr[-3000:]
-    on_ray = _cli(base + ["--out", str(tmp_path / "ray"), "--ray", ray_cluster["address"], "--shards", "4"], env)
+    # through Ray Client (ray://), as from a laptop outside the cluster; the in-process tests join its GCS address
+    on_ray = _cli(base + ["--out", str(tmp_path / "ray"), "--ray", ray_cluster["client"], "--shards", "4"], env)
     assert on_ray.returncode == 0, on_ray.stderr[-3000:]
     a = json.loads((tmp_path / "one" / "summary.json").read_text())
     b = json.loads((tmp_path / "ray" / "summary.json").read_text())
     _same_summary(a, b)
     assert b["tokens"] == 4 * W and b["windows"] == 4
     printed = json.loads(on_ray.stdout.strip().splitlines()[-1])
-    assert printed["ray"]["address"] == ray_cluster["address"] and printed["ray"]["shards"] == 8
+    assert printed["ray"]["address"] == ray_cluster["client"] and printed["ray"]["shards"] == 8
     assert "outliers on ray" in on_ray.stderr  # the progress bar over shards
     shards = json.loads((tmp_path / "ray" / "shards.json").read_text())["shards"]
     # calibration, then the profile: each pass cut into 4 shards of one window, every window once, in order
@@ -131,6 +132,10 @@ def test_every_profile_kind_sharded_on_ray_equals_one_pass(ray_cluster, smollm, 
         with pytest.raises(ClusterError, match="not loaded from a checkpoint"):  # a model built in memory
             on_ray(toy, np.arange(2 * W) % 64, OutlierStats.for_model(toy, {n: 1.0 for n in tensor_names(toy)}),
                    window=W)
+        # a path that holds another checkpoint where the worker looks: it stops the pass and says so
+        elsewhere = dataclasses.replace(smollm, name="", source=str(models.resolve("tiny-moe")))
+        with pytest.raises(ClusterError, match=r"shard 0 .* failed on the cluster: the model .* the driver's has"):
+            on_ray(elsewhere, train_ids, got["outliers"].empty(), window=W, max_tokens=W, progress=False)
     assert len(on_ray.reports) == 4 * 3  # outliers: calibration + profile; sparsity; co-activation
     with _one_thread():
         want = {"outliers": jobs.profile_outliers(smollm, train_ids, 5 * W, W, progress=False),

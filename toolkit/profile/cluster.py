@@ -145,6 +145,7 @@ class RayRunner:
         self.say = say or (lambda m: print(f"edgeprobe: {m}", file=sys.stderr, flush=True))
         self.reports: list[ShardReport] = []
         self._owned = False  # whether close() stops or leaves a connection this runner made
+        self._task = None  # profile_shard as a Ray task, made once connected
         self._ray = self._connect(address, num_cpus)
 
     def _connect(self, address: str, num_cpus: int | None):
@@ -166,11 +167,20 @@ class RayRunner:
                 ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=LOCAL_OBJECT_STORE_BYTES,
                          include_dashboard=False, log_to_driver=True, configure_logging=False)
             else:
-                ray.init(address=address, log_to_driver=True, configure_logging=False)
+                try:
+                    ray.init(address=address, log_to_driver=True, configure_logging=False)
+                except ConnectionError as e:
+                    if not address.startswith("ray://") or "Initialization failure" not in str(e):
+                        raise
+                    # Ray Client's server starts a driver process per client; on a busy head that start can fail
+                    # once (seen on a fresh cluster under load): try once more, and say so
+                    self.say(f"ray: the Ray Client server at {address} failed to start our session; trying once more")
+                    ray.shutdown()
+                    ray.init(address=address, log_to_driver=True, configure_logging=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise ClusterError(f"could not join the Ray cluster at {address}: {str(e).splitlines()[0]} (a cluster "
-                               "started with token authentication wants its token in RAY_AUTH_TOKEN or "
-                               "~/.ray/auth_token)") from None
+            why = " ".join(str(e).split())[:600]  # Ray's reasons span lines; one line, bounded
+            raise ClusterError(f"could not join the Ray cluster at {address}: {why} (a cluster started with token "
+                               "authentication wants its token in RAY_AUTH_TOKEN or ~/.ray/auth_token)") from None
         self._owned = True
         res = ray.cluster_resources()
         self.say(f"ray: {'started a local cluster' if address == 'local' else f'joined {address}'} with "
@@ -203,10 +213,13 @@ class RayRunner:
         ray = self._ray
         chunks = windows(ids, window, max_tokens)
         n = len(chunks)
-        k = min(n, self.shards or 4 * self.cpus)
+        cpus = self.cpus  # asked once per pass: the cluster may grow or shrink between passes
+        k = min(n, self.shards or 4 * cpus)
         bounds = [(n * i // k, n * (i + 1) // k) for i in range(k)]
         ids = np.asarray(ids, np.int32)
-        task = ray.remote(num_cpus=1, max_retries=self.max_retries)(profile_shard)
+        if self._task is None:  # one CPU, so one BLAS thread, per shard; a dead worker's shard runs again
+            self._task = ray.remote(num_cpus=1, max_retries=self.max_retries)(profile_shard)
+        task = self._task
         ref = model_ref(model)
         empty_ref = ray.put(profile.empty().to_bytes())  # one copy in the object store, read by every task
         merged, done, pending, results = profile, 0, {}, {}
@@ -215,7 +228,7 @@ class RayRunner:
         try:
             nxt = 0
             while done < k:
-                while nxt < k and len(pending) + len(results) < 2 * self.cpus + 1:  # bounded memory on the driver
+                while nxt < k and len(pending) + len(results) < 2 * cpus + 1:  # bounded memory on the driver
                     lo, hi = bounds[nxt]
                     pending[task.remote(ref, model.sha256, profile.KIND, empty_ref, ids[lo * window:hi * window],
                                         window, nxt)] = nxt

@@ -66,8 +66,8 @@ class FarmResult:
             row = {"device": r.device, "machine": r.info.get("machine"),
                    "kernels": ((r.info.get("backends") or {}).get("cpu") or {}).get("kernels"),
                    "emulator": r.info.get("emulator")}
-            if not r.ok:
-                rows.append({**row, "error": r.error})
+            if not r.ok or r.trace is None:
+                rows.append({**row, "error": r.error or f"the workflow returned {type(r.value).__name__}, no trace"})
                 continue
             m = r.trace.metrics()
             ms = m["makespan_ms"]
@@ -91,7 +91,8 @@ class FarmResult:
         body = []
         for row in rows:
             if "error" in row:
-                body.append([row["device"], row["machine"] or "?", row["kernels"] or "?", f"failed: {row['error']}"])
+                first = (row["error"].strip().splitlines() or ["?"])[0]  # an agent's stderr tail stays in the JSON
+                body.append([row["device"], row["machine"] or "?", row["kernels"] or "?", f"failed: {first}"])
                 continue
             cells = [row["device"], (row["machine"] or "?") + (" (qemu)" if row.get("emulator") else ""),
                      row["kernels"] or "?", f"{row['makespan_ms']:.1f}",

@@ -100,7 +100,7 @@ class Trace:
             out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": t, "args": {"name": self.lane_label(lane)}})
             out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": t, "args": {"sort_index": t}})
         by_name = {e["name"]: e for e in self.events}
-        flow = pid << 32  # arrows of different processes never share an id
+        flow = (pid - 1) << 32  # arrows of different processes never share an id (one trace: 1, 2, ... as ever)
         for e in self.events:
             args = {k: e[k] for k in EVENT_ARGS if k in e}
             out.append({"ph": "X", "name": e["name"], "cat": e["kind"], "pid": pid, "tid": tid[e["lane"]],

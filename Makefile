@@ -5,25 +5,31 @@ SETUP := scripts/setup.sh
 # the emulated arm64 device (scripts/arm64_python.sh); rebuilt by `make test` if its cache was removed
 ARM64 := $(or $(EDGEPROBE_ARM64),$(or $(EDGEPROBE_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/edgeprobe)/arm64)
 
-.PHONY: demo test bench lab setup setup-test setup-notebook clean-venv
+.PHONY: demo test bench lab setup setup-test setup-notebook setup-ray clean-venv
 
 $(VENV)/.setup-base: pyproject.toml $(SETUP) scripts/arm64_python.sh
 	bash $(SETUP)
 	touch $@
 
-# the test extra holds every notebook package (tests/test_setup.py checks), so it stamps the notebook setup too:
-# `make lab` after `make test` must not install again
+# the test extra holds every notebook and ray package (tests/test_setup.py checks), so it stamps those setups too:
+# `make lab` or `make bench` after `make test` must not install again
 $(VENV)/.setup-test: pyproject.toml $(SETUP) scripts/arm64_python.sh
 	bash $(SETUP) test
-	touch $@ $(VENV)/.setup-base $(VENV)/.setup-notebook
+	touch $@ $(VENV)/.setup-base $(VENV)/.setup-notebook $(VENV)/.setup-ray
 
 $(VENV)/.setup-notebook: pyproject.toml $(SETUP) scripts/arm64_python.sh
 	bash $(SETUP) notebook
 	touch $@ $(VENV)/.setup-base
 
+# Ray for `edgeprobe profile ... --ray` and bench/profile_ray.py
+$(VENV)/.setup-ray: pyproject.toml $(SETUP) scripts/arm64_python.sh
+	bash $(SETUP) ray
+	touch $@ $(VENV)/.setup-base
+
 setup: $(VENV)/.setup-base
 setup-test: $(VENV)/.setup-test
 setup-notebook: $(VENV)/.setup-notebook
+setup-ray: $(VENV)/.setup-ray
 
 demo: setup
 	$(BIN)/edgeprobe demo
@@ -38,9 +44,10 @@ test: setup-test $(ARM64)/bin/python3
 lab: setup-notebook
 	$(BIN)/jupyter lab --ip 127.0.0.1 --no-browser --notebook-dir notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
-bench: setup
+bench: setup setup-ray
 	$(BIN)/python bench/forward.py
 	$(BIN)/python bench/profile.py
+	$(BIN)/python bench/profile_ray.py
 	$(BIN)/python bench/quant.py
 	$(BIN)/python bench/agent.py
 	$(BIN)/python bench/schedule.py

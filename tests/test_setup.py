@@ -11,8 +11,10 @@ def test_make_lab_after_make_test_does_not_set_up_again(tmp_path):
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     name = lambda spec: spec.split(">")[0].split("=")[0].split("<")[0].strip()
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    # the stamp is honest only while the test extra (with the core deps) installs everything the notebook extra does
+    # the stamps are honest only while the test extra (with the core deps) installs everything the notebook and ray
+    # extras do
     assert {name(d) for d in extras["notebook"]} <= {name(d) for d in extras["test"] + deps}
+    assert {name(d) for d in extras["ray"]} <= {name(d) for d in extras["test"] + deps}
     shutil.copy(ROOT / "Makefile", tmp_path)
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     (tmp_path / "scripts").mkdir()
@@ -22,6 +24,7 @@ def test_make_lab_after_make_test_does_not_set_up_again(tmp_path):
     make = lambda *a: subprocess.run(["make", "--no-print-directory", *a], cwd=tmp_path, capture_output=True, text=True)
     assert make("setup-test").returncode == 0
     assert make("-q", "setup-notebook").returncode == 0, "make lab would run the notebook setup again"
+    assert make("-q", "setup-ray").returncode == 0, "make bench would run the ray setup again"
     assert make("-q", "setup").returncode == 0
     assert (tmp_path / "setup.log").read_text().splitlines() == ["setup test"]
 

@@ -118,20 +118,58 @@ def cmd_generate(args) -> int:
 
 
 def cmd_profile(args) -> int:
+    from pathlib import Path
+
     from . import models
+    from .corpus import corpus_path, read_text_file
+
+    if args.shards is not None and args.ray is None:
+        print("edgeprobe: error: --shards splits the corpus over a Ray cluster; add --ray local (or --ray ADDRESS)",
+              file=sys.stderr)
+        return 2
+    progress = not args.no_progress
+    runner = None
+    try:
+        if args.ray is not None:  # first: a cluster that cannot be reached fails before the model loads
+            from .profile.cluster import RayRunner
+
+            runner = RayRunner(args.ray, shards=args.shards, say=_say(args))
+        text = read_text_file(args.corpus or corpus_path("train"))
+        model = models.load(args.model or ("tiny-moe" if args.what == "experts" else "smollm2-135m"))
+        ids = model.tokenizer.encode(text)
+        summary, headline = _profile_job(args, model, ids, progress, runner)
+        if runner is not None:  # where every shard ran; summary.json stays the single-process one
+            (Path(args.out) / "shards.json").write_text(json.dumps(runner.summary(), indent=1) + "\n")
+    finally:
+        if runner is not None:
+            runner.close()
+    summary["out"] = str(args.out)
+    if args.json:
+        print(json.dumps({**summary, **({"ray": _ray_fields(runner)} if runner else {})}, default=float))
+    else:
+        print(headline)
+        kind = "coactivation" if args.what == "experts" else args.what
+        print(f"wrote {args.out}/{kind}.npz, summary.json{', shards.json' if runner else ''} and figures")
+    return 0
+
+
+def _ray_fields(runner) -> dict:
+    s = runner.summary()
+    return {"address": s["address"], "shards": len(s["shards"]), "workers": s["workers"], "hosts": s["hosts"],
+            "shard_seconds": round(sum(r["seconds"] for r in s["shards"]), 3)}
+
+
+def _profile_job(args, model, ids, progress: bool, runner) -> tuple[dict, str]:
+    """The job `edgeprobe profile WHAT` runs -> (summary, headline)."""
     from .corpus import corpus_path, read_text_file
     from .profile import jobs
 
-    text = read_text_file(args.corpus or corpus_path("train"))
-    model = models.load(args.model or ("tiny-moe" if args.what == "experts" else "smollm2-135m"))
-    ids = model.tokenizer.encode(text)
-    progress = not args.no_progress
     if args.what == "experts":
         held = model.tokenizer.encode(read_text_file(args.heldout or corpus_path("heldout")))
         window = args.window or min(256, model.config.context_length)
         summary = jobs.run_experts_job(model, ids, held, args.out, tokens=args.tokens or 32768, window=window,
                                        heldout_tokens=args.heldout_tokens, bit_widths=args.bit_widths,
-                                       progress=progress)
+                                       progress=progress, runner=runner)
         pl, hr = summary["path_power_law"], summary["predictor_hit_rate"]
         k = model.config.n_experts_used
         headline = (f"experts: top 20% of {pl['paths_observed']} paths cover "
@@ -141,7 +179,7 @@ def cmd_profile(args) -> int:
     elif args.what == "outliers":
         summary = jobs.run_outliers_job(model, ids, args.out, tokens=args.tokens or 32768, window=args.window or 512,
                                         percentile=args.percentile, prune_rate=args.prune_rate,
-                                        coverage=args.coverage, progress=progress)
+                                        coverage=args.coverage, progress=progress, runner=runner)
         headline = (f"outliers: {summary['fig10_outlier_channels_per_window_mean']:.1f} channels per window "
                     f"({summary['fig10_outlier_channels_pct_mean']:.2f}%); 80% of outliers from "
                     f"{summary['fig11_pct_channels_for_80pct_outliers']:.2f}% of channels; kept layers "
@@ -149,56 +187,27 @@ def cmd_profile(args) -> int:
     else:
         summary = jobs.run_sparsity_job(model, ids, args.out, tokens=args.tokens or 16384, window=args.window or 512,
                                         eps=args.eps, bits=args.bits, rank=args.rank,
-                                        predictor=not args.no_predictor, progress=progress)
+                                        predictor=not args.no_predictor, progress=progress, runner=runner)
         headline = (f"sparsity: {100 * summary['inactive_fraction_mean']:.1f}% of FFN neurons inactive at "
                     f"eps {100 * args.eps:g}% (achieved {100 * summary['achieved_error_mean']:.2f}%); "
                     f"80% of firings from {summary['hot_neurons_pct_for_80pct_mean']:.0f}% of neurons")
-    summary["out"] = str(args.out)
-    if args.json:
-        print(json.dumps(summary, default=float))
-    else:
-        print(headline)
-        kind = "coactivation" if args.what == "experts" else args.what
-        print(f"wrote {args.out}/{kind}.npz, summary.json and figures")
-    return 0
-
-
-def open_device(spec: str, ssh_key=None, known_hosts=None, store=None, npu_backend=None, say=None):
-    """--device local | arm64 | tcp://HOST:PORT | ssh://USER@HOST[:PORT] -> a connected Device. arm64: a local agent in
-    Debian's arm64 Python under qemu-aarch64, without numba (the emulated phone CPU; scripts/arm64_python.sh)."""
-    from .device import Device
-
-    if spec == "local":
-        return Device.local(store=store, npu_backend=npu_backend, say=say)
-    if spec in ("arm64", "aarch64"):
-        return Device.local(store=store, npu_backend=npu_backend, say=say, arch="arm64")
-    if spec.startswith(("tcp://", "ipc://")):
-        return Device.connect(spec)
-    if spec.startswith("ssh://"):
-        rest = spec[len("ssh://"):]
-        user, _, hostport = rest.rpartition("@")
-        host, _, port = hostport.partition(":")
-        if not user or not host:
-            raise ValueError(f"--device {spec!r}: write ssh://USER@HOST[:PORT]")
-        if not ssh_key:
-            raise ValueError("--device ssh://... needs --ssh-key PATH (the private key the device accepts)")
-        return Device.ssh(host, user, ssh_key, port=int(port or 22), known_hosts=known_hosts)
-    raise ValueError(f"--device {spec!r}: use local, arm64, tcp://HOST:PORT or ssh://USER@HOST[:PORT]")
+    return summary, headline
 
 
 def cmd_run(args) -> int:
-    import numpy as np
-
     from . import models
     from .corpus import corpus_path, read_text_file
+    from .device import check_device_spec
     from .quant.qmodel import check_scheme
-    from .trace import cosine
 
     check_scheme(args.scheme)
-    if not (args.device in ("local", "arm64", "aarch64") or args.device.startswith(("tcp://", "ipc://", "ssh://"))):
-        print(f"edgeprobe: error: --device {args.device!r}: use local, arm64, tcp://HOST:PORT or ssh://USER@HOST[:PORT]",
-              file=sys.stderr)
-        return 2
+    specs = args.device or ["local"]
+    for spec in specs:
+        try:
+            check_device_spec(spec)
+        except ValueError as e:
+            print(f"edgeprobe: error: {e}", file=sys.stderr)
+            return 2
     if args.scheduler != "layer" and args.chunk < 1:
         print(f"edgeprobe: error: --chunk must be a positive number of tokens, got {args.chunk}", file=sys.stderr)
         return 2
@@ -215,9 +224,18 @@ def cmd_run(args) -> int:
         print("edgeprobe: error: --decode prefills layer by layer inside its decode session; leave --scheduler at layer",
               file=sys.stderr)
         return 2
-    if args.store is not None and args.device not in ("local", "arm64", "aarch64"):
-        print(f"edgeprobe: error: --store is the local agent's flash; --device {args.device} keeps its own store "
+    if args.store is not None and any(s not in ("local", "arm64", "aarch64") for s in specs):
+        other = next(s for s in specs if s not in ("local", "arm64", "aarch64"))
+        print(f"edgeprobe: error: --store is the local agent's flash; --device {other} keeps its own store "
               "(start that agent with `edgeprobe agent --store DIR`)", file=sys.stderr)
+        return 2
+    if len(specs) > 1 and args.store is not None:
+        print("edgeprobe: error: --store is one agent's flash; with several --device each local agent picks a store of "
+              "its own (and says which)", file=sys.stderr)
+        return 2
+    if len(specs) > 1 and args.decode is not None:
+        print("edgeprobe: error: --decode runs on one device; give one --device (several run one prefill and compare)",
+              file=sys.stderr)
         return 2
     say = _say(args)
     model = models.load(args.model)
@@ -234,43 +252,102 @@ def cmd_run(args) -> int:
               f"context length {model.config.context_length}", file=sys.stderr)
         return 2
     tokens = ids[:n]
-    progress = not args.no_progress
+    if len(specs) > 1:
+        return _run_farm(args, specs, model, ids, tokens, say)
+    args.device = specs[0]  # one device: its JSON names it as a string, as ever
+    return _run_one(args, model, ids, tokens, say)
+
+
+def _agent_refusal(args, dev, name: str) -> str | None:
+    """Why this agent cannot run what the command line asks (npu backend, lanes), before minutes of quantizing."""
+    chosen = (dev.info.get("backends") or {}).get("npu", {}).get("chosen", "numba")
+    if chosen != args.npu_backend:
+        return f"the agent at {name} runs the npu lane on {chosen}; start it with --npu-backend {args.npu_backend}"
+    need = {"hetero": {"npu", "gpu"}, "in-order": {"npu", "cpu"}, "ooo": {"npu", "cpu"}}.get(args.scheduler, set())
+    lacking = sorted(need - set(dev.info.get("lanes", [])))
+    if lacking:
+        why = (dev.info.get("lanes_missing") or {}).get("gpu") or "the gpu lane needs OpenCL (Debian pocl-opencl-icd)"
+        return (f"--scheduler {args.scheduler} puts work on lanes {lacking} that this agent lacks (it has "
+                f"{dev.info.get('lanes')}){f'; gpu: {why}' if 'gpu' in lacking else ''}")
+    return None
+
+
+def _upload(dev, qm, progress: bool, say, prefix: str = "") -> int:
+    """Upload what the agent lacks and say it in one line -> bytes sent."""
+    t0 = time.perf_counter()
+    sent = dev.upload(qm, progress=progress)  # the workflows upload too; then nothing is missing
+    where = f" ({dev.store})" if dev.store else ""
+    say(f"{prefix}uploaded {sent / 1e6:.1f} MB to the agent in {time.perf_counter() - t0:.1f} s" if sent else
+        f"{prefix}the agent{where} already holds all {len(qm.manifest['blobs'])} blobs of this model: nothing to upload")
+    return sent
+
+
+def _numba_reference(args, qm, tokens, ids, progress: bool):
+    """The same plan on a local agent's numba kernels -> (its RunResult, its numba version; None: none here either)."""
+    from .device import Device
+
+    with Device.local(npu_backend="numba") as ref_dev:
+        ref, _ = _prefill(args, ref_dev, qm, tokens, ids, progress)
+        return ref, ref_dev.info.get("numba")
+
+
+def _run_fields(args, device: str, res, extra: dict, upload: int, info: dict, host, n: int) -> dict:
+    """run's JSON object for one device's prefill (a contract: extend, never rename)."""
+    import numpy as np
+
+    from .trace import cosine
+
+    m = res.trace.metrics()
+    out = {"model": args.model, "scheme": args.scheme, "device": device, "tokens": int(n),
+           "tok_per_s": n / (m["makespan_ms"] / 1e3), "wall_tok_per_s": n / res.wall_s, "makespan_ms": m["makespan_ms"],
+           "lanes": {k: round(v["busy_pct"], 2) for k, v in m["lanes"].items()},
+           "bubbles": {k: v["bubbles"] for k, v in m["lanes"].items()}, "upload_bytes": int(upload),
+           "logits_cosine_vs_host": cosine(res.logits[-1], np.asarray(host)), "counters": res.counters,
+           "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu", "backends")},
+           **_agent_fields(info), "trace": args.trace, "scheduler": args.scheduler,
+           "chunk": args.chunk if args.scheduler in ("in-order", "ooo") else None,
+           "predicted_makespan_ms": res.trace.meta.get("predicted_makespan_ms"), **extra}
+    if out["predicted_makespan_ms"]:  # the cost model's error, beside the measurement
+        out["predicted_over_measured"] = out["predicted_makespan_ms"] / m["makespan_ms"]
+    return out
+
+
+def _reference_fields(args, res, info: dict, ref) -> dict:
+    """Beside an agent without numba, or on hvx: how far its logits are from the numba reference's."""
+    import numpy as np
+
+    if args.npu_backend == "numba" and info.get("numba"):
+        return {}
+    ref_res, ref_numba = ref
+    return {"numba_reference_numba": ref_numba,
+            "logits_max_abs_diff_vs_numba": float(np.abs(res.logits.astype(np.float64) - ref_res.logits).max()),
+            "numba_reference_device": "local"}
+
+
+def _run_one(args, model, ids, tokens, say) -> int:
+    from .device import open_device
+    from .schedule import ScheduleError
+
+    n, progress = len(tokens), not args.no_progress
     try:
         dev = open_device(args.device, args.ssh_key, args.known_hosts, store=args.store, npu_backend=args.npu_backend,
                           say=say)
     except (ValueError, EdgeprobeError) as e:  # a bad --device, or an arm64 device that is not built
         print(f"edgeprobe: error: {e}", file=sys.stderr)
         return 2
-    chosen = (dev.info.get("backends") or {}).get("npu", {}).get("chosen", "numba")
-    if chosen != args.npu_backend:
+    refusal = _agent_refusal(args, dev, args.device)
+    if refusal:
         dev.close()
-        print(f"edgeprobe: error: the agent at {args.device} runs the npu lane on {chosen}; start it with "
-              f"--npu-backend {args.npu_backend}", file=sys.stderr)
-        return 2
-    need = {"hetero": {"npu", "gpu"}, "in-order": {"npu", "cpu"}, "ooo": {"npu", "cpu"}}.get(args.scheduler, set())
-    lacking = sorted(need - set(dev.info.get("lanes", [])))
-    if lacking:  # before the minutes of quantizing
-        dev.close()
-        why = (dev.info.get("lanes_missing") or {}).get("gpu") or "the gpu lane needs OpenCL (Debian pocl-opencl-icd)"
-        print(f"edgeprobe: error: --scheduler {args.scheduler} puts work on lanes {lacking} that this agent lacks (it has "
-              f"{dev.info.get('lanes')}){f'; gpu: {why}' if 'gpu' in lacking else ''}", file=sys.stderr)
+        print(f"edgeprobe: error: {refusal}", file=sys.stderr)
         return 2
     try:
         qm = _quantized(model, args.scheme, progress, say=say)
     except BaseException:
         dev.close()  # the agent must not wait out its heartbeat for a host that failed before using it
         raise
-    from .schedule import ScheduleError
-
-    chunked = args.scheduler in ("in-order", "ooo")
-    extra = {}
     with dev:
         before = dev.uploaded_bytes
-        t0 = time.perf_counter()
-        sent = dev.upload(qm, progress=progress)  # the workflows upload too; then nothing is missing
-        where = f" ({dev.store})" if dev.store else ""
-        say(f"uploaded {sent / 1e6:.1f} MB to the agent in {time.perf_counter() - t0:.1f} s" if sent else
-            f"the agent{where} already holds all {len(qm.manifest['blobs'])} blobs of this model: nothing to upload")
+        _upload(dev, qm, progress, say)
         try:
             if args.decode:
                 return _run_decode(args, dev, qm, model, tokens, progress, before)
@@ -281,30 +358,14 @@ def cmd_run(args) -> int:
         upload = dev.uploaded_bytes - before
         info = dev.info
     if args.npu_backend != "numba" or not info.get("numba"):  # the same plan on a local agent's numba kernels
-        from .device import Device
-
-        with Device.local(npu_backend="numba") as ref_dev:
-            ref, _ = _prefill(args, ref_dev, qm, tokens, ids, progress)
-            extra["numba_reference_numba"] = ref_dev.info.get("numba")  # None: this host lacks numba too
-        extra["logits_max_abs_diff_vs_numba"] = float(np.abs(res.logits.astype(np.float64) - ref.logits).max())
-        extra["numba_reference_device"] = "local"
+        extra.update(_reference_fields(args, res, info, _numba_reference(args, qm, tokens, ids, progress)))
     extra["npu_backend"] = args.npu_backend
     extra["npu_dsp"] = _dsp_totals(res.trace.events)
-    host = _host_logits(qm, tokens, args.chunk if chunked else None)
+    host = _host_logits(qm, tokens, args.chunk if args.scheduler in ("in-order", "ooo") else None)
+    out = _run_fields(args, args.device, res, extra, upload, info, host, n)
     m = res.trace.metrics()
     if args.trace:
         res.trace.to_chrome_json(args.trace)
-    out = {"model": args.model, "scheme": args.scheme, "device": args.device, "tokens": int(n),
-           "tok_per_s": n / (m["makespan_ms"] / 1e3), "wall_tok_per_s": n / res.wall_s, "makespan_ms": m["makespan_ms"],
-           "lanes": {k: round(v["busy_pct"], 2) for k, v in m["lanes"].items()},
-           "bubbles": {k: v["bubbles"] for k, v in m["lanes"].items()}, "upload_bytes": int(upload),
-           "logits_cosine_vs_host": cosine(res.logits[-1], np.asarray(host)), "counters": res.counters,
-           "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu", "backends")},
-           **_agent_fields(info), "trace": args.trace, "scheduler": args.scheduler,
-           "chunk": args.chunk if chunked else None,
-           "predicted_makespan_ms": res.trace.meta.get("predicted_makespan_ms"), **extra}
-    if out["predicted_makespan_ms"]:  # the cost model's error, beside the measurement
-        out["predicted_over_measured"] = out["predicted_makespan_ms"] / m["makespan_ms"]
     if args.json:
         print(json.dumps(out))
     else:
@@ -322,15 +383,74 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _prefill(args, dev, qm, tokens, ids, progress: bool):
-    """The prefill --scheduler asks for on `dev` -> (RunResult, extra JSON fields)."""
+def _run_farm(args, specs, model, ids, tokens, say) -> int:
+    """Several --device: one prefill on every agent at once (edgeprobe.farm), a comparison table, one Perfetto file
+    with a process per device. Exit 1 when a device failed mid-run (its row says why), 2 when one cannot be used."""
+    from .device import open_device
+    from .farm import Farm
+
+    n, progress = len(tokens), not args.no_progress
+    try:
+        farm = Farm.open(specs, opener=lambda spec: open_device(spec, args.ssh_key, args.known_hosts,
+                                                                npu_backend=args.npu_backend, say=say, progress=False))
+    except EdgeprobeError as e:
+        print(f"edgeprobe: error: {e}", file=sys.stderr)
+        return 2
+    with farm:
+        refusals = [f"{name}: {why}" for name, dev in farm.devices.items() if (why := _agent_refusal(args, dev, name))]
+        if refusals:
+            print(f"edgeprobe: error: {'; '.join(refusals)}", file=sys.stderr)
+            return 2
+        qm = _quantized(model, args.scheme, progress, say=say)
+        names = {id(dev): name for name, dev in farm.devices.items()}
+
+        def work(dev):  # on the device's own thread: nothing here is shared but the read-only qm and tokens
+            _upload(dev, qm, False, say, prefix=f"{names[id(dev)]}: ")
+            return _prefill(args, dev, qm, tokens, ids, False, per_device=True)
+
+        say(f"running {n} tokens on {len(specs)} devices {'in turn' if args.sequential else 'at once'}: "
+            f"{', '.join(farm.devices)}")
+        result = farm.run(work, tokens=n, concurrent=not args.sequential)
+    ok = [r for r in result.runs if r.ok]
+    ref = None
+    if any(args.npu_backend != "numba" or not r.info.get("numba") for r in ok):
+        ref = _numba_reference(args, qm, tokens, ids, progress)
+    host = _host_logits(qm, tokens, args.chunk if args.scheduler in ("in-order", "ooo") else None)
+    devices, rows = [], result.table()
+    for r, row in zip(result.runs, rows):
+        if not r.ok:
+            devices.append({"device": r.device, "error": r.error})
+            continue
+        extra = {**r.extra, **_reference_fields(args, r.value, r.info, ref), "npu_backend": args.npu_backend,
+                 "npu_dsp": _dsp_totals(r.value.trace.events)}
+        devices.append(_run_fields(args, r.device, r.value, extra, r.upload_bytes, r.info, host, n))
+        row["cosine_vs_host"] = devices[-1]["logits_cosine_vs_host"]
+    if args.trace and ok:
+        result.to_chrome_json(args.trace)
+    if args.json:
+        print(json.dumps({"model": args.model, "scheme": args.scheme, "tokens": int(n), "scheduler": args.scheduler,
+                          "concurrent": not args.sequential, "devices": devices, "comparison": rows,
+                          "trace": args.trace if ok else None}, default=float))
+    else:
+        print(f"prefill {n} tokens of {args.model} ({args.scheme}, {args.scheduler}) on {len(specs)} devices "
+              f"{'in turn' if args.sequential else 'at once'}:")
+        print(result.format_table(rows))
+        if args.trace and ok:
+            print(f"wrote {args.trace}: one Perfetto process per device")
+    return 0 if len(ok) == len(result.runs) else 1
+
+
+def _prefill(args, dev, qm, tokens, ids, progress: bool, per_device: bool = False):
+    """The prefill --scheduler asks for on `dev` -> (RunResult, extra JSON fields). per_device: a measured cost model
+    is measured on this device and not cached (the cache is per model and scheme, not per device)."""
     if args.scheduler == "layer":
         return dev.prefill(qm, tokens, progress=progress), {}
     if args.scheduler == "hetero":
         hp, _ = dev.measure_linears(qm, progress=progress)  # HeteroLLM's profiler on this agent
         res = dev.prefill_hetero(qm, tokens, hp, args.partition, progress=progress)
         return res, {"partition": res.trace.meta["partition"], "hetero_profile": _plain_profile(hp)}
-    prof = _device_profile(args.device_profile, args.model, qm, dev, ids, progress)
+    prof = _device_profile(args.device_profile, args.model, qm, dev, ids, progress, remeasure=per_device,
+                           cache=not per_device)
     res = dev.prefill_chunked(qm, tokens, chunk=args.chunk, scheduler=args.scheduler, profile=prof, progress=progress)
     return res, {"device_profile": prof.name}
 
@@ -407,9 +527,11 @@ def _profile_cache(model_name: str, scheme: str):
     return default_cache_dir() / "profiles" / f"{Path(model_name).name}-{scheme}.json"
 
 
-def _device_profile(name: str, model_name: str, qm, dev, tokens, progress: bool, remeasure: bool = False):
+def _device_profile(name: str, model_name: str, qm, dev, tokens, progress: bool, remeasure: bool = False,
+                    cache: bool = True):
     """--device-profile: a named modelled profile, a measured profile's .json, or measured / measured-real:
-    measured on `dev` (a local agent when None) and cached per model and scheme under the edgeprobe cache."""
+    measured on `dev` (a local agent when None) and cached per model and scheme under the edgeprobe cache (unless
+    cache is False: a farm measures each device for itself)."""
     from .schedule import device_profile
     from .schedule.measure import MeasuredProfile
 
@@ -426,7 +548,8 @@ def _device_profile(name: str, model_name: str, qm, dev, tokens, progress: bool,
             prof = local.measure_profile(qm, tokens, progress=progress)
     else:
         prof = dev.measure_profile(qm, tokens, progress=progress)
-    prof.to_json(path)
+    if cache:
+        prof.to_json(path)
     return prof.with_mode(mode)
 
 
@@ -625,6 +748,12 @@ def build_parser() -> argparse.ArgumentParser:
         pk.add_argument("--out", required=True, help="output folder: .npz, summary.json, figures as HTML")
         pk.add_argument("--json", action="store_true", help="print the summary as one JSON line, last")
         pk.add_argument("--no-progress", action="store_true", help="no progress bars")
+        pk.add_argument("--ray", metavar="ADDRESS", default=None,
+                        help="shard the corpus's windows over a Ray cluster: local (this machine's cores), auto, "
+                             "HOST:PORT of a `ray start --head`, or ray://HOST:PORT; summary.json equals the "
+                             "single-process run's, shards.json says where each shard ran")
+        pk.add_argument("--shards", type=int, default=None,
+                        help="--ray: shards per pass (default 4 per CPU of the cluster, at most one per window)")
         pk.set_defaults(fn=cmd_profile, what=what, percentile=99.99, prune_rate=0.85, coverage=0.8, eps=0.01, bits=4.0,
                         rank=32, no_predictor=False, heldout=None, heldout_tokens=8192, bit_widths=False)
         if what == "outliers":
@@ -648,8 +777,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt-file", help="UTF-8 prompt text (default: the bundled held-out corpus)")
     r.add_argument("--prompt-len", type=int, default=None,
                    help="tokens of the prompt to prefill (default 256); a shorter prompt file is prefilled whole")
-    r.add_argument("--device", default="local", help="local | arm64 (a local agent in an emulated arm64 Python, no "
-                                                       "numba) | tcp://HOST:PORT | ssh://USER@HOST[:PORT]")
+    r.add_argument("--device", action="append", default=None,
+                   help="local | arm64 (a local agent in an emulated arm64 Python, no numba) | tcp://HOST:PORT | "
+                        "ssh://USER@HOST[:PORT]; repeat it (--device A --device B) to run the same prefill on every "
+                        "device at once and print a comparison table (default local)")
+    r.add_argument("--sequential", action="store_true",
+                   help="several --device: run them one after another, not at once (agents sharing this host's cores "
+                        "slow each other)")
     r.add_argument("--store", default=None,
                    help="--device local / arm64: the agent's blob store (its flash). Default $EDGEPROBE_AGENT_STORE, "
                         "else <tmp>/edgeprobe-agent-store-<uid>; when another agent holds that one, a free sibling "

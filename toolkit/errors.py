@@ -51,3 +51,11 @@ class UnknownSchemeError(EdgeprobeError, ValueError):
 
 class ManifestError(EdgeprobeError, ValueError):
     """A quantized model whose manifest or blobs are missing, damaged or inconsistent."""
+
+
+class ClusterError(EdgeprobeError, RuntimeError):
+    """A Ray cluster that cannot be reached or used, or a profile shard that failed on it."""
+
+
+class FarmError(EdgeprobeError, RuntimeError):
+    """Devices of a farm that could not be opened or used (each named with its reason)."""

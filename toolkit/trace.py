@@ -86,31 +86,35 @@ class Trace:
     def to_chrome_json(self, path) -> Path:
         """Chrome trace-event JSON (opens in Perfetto and chrome://tracing): one track per lane with its
         name, complete events with args, flow arrows for dependencies that cross lanes."""
-        t0 = self._t0()
+        return write_chrome_json(path, {self.meta.get("title", "edgeprobe agent"): self})
+
+    def chrome_events(self, pid: int = 1, t0: float | None = None, name: str | None = None) -> list[dict]:
+        """This trace as Chrome trace events of process `pid` named `name` (default its title): a thread per lane,
+        times in µs from t0 (default its first event), flow ids unique to the process."""
+        t0 = self._t0() if t0 is None else t0
         tid = {lane: i + 1 for i, lane in enumerate(self.lanes)}
-        out = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": self.meta.get("title", "edgeprobe agent")}}]
+        out = [{"ph": "M", "name": "process_name", "pid": pid,
+                "args": {"name": name or self.meta.get("title", "edgeprobe agent")}},
+               {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}}]
         for lane, t in tid.items():
-            out.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": t, "args": {"name": self.lane_label(lane)}})
-            out.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": t, "args": {"sort_index": t}})
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": t, "args": {"name": self.lane_label(lane)}})
+            out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": t, "args": {"sort_index": t}})
         by_name = {e["name"]: e for e in self.events}
-        flow = 0
+        flow = (pid - 1) << 32  # arrows of different processes never share an id (one trace: 1, 2, ... as ever)
         for e in self.events:
             args = {k: e[k] for k in EVENT_ARGS if k in e}
-            out.append({"ph": "X", "name": e["name"], "cat": e["kind"], "pid": 1, "tid": tid[e["lane"]],
+            out.append({"ph": "X", "name": e["name"], "cat": e["kind"], "pid": pid, "tid": tid[e["lane"]],
                         "ts": e["start_us"] - t0, "dur": max(e["end_us"] - e["start_us"], 0.001), "args": args})
             for d in e.get("deps", []):
                 src = by_name.get(d)
                 if src is None or src["lane"] == e["lane"]:
                     continue
                 flow += 1
-                out.append({"ph": "s", "id": flow, "name": "dep", "cat": "dep", "pid": 1, "tid": tid[src["lane"]],
+                out.append({"ph": "s", "id": flow, "name": "dep", "cat": "dep", "pid": pid, "tid": tid[src["lane"]],
                             "ts": src["end_us"] - t0 - 0.001})
-                out.append({"ph": "f", "bp": "e", "id": flow, "name": "dep", "cat": "dep", "pid": 1, "tid": tid[e["lane"]],
-                            "ts": e["start_us"] - t0})
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms", "otherData": self.meta}))
-        return path
+                out.append({"ph": "f", "bp": "e", "id": flow, "name": "dep", "cat": "dep", "pid": pid,
+                            "tid": tid[e["lane"]], "ts": e["start_us"] - t0})
+        return out
 
     def save(self, path) -> Path:
         Path(path).write_text(json.dumps({"events": self.events, "meta": self.meta}))
@@ -189,6 +193,21 @@ class Trace:
                           categoryarray=[self.lane_label(l) for l in reversed(self.lanes)]),
                           legend=dict(orientation="h", y=-0.2), height=320 + 30 * len(self.lanes))
         return fig
+
+
+def write_chrome_json(path, traces: dict) -> Path:
+    """Traces {name: Trace} in one Perfetto file, a process per trace (a farm's devices), on one time axis: every
+    client aligns its agent's clock to the host's, so runs that overlapped in time overlap in the file. One trace
+    keeps its meta as otherData; several keep theirs under otherData["processes"][name]."""
+    t0 = min((t._t0() for t in traces.values() if t.events), default=0.0)
+    out = []
+    for pid, (name, trace) in enumerate(traces.items(), 1):
+        out += trace.chrome_events(pid, t0, name)
+    other = next(iter(traces.values())).meta if len(traces) == 1 else {"processes": {n: t.meta for n, t in traces.items()}}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}))
+    return path
 
 
 # one colour per op kind in every figure (plotly's default cycles by position, so a kind present in one run and

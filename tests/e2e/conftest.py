@@ -88,3 +88,68 @@ def free_port():
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
     return pick
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A real Ray cluster on 127.0.0.1 for the session: `ray start --head --block` with 2 CPUs, a 100 MB object store,
+    no dashboard, its own ports, temp dir and auth token. Stopped by its PID at the end (never `ray stop`, which
+    stops every cluster of the machine). Yields {"address" (its GCS), "client" (its Ray Client server, ray://), "env",
+    "pid"}; env is what a process joining it needs
+    (this process's os.environ gets the same for the session: ray reads it when first imported)."""
+    import os
+    import secrets
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: Ray's switch that keeps a single-node cluster on loopback
+    extra = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+             "RAY_USAGE_STATS_ENABLED": "0"}
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    temp = Path(tempfile.mkdtemp(prefix="epray-", dir="/tmp"))  # short: Ray's unix sockets live below it
+    gcs = port()
+    ray_bin = str(Path(sys.executable).with_name("ray"))
+    cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--num-cpus", "2",
+           "--object-store-memory", str(100_000_000), "--include-dashboard", "false", "--disable-usage-stats",
+           "--temp-dir", str(temp)]
+    client = port()
+    cmd += ["--ray-client-server-port", str(client)]
+    for flag in ("--dashboard-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                 "--runtime-env-agent-port", "--metrics-export-port"):
+        cmd += [flag, str(port())]  # Ray's fixed defaults would collide with another cluster on this machine
+    log = temp / "head.log"
+    with open(log, "w") as f:
+        head = subprocess.Popen(cmd, env={**os.environ}, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while "Ray runtime started" not in log.read_text():
+        if head.poll() is not None or time.monotonic() > deadline:
+            head.kill()
+            pytest.fail(f"`ray start --head` did not start: {log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    try:
+        yield {"address": f"127.0.0.1:{gcs}", "client": f"ray://127.0.0.1:{client}", "env": {**os.environ},
+               "pid": head.pid}
+    finally:
+        head.send_signal(signal.SIGTERM)  # --block: it stops the processes it started, then exits
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+            head.wait(timeout=10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(temp, ignore_errors=True)

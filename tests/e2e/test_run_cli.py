@@ -65,3 +65,25 @@ def test_store_flag_names_the_local_agents_store(env, tmp_path):
     assert (tmp_path / "mine" / "blobs").is_dir() and "uploaded" in err
     out, err, rc = _run(env, "--store", str(tmp_path / "x"), "--device", "tcp://127.0.0.1:9")
     assert rc == 2 and err.count("\n") == 1 and "--store is the local agent's flash" in err
+
+
+def test_several_devices_run_one_prefill_at_once_and_print_a_comparison(env, tmp_path):
+    trace = tmp_path / "farm.json"
+    out, err, rc = _run(env, "--device", "local", "--device", "local", "--trace", str(trace))
+    assert rc == 0, err
+    doc = json.loads(out.splitlines()[-1])
+    assert [d["device"] for d in doc["devices"]] == ["local", "local#2"] and doc["concurrent"] is True
+    assert "running 11 tokens on 2 devices at once: local, local#2" in err
+    for d, row in zip(doc["devices"], doc["comparison"]):  # each device's fields are a one-device run's
+        assert d["tokens"] == 11 and d["logits_cosine_vs_host"] > 0.999 and d["agent_machine"] == row["machine"]
+        assert row["makespan_ms"] == d["makespan_ms"] > 0 and row["tok_per_s"] == pytest.approx(d["tok_per_s"])
+        assert row["cosine_vs_host"] == d["logits_cosine_vs_host"] and row["busy_pct"]["npu"] > 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in events if e["name"] == "process_name"} == {"local", "local#2"}
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {1, 2}
+    # what a farm cannot do is said in one line, before any agent starts
+    for extra, msg in ((["--decode", "2"], "--decode runs on one device"),
+                       (["--store", str(tmp_path / "s")], "--store is one agent's flash"),
+                       (["--device", "phone"], "--device 'phone': use local, arm64")):
+        out, err, rc = _run(env, "--device", "local", "--device", "local", *extra)
+        assert rc == 2 and err.count("\n") == 1 and msg in err, err

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..errors import StatsMismatchError
 from ..models import Model
-from .store import ids_sha256, load_npz, save_npz
+from .store import ids_sha256, load_npz, npz_bytes, save_npz
 
 
 @dataclass
@@ -50,6 +50,10 @@ class Profile:
             raise StatsMismatchError(f"this {self.KIND} profile belongs to model {self.model_name} "
                                      f"({self.model_sha256[:12]}), not {model.name} ({model.sha256[:12]})")
 
+    def empty(self) -> "Profile":
+        """A profile of the same model and settings that has seen nothing (what a shard starts from)."""
+        return type(self)(model_name=self.model_name, model_sha256=self.model_sha256, params=copy.deepcopy(self.params))
+
     # ---- values ---------------------------------------------------------------------------------
     def merge(self, other: "Profile") -> "Profile":
         """A new profile equal to one pass over both shards."""
@@ -81,14 +85,21 @@ class Profile:
     def __add__(self, other):
         return self.merge(other)
 
-    def save(self, path):
-        meta = {"kind": self.KIND, "model": {"name": self.model_name, "sha256": self.model_sha256},
+    def _meta(self) -> dict:
+        return {"kind": self.KIND, "model": {"name": self.model_name, "sha256": self.model_sha256},
                 "corpus_sha256": self.corpus_sha256, "tokens": self.tokens, "windows": self.windows,
                 "params": _jsonable(self.params)}
-        return save_npz(path, meta, self.arrays)
+
+    def save(self, path):
+        return save_npz(path, self._meta(), self.arrays)
+
+    def to_bytes(self) -> bytes:
+        """The .npz file `save` writes, in memory: how a shard travels between a Ray worker and the driver."""
+        return npz_bytes(self._meta(), self.arrays)
 
     @classmethod
     def load(cls, path) -> "Profile":
+        """path: a saved .npz, or the bytes of one (to_bytes)."""
         meta, arrays = load_npz(path, cls.KIND)
         return cls(model_name=meta["model"]["name"], model_sha256=meta["model"]["sha256"],
                    params=meta["params"], arrays=arrays, tokens=meta["tokens"], windows=meta["windows"],

@@ -147,6 +147,11 @@ class CoActivationStats(Profile):
         st.arrays = {"routing": st._zeros()}
         return st
 
+    def empty(self) -> "CoActivationStats":
+        st = super().empty()
+        st.arrays = {"routing": st._zeros()}  # update() adds into these
+        return st
+
     def _zeros(self) -> dict:
         L, E, P = self.L, self.E, self.params["path_layers"]
         z = lambda *s: np.zeros(s, np.int64)

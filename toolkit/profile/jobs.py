@@ -14,24 +14,27 @@ from .runner import run, windows
 from .sparsity import SparsityStats, calibrate_thresholds
 
 
+# runner: how a streaming pass over windows runs — runner.run in this process (None), or a
+# profile.cluster.RayRunner that shards it over a Ray cluster; both give the same profile.
+
 def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int = 512, percentile: float = 99.99,
-                     calib_tokens: int = 8192, progress: bool = True) -> OutlierStats:
+                     calib_tokens: int = 8192, progress: bool = True, runner=None) -> OutlierStats:
     """Calibrate per-tensor clips on the first `calib_tokens`, then stream `tokens` into OutlierStats."""
     windows(ids, window, tokens)  # validates before any work
     at = calibrate_clips_at(model, ids, {percentile, CHANNEL_CLIP_PERCENTILE}, window,
-                            min(calib_tokens, tokens or len(ids)), progress)
+                            min(calib_tokens, tokens or len(ids)), progress, runner=runner)
     st = OutlierStats.for_model(model, at[float(percentile)], percentile,
                                 clips_at={p: c for p, c in at.items() if p != float(percentile)})
-    return run(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers")
+    return (runner or run)(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers")
 
 
 def profile_sparsity(model: Model, ids, tokens: int | None = 16384, window: int = 512, eps: float = 0.01,
-                     progress: bool = True) -> SparsityStats:
-    """Calibrate per-layer thresholds on the first window, then stream `tokens` into SparsityStats."""
+                     progress: bool = True, runner=None) -> SparsityStats:
+    """Calibrate per-layer thresholds on the first window (here), then stream `tokens` into SparsityStats."""
     windows(ids, window, tokens)
     taus = calibrate_thresholds(model, ids, eps, tokens=window)
     st = SparsityStats.for_model(model, taus, eps, act_fn=model.config.act_fn)
-    return run(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="sparsity")
+    return (runner or run)(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="sparsity")
 
 
 def write_outputs(stats, out_dir, summary: dict, kinds) -> Path:
@@ -53,16 +56,16 @@ def _num(v):
 
 
 def run_outliers_job(model: Model, ids, out_dir, tokens=32768, window=512, percentile=99.99, prune_rate=0.85,
-                     coverage=0.8, progress=True) -> dict:
-    st = profile_outliers(model, ids, tokens, window, percentile, progress=progress)
+                     coverage=0.8, progress=True, runner=None) -> dict:
+    st = profile_outliers(model, ids, tokens, window, percentile, progress=progress, runner=runner)
     summary = st.summary(coverage, prune_rate)
     write_outputs(st, out_dir, summary, OUTLIER_KINDS)
     return summary
 
 
 def run_sparsity_job(model: Model, ids, out_dir, tokens=16384, window=512, eps=0.01, bits=4.0, rank=32,
-                     predictor=True, progress=True) -> dict:
-    st = profile_sparsity(model, ids, tokens, window, eps, progress=progress)
+                     predictor=True, progress=True, runner=None) -> dict:
+    st = profile_sparsity(model, ids, tokens, window, eps, progress=progress, runner=runner)
     summary = st.summary(bits)
     if predictor:
         # train on the profiled tokens' first windows, test on the window after them
@@ -79,9 +82,9 @@ def run_sparsity_job(model: Model, ids, out_dir, tokens=16384, window=512, eps=0
 
 def run_experts_job(model: Model, ids, heldout_ids, out_dir, tokens=32768, window=256, heldout_tokens=8192,
                     capacities=None, preload_n=None, cache_bits=4, bit_widths=False, bits_windows=4,
-                    tolerances=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5), progress=True) -> dict:
-    """EdgeMoE's measurements on one MoE model: co-activation profile of `tokens` of `ids`, preload
-    predictor hit rates and expert-buffer policies on `heldout_tokens` of `heldout_ids`, and, with
+                    tolerances=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5), progress=True, runner=None) -> dict:
+    """EdgeMoE's measurements on one MoE model: co-activation profile of `tokens` of `ids` (through `runner`),
+    preload predictor hit rates and expert-buffer policies on `heldout_tokens` of `heldout_ids`, and, with
     `bit_widths`, the per-expert INT2 sensitivity and width selections (on the first windows of `ids`)."""
     from ..quant.expert_bits import ExpertBitsStudy, expert_nbytes
     from .expert_cache import sweep
@@ -92,8 +95,8 @@ def run_experts_job(model: Model, ids, heldout_ids, out_dir, tokens=32768, windo
     windows(ids, window, tokens)
     windows(heldout_ids, window, heldout_tokens)
     c = model.config
-    st = run(model, ids, CoActivationStats.for_model(model), window=window, max_tokens=tokens, progress=progress,
-             desc="co-activation")
+    st = (runner or run)(model, ids, CoActivationStats.for_model(model), window=window, max_tokens=tokens,
+                         progress=progress, desc="co-activation")
     held = record_routing(model, heldout_ids, window, heldout_tokens, progress=progress)
     summary = st.summary(held)
     total = c.n_layers * c.n_experts

@@ -18,10 +18,9 @@ import numpy as np
 
 from edgeprobe_kernels.activation_stats import N_RATIO_BINS, RATIO_EDGES, log2_bin_edges, log2_histogram, outlier_update
 
-from ..forward import forward
 from ..models import Model
 from .base import Profile
-from .runner import windows
+from .runner import run
 
 TENSOR_POINTS = ("attn_in", "attn_out", "ffn_in", "ffn_act")
 LLM_INT8_THRESHOLD = 6.0
@@ -60,21 +59,41 @@ def calibrate_clips(model: Model, ids, percentile: float = 99.99, window: int = 
 
 
 def calibrate_clips_at(model: Model, ids, percentiles, window: int = 512, max_tokens: int | None = 16384,
-                       progress: bool = True) -> dict[float, dict[str, float]]:
-    """calibrate_clips at several percentiles from one pass: {percentile: {"blk.{i}.{point}": clip}}."""
+                       progress: bool = True, runner=None) -> dict[float, dict[str, float]]:
+    """calibrate_clips at several percentiles from one pass: {percentile: {"blk.{i}.{point}": clip}}.
+
+    runner: how the pass runs (default runner.run, in this process; profile.cluster.RayRunner shards it)."""
     percentiles = [float(p) for p in percentiles]
     bad = [p for p in percentiles if not 0 < p < 100]
     if bad:
         raise ValueError(f"percentile must be in (0, 100), got {bad[0]}")
-    from tqdm.auto import tqdm
+    hists = (runner or run)(model, ids, ClipHistograms.for_model(model), window=window, max_tokens=max_tokens,
+                            progress=progress, desc="calibrate")
+    return hists.clips_at(percentiles)
 
-    names = tensor_names(model)
-    hists = {n: np.zeros(8192, dtype=np.int64) for n in names}
-    hooks = {n: (lambda name, x: log2_histogram(x, hists[name])) for n in names}
-    for chunk in tqdm(windows(ids, window, max_tokens), desc="calibrate", unit="win", disable=not progress,
-                      leave=False):
-        forward(model, chunk, hooks=hooks, logits="none")
-    return {p: {n: _percentile_from_hist(hists[n], p) for n in names} for p in percentiles}
+
+class ClipHistograms(Profile):
+    """The calibration pass as a profile: |x| at every linear input in log-linear bins (32 per octave,
+    kernels/activation_stats.log2_histogram), so shards of it merge exactly like any profile."""
+
+    KIND: ClassVar[str] = "clip-histograms"
+    FIELDS: ClassVar[dict] = {"hist": "sum"}  # hist int64[8192] per tensor
+
+    @classmethod
+    def for_model(cls, model: Model) -> "ClipHistograms":
+        return cls(model_name=model.name, model_sha256=model.sha256, params={"names": tensor_names(model)})
+
+    def hooks(self, model: Model) -> dict:
+        self._check_model(model)
+
+        def observe(name, x):
+            log2_histogram(x, self.arrays.setdefault(name, {"hist": np.zeros(8192, np.int64)})["hist"])
+        return {n: observe for n in self.params["names"]}
+
+    def clips_at(self, percentiles) -> dict[float, dict[str, float]]:
+        """{percentile: {tensor: the percentile of |x|}}, log-interpolated inside its bin."""
+        return {float(p): {n: _percentile_from_hist(self.arrays[n]["hist"], float(p)) for n in self.params["names"]}
+                for p in percentiles}
 
 
 class OutlierStats(Profile):

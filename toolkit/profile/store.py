@@ -8,10 +8,12 @@ File format (version 1), a NumPy .npz archive (zip) holding:
                       and settings}
   "<tensor>|<field>" one array per tensor and field (e.g. "blk.3.ffn_act|count"), as documented by
                       the profile class's FIELDS.
-Merging adds counts and takes maxima, so a merged file equals one pass over all shards.
+Merging adds counts and takes maxima, so a merged file equals one pass over all shards. The same bytes carry a
+shard's profile between a Ray worker and the driver (npz_bytes / load_npz of bytes): no pickled objects.
 """
 from __future__ import annotations
 
+import io
 import json
 import zipfile
 from pathlib import Path
@@ -25,25 +27,40 @@ FORMAT = "edgeprobe-stats"
 FORMAT_VERSION = 1
 
 
-def save_npz(path, meta: dict, arrays: dict[str, dict[str, np.ndarray]]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _write_npz(f, meta: dict, arrays: dict[str, dict[str, np.ndarray]]) -> None:
     flat = {f"{t}|{f}": a for t, fields in arrays.items() for f, a in fields.items()}
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "edgeprobe_version": __version__, **meta}
     flat["__meta__"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
+    np.savez_compressed(f, **flat)
+
+
+def save_npz(path, meta: dict, arrays: dict[str, dict[str, np.ndarray]]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        np.savez_compressed(f, **flat)
+        _write_npz(f, meta, arrays)
     tmp.replace(path)  # atomic: never a half-written profile under the real name
     return path
 
 
+def npz_bytes(meta: dict, arrays: dict[str, dict[str, np.ndarray]]) -> bytes:
+    """The file save_npz writes, as bytes (a shard's result crossing from a Ray worker)."""
+    buf = io.BytesIO()
+    _write_npz(buf, meta, arrays)
+    return buf.getvalue()
+
+
 def load_npz(path, kind: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
-    path = Path(path)
-    if not path.exists():
-        raise StatsFileError(f"no profile at {path}; run `edgeprobe profile {kind} ... --out DIR` first")
+    """path: a file, or the bytes npz_bytes made (then errors call it "a profile's bytes")."""
+    if isinstance(path, (bytes, bytearray, memoryview)):
+        source, path = io.BytesIO(path), f"a profile's bytes ({len(path)} B)"
+    else:
+        path = source = Path(path)
+        if not path.exists():
+            raise StatsFileError(f"no profile at {path}; run `edgeprobe profile {kind} ... --out DIR` first")
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with np.load(source, allow_pickle=False) as z:
             meta = json.loads(bytes(z["__meta__"]).decode())
             flat = {k: z[k] for k in z.files if k != "__meta__"}
     except (zipfile.BadZipFile, ValueError, KeyError, OSError, EOFError, json.JSONDecodeError) as e:

@@ -182,7 +182,9 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
     tensors = {n: store.put(np.asarray(model.weights[n], np.float32), "float")
                for n in model.weights if n not in linear_weights}
     head = None
-    if scheme != "float" and c.hidden % QK == 0:  # the LM head as llama.cpp runs a Q8_0 output (kernels/q8_0.py)
+    # the LM head as llama.cpp runs a Q8_0 output (kernels/q8_0.py); EdgeMoE's bit-width study (moe-mixed) measured
+    # its losses with the float head, and its scheme computes what the study measured
+    if scheme not in ("float", "moe-mixed") and c.hidden % QK == 0:
         codes, scales = quantize_q8_0(np.asarray(model.output_weight, np.float32))
         head = {"kind": "q8_0", "codes": store.put(codes, "head"), "scales": store.put(scales, "head")}
     tok = (store.put(np.frombuffer(json.dumps(model.tokenizer.to_json()).encode(), np.uint8), "tokenizer")

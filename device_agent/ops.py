@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import functools
 import threading
+from time import perf_counter_ns
 
 import numpy as np
 
 from edgeprobe_kernels.linear_records import (NPU_RUNNERS, RUNNERS, SHADOW_KINDS, W8A8_KINDS, run_w8a8, shadow_delta,
                                               w8a8_scale, x_wt)
-from edgeprobe_kernels.q8_0 import matmul_q8_0
+from edgeprobe_kernels.q8_0 import QK, matmul_q8_0
 from edgeprobe_kernels.llama_ops import apply_rope, attention, geglu_act, head_rms_norm, rms_norm, rope_tables, swiglu_act
 
 from .protocol import AgentError
@@ -285,9 +286,9 @@ def op_lm_head(inp, attrs, ctx):
         x = x.reshape(B, x.shape[0] // B, x.shape[1])[:, -1]
     if len(inp) == 3:
         d = _arr(inp[2], "scales", 2)
-        if w.dtype != np.int8 or w.shape[1] != x.shape[1] or d.shape != (w.shape[0], x.shape[1] // 32):
+        if w.dtype != np.int8 or w.shape[1] != x.shape[1] or d.shape != (w.shape[0], x.shape[1] // QK):
             raise OpError("bad_input", f"a Q8_0 head needs codes int8[vocab, {x.shape[1]}] and scales "
-                                       f"[vocab, {x.shape[1] // 32}], got {w.dtype}{w.shape} and {d.shape}")
+                                       f"[vocab, {x.shape[1] // QK}], got {w.dtype}{w.shape} and {d.shape}")
         return matmul_q8_0(x, w, d)
     return x_wt(x, w)
 
@@ -318,8 +319,6 @@ def op_fused(inp, attrs, ctx):
     cost more in hand-offs than in arithmetic). attrs ops: [{"name", "kind", "inputs": [{"arg": i} (the fused
     op's input i) | {"op": an earlier sub-op}], "attrs"}]; the value is the last sub-op's. The op's trace event
     gets the summed flops, and parts_us: each sub-op kind's time inside it."""
-    from time import perf_counter_ns
-
     local, parts, total = {}, {}, 0
     t = perf_counter_ns()
     for sub in attrs["ops"]:

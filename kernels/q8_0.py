@@ -16,8 +16,9 @@ try:
 except ImportError:
     numba = None
 
+from .int8_gemm import GEMV_M  # the same decode-sized row count as the int8 GEMV
+
 QK = 32  # values per block (ggml's QK8_0)
-GEMV_M = 8
 ROWS = 4096  # output rows dequantized at a time on the BLAS path (no float copy of the whole head)
 
 

@@ -62,7 +62,20 @@ class RunnerCache:
 
     def __init__(self):
         self._fns: dict = {}
+        self._keys: dict = {}  # id(rec) -> (rec, its key): the rec held, so its id is not reused while cached
         self._lock = threading.Lock()
+
+    def rec_key(self, rec: dict) -> tuple:
+        """A manifest record's scalar fields as a hashable key, computed once per record object: a validated
+        plan's records are never changed, and a decode step looks up ~200 of them."""
+        with self._lock:
+            hit = self._keys.get(id(rec))
+        if hit is not None and hit[0] is rec:
+            return hit[1]
+        key = tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool))))
+        with self._lock:
+            self._keys[id(rec)] = (rec, key)
+        return key
 
     def get(self, key, build):
         with self._lock:
@@ -82,8 +95,7 @@ def _runner(ctx, rec, part, cols=None):
     """The cached runner of a linear record; built with counters=None: callers pass their run's counters."""
     kind = rec.get("kind")
     runners = NPU_RUNNERS if ctx.lane == "npu" else RUNNERS
-    key = (part, cols, runners[kind] if kind in runners else None,
-           tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
+    key = (part, cols, runners[kind] if kind in runners else None, ctx.runners.rec_key(rec))
     get = ctx.get
     if kind in SHADOW_KINDS and ctx.map_blob is not None:  # cold shadow rows stay in flash: mapped, ~1% touched
         get = lambda sha: ctx.map_blob(sha) if sha == rec.get("cold") else ctx.get(sha)
@@ -138,7 +150,7 @@ def _hvx_runner(ctx, rec, part, cols):
     """The record's runner on the Hexagon DSP (kernels/hvx_linear.py), or False when it is not NPU work."""
     from edgeprobe_kernels import hvx_linear
 
-    key = ("hvx", part, cols, tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool)))))
+    key = ("hvx", part, cols, ctx.runners.rec_key(rec))
     return ctx.runners.get(key, lambda: hvx_linear.runner(rec, part, ctx.get, cols) or False)
 
 

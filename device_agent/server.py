@@ -145,6 +145,43 @@ class _FlashLog:
             return list(self._events)
 
 
+class _Workers:
+    """Threads that outlive their task and take the next one: a decode step costs no thread start (which waits on
+    the GIL) and its numba kernels reuse the OpenMP team their thread built (a new thread builds a new one).
+    Never blocks: with no idle thread a new one starts, so a long run cannot hold up a short one. `_idle` (under
+    `_lock`) counts threads that will call get(): each queued task is matched with one of them; at most `keep`
+    idle threads stay, extras end."""
+
+    def __init__(self, keep: int = 8):
+        self.keep = keep
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn, *args) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # that idle thread's next get() is this task
+                self._tasks.put((fn, args))
+                return
+        # a new thread gets its first task directly: if it cannot start, nothing was queued and the caller reports it
+        threading.Thread(target=self._loop, args=((fn, args),), daemon=True, name="agent-worker").start()
+
+    def _loop(self, task) -> None:
+        while True:
+            fn, args = task
+            try:
+                fn(*args)
+            except BaseException:  # tasks report their own failures (through the outbox); a thread must not die
+                pass
+            task = fn = args = None  # an idle thread holds no run's inputs
+            with self._lock:
+                if self._idle >= self.keep:
+                    return
+                self._idle += 1
+            task = self._tasks.get()
+
+
 @dataclass
 class _Run:
     rid: int
@@ -197,6 +234,7 @@ class Agent:
         self.errors = 0   # final replies sent with ok false
         # compiled linear runners (dequantized weights, OpenCL buffers) live across runs, shared under a lock
         self.runners = RunnerCache()
+        self.workers = _Workers()  # run and plan-validation threads, kept for the next request
         self._stop = False
         self.parent_pid = parent_pid
         self._parent_is_ppid = parent_pid is not None and os.getppid() == parent_pid
@@ -481,7 +519,7 @@ class Agent:
             except BaseException as e:  # delivered to the loop, which replies with it
                 result = e
             self.outbox.put(("done", ident, rid, result, commit))
-        threading.Thread(target=worker, daemon=True, name=f"{name}-{rid}").start()
+        self.workers.submit(worker)
 
     def do_put_plan(self, ident, rid, h, arrays):
         raw = h.get("plan")
@@ -529,7 +567,7 @@ class Agent:
         inputs = {n: np.array(a) for n, a in zip(names, arrays)}  # own the bytes: frames are recycled
         self.runs[(ident, rid)] = run
         try:
-            threading.Thread(target=self._run_worker, args=(run, plan, inputs), daemon=True, name=f"run-{rid}").start()
+            self.workers.submit(self._run_worker, run, plan, inputs)
         except BaseException:
             del self.runs[(ident, rid)]  # no worker: the error reply below is this request's one reply
             raise

@@ -58,9 +58,39 @@ if numba is not None:
         for n in numba.prange(w.shape[0]):  # one output channel per iteration: its weight row read once for all M
             for m in range(M):
                 acc = np.int32(0)
-                for k in range(K):  # contiguous int8 row: vectorizes to int16 products, int32 sums
-                    acc += np.int32(np.int16(w[n, k]) * np.int16(a[m, k]))
+                for k in range(K):  # contiguous int8 rows, int32 products and sums: LLVM emits vpmaddwd
+                    acc += np.int32(w[n, k]) * np.int32(a[m, k])
                 c[m, n] = acc
+
+
+if numba is not None:
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def _linear_w8a8_nb(x, sa, w, scale, y):
+        M, K = x.shape
+        xq = np.empty((M, K), np.int8)
+        for m in range(M):  # quantize_per_tensor, element for element: x / scale_a in float32, rint, clip
+            for k in range(K):
+                v = np.rint(x[m, k] / sa)
+                xq[m, k] = np.int8(min(max(v, np.float32(-127)), np.float32(127)))
+        for n in numba.prange(w.shape[0]):
+            for m in range(M):
+                acc = np.int32(0)
+                for k in range(K):
+                    acc += np.int32(w[n, k]) * np.int32(xq[m, k])  # int32 products: LLVM's vpmaddwd pattern
+                y[m, n] = np.float32(acc) * scale[n]
+
+
+def linear_w8a8_gemv(x: np.ndarray, scale_a: float, w: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """A decode-sized W8A8 linear in one call: x float32[M, K] (M <= GEMV_M) quantized per tensor with scale_a
+    (as quantize_per_tensor does), times w int8[N, K] (row-major) in exact int32, times scale float32[N]
+    (scale_a * the weight's scale, per output channel or repeated) -> float32[M, N]: the bits of
+    gemv_s8s32(quantize_per_tensor(x, scale_a), w).astype(float32) * scale. mllm-NPU §3.3 eq. 1's int8 part,
+    without numpy's per-call overheads between the steps (a decode step runs 7 of these per layer)."""
+    if numba is None:
+        return gemv_s8s32(quantize_per_tensor(x, scale_a), w).astype(np.float32) * scale
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _linear_w8a8_nb(np.ascontiguousarray(x, np.float32), np.float32(scale_a), w, scale, y)
+    return y
 
 
 GEMV_M = 8  # up to this many rows (decode steps, small batches) the int8 row-dot kernel beats BLAS on float copies

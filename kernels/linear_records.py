@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from .f16_gemm import gemm_f16w_seq
-from .int8_gemm import EXACT_K, GEMV_M, gemm_exact_f32, gemm_s8s32, gemv_s8s32, quantize_per_tensor, quantize_per_tensor_f32
+from .int8_gemm import EXACT_K, GEMV_M, gemm_exact_f32, gemm_s8s32, linear_w8a8_gemv, quantize_per_tensor, quantize_per_tensor_f32
 from .intn import dequantize_channels
 from .lut import lut16_dequant
 from .shadow import extract_outliers, shadow_gemm
@@ -51,14 +51,14 @@ def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
         wt = np.ascontiguousarray(wt[:, cols[0]:cols[1]])
     wf = wt.astype(np.float32) if keep_f32 else None
     scale = w8a8_scale(rec, get, cols)
-    rows_major = []  # int8[N, K], made at the first decode-sized call (two lanes racing make equal copies)
+    rows_major = []  # (int8[N, K], float32[N] scales), made at the first decode-sized call (two lanes racing make equal copies)
 
     def linear(x, counters=counters):
         if x.shape[0] <= GEMV_M:
             if not rows_major:
-                rows_major.append(np.ascontiguousarray(wt.T))
-            c = gemv_s8s32(quantize_per_tensor(x, sa), rows_major[0]).astype(np.float32)
-        elif wf is not None and wt.shape[0] <= EXACT_K:  # BLAS's float32 sums are the exact int32 ones already
+                rows_major.append((np.ascontiguousarray(wt.T), np.ascontiguousarray(np.broadcast_to(scale, wt.shape[1]))))
+            return linear_w8a8_gemv(x, sa, *rows_major[0])
+        if wf is not None and wt.shape[0] <= EXACT_K:  # BLAS's float32 sums are the exact int32 ones already
             c = gemm_exact_f32(quantize_per_tensor_f32(x, sa), wf)
         else:
             c = gemm_s8s32(quantize_per_tensor(x, sa), wt, wf).astype(np.float32)

@@ -19,14 +19,14 @@ def warm() -> list[str]:
     except ImportError:
         return []
     from .f16_gemm import gemm_f16w_seq
-    from .int8_gemm import gemv_s8s32
+    from .int8_gemm import linear_w8a8_gemv
     from .q8_0 import matmul_q8_0
     from .shadow import shadow_gemm
 
     x = np.ones((1, 64), np.float32)
     done = []
-    gemv_s8s32(np.ones((1, 64), np.int8), np.ascontiguousarray(np.ones((8, 64), np.int8)))
-    done.append("gemv_s8s32")
+    linear_w8a8_gemv(x, 0.5, np.ones((8, 64), np.int8), np.ones(8, np.float32))  # the runner's own copies: writable
+    done.append("linear_w8a8_gemv")
     matmul_q8_0(x, _ro(np.ones((8, 64), np.int8)), _ro(np.ones((8, 2), np.float32)))
     done.append("matmul_q8_0")
     slot = np.full(64, -1, np.int64)

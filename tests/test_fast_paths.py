@@ -35,13 +35,18 @@ def test_every_w8a8_path_gives_the_same_bits(K):
     """Decode rows (GEMV), few and many rows (exact float BLAS, K <= 1024; int32 blocks above): one answer."""
     rng = np.random.default_rng(K)
     wt = rng.integers(-127, 128, (K, 300), dtype=np.int8)
-    rec = {"wt": "w", "scale_a": 0.031, "scale_w": 0.007}
-    agent = run_w8a8(rec, lambda s: wt, None, keep_f32=True)
-    host = run_w8a8(rec, lambda s: wt, None)
-    for M in (1, 7, 20, 64, 257):
-        x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
-        ref = gemm_s8s32_ref(quantize_per_tensor(x, 0.031), wt).astype(np.float32) * np.float32(0.031 * 0.007)
-        assert np.array_equal(agent(x), ref) and np.array_equal(host(x), ref), M
+    sw_ch = (rng.random(300) * 0.01 + 0.001).astype(np.float32)  # w8a8c: the weight's scale per output channel
+    blobs = {"w": wt, "ch": sw_ch}
+    for rec, scale in (({"wt": "w", "scale_a": 0.031, "scale_w": 0.007}, np.float32(0.031 * 0.007)),
+                       ({"wt": "w", "scale_a": 0.031, "scale_w_ch": "ch"}, np.float32(0.031) * sw_ch)):
+        agent = run_w8a8(rec, blobs.get, None, keep_f32=True)
+        host = run_w8a8(rec, blobs.get, None)
+        for M in (1, 7, 20, 64, 257):
+            x = (rng.standard_normal((M, K)) * 3).astype(np.float32)
+            x[0, :40] = (np.arange(40, dtype=np.float32) - 20.5) * np.float32(0.031)  # halves: rint rounds to even
+            x[0, 40:44] = [1e3, -1e3, 4.0, -4.0]  # clipped at +-127
+            ref = gemm_s8s32_ref(quantize_per_tensor(x, 0.031), wt).astype(np.float32) * scale
+            assert np.array_equal(agent(x), ref) and np.array_equal(host(x), ref), M
 
 
 def test_q8_0_head_is_smollm2s_own_and_both_paths_agree(smollm):
@@ -145,4 +150,40 @@ def test_decode_sized_norms_and_rope_match_the_numpy_ones():
 def test_the_agent_warms_every_kernel_it_calls():
     from edgeprobe_kernels.warm import warm
 
-    assert warm() == ["gemv_s8s32", "matmul_q8_0", "shadow_gemm", "gemm_f16w_seq", "rms_norm, apply_rope"]
+    assert warm() == ["linear_w8a8_gemv", "matmul_q8_0", "shadow_gemm", "gemm_f16w_seq", "rms_norm, apply_rope"]
+
+
+def test_agent_workers_reuse_threads_and_never_make_a_task_wait():
+    """A decode step runs on a thread kept from the last one; a run that blocks does not hold up the next."""
+    import queue
+    import threading
+    import time
+
+    from edgeprobe_agent.server import _Workers
+
+    w = _Workers(keep=2)
+    gate, seen = threading.Event(), queue.Queue()
+    w.submit(lambda: (seen.put(threading.get_ident()), gate.wait(10)))
+    w.submit(lambda: seen.put(threading.get_ident()))  # must run while the first still blocks
+    a, b = seen.get(timeout=10), seen.get(timeout=10)
+    assert a != b and not gate.is_set()
+
+    def idle(n):
+        deadline = time.monotonic() + 10
+        while w._idle < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return w._idle
+
+    gate.set()
+    assert idle(2) == 2
+    for _ in range(5):
+        w.submit(lambda: seen.put(threading.get_ident()))
+        assert seen.get(timeout=10) in {a, b}  # no new thread
+    gate2, started = threading.Event(), queue.Queue()
+    for _ in range(3):  # three at once: a third thread starts, and ends when done (keep = 2)
+        w.submit(lambda: (started.put(threading.get_ident()), gate2.wait(10)))
+    assert len({started.get(timeout=10) for _ in range(3)}) == 3
+    gate2.set()
+    assert idle(2) == 2
+    time.sleep(0.2)
+    assert w._idle == 2

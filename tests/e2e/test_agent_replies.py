@@ -241,11 +241,12 @@ def test_worker_faults_still_end_in_one_reply_under_the_run_id(inproc, monkeypat
 
     class NoRunThreads(real_thread):
         def start(self):
-            if self.name.startswith("run-"):
+            if self.name == "agent-worker":
                 raise RuntimeError("can't start new thread")
             return super().start()
-    monkeypatch.setattr(server.threading, "Thread", NoRunThreads)
     ok = d.put_plan({"ops": [{"name": "a", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}, {"input": "x"}]}]})
+    monkeypatch.setattr(server.threading, "Thread", NoRunThreads)
+    agent.workers = server._Workers()  # no idle worker: the run needs a new thread, which cannot start
     with pytest.raises(DeviceError, match="can't start new thread") as e:
         d.run(ok, x)
     assert e.value.code == "internal"

@@ -38,7 +38,7 @@ $(ARM64)/bin/python3:
 	bash scripts/arm64_python.sh $(ARM64)
 
 test: setup-test $(ARM64)/bin/python3
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=30 tests
 
 # JupyterLab on loopback only; it prints the URL with its access token.
 lab: setup-notebook

@@ -577,14 +577,15 @@ class Agent:
         """Runs on its own thread; hands the loop exactly one ("run_done", ...) item, whatever happens."""
         header, arrays = error_reply(run.rid, "internal", "the run ended without a result"), ()
         total = len(plan.order)
-        state = {"done": 0, "last": 0.0}
+        # progress every 0.2 s of a long run; none for a short one (a decode step), whose final reply says it all
+        state = {"done": 0, "last": time.monotonic()}
         lock = threading.Lock()  # on_op runs on every lane thread
 
         def on_op(ev):
             with lock:
                 state["done"] += 1
                 t = time.monotonic()
-                if not (t - state["last"] > 0.2 or state["done"] == total):
+                if t - state["last"] <= 0.2:
                     return
                 state["last"] = t
                 msg = {"id": run.rid, "final": False, "event": "progress", "done": state["done"], "total": total}

@@ -94,8 +94,9 @@ class DecodeSession:
         i = len(self.step_ms)
         r = self.dev.run(self._plan(1, self.batch), {"tokens": tokens}, title=f"decode step {i}", session=self.name,
                          advance=1, phase="decode")
-        self.step_ms.append(r.trace.metrics()["makespan_ms"])
-        self.step_counters.append({**r.counters, "flash_read_bytes": r.trace.metrics()["flash_read_bytes"]})
+        met = r.trace.metrics()
+        self.step_ms.append(met["makespan_ms"])
+        self.step_counters.append({**r.counters, "flash_read_bytes": met["flash_read_bytes"]})
         self.events += [{**e, "group": f"step{i}"} for e in r.trace.events]
         self.length += 1
         return r.logits.reshape(self.batch, -1)

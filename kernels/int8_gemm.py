@@ -52,18 +52,19 @@ if numba is not None:
 
 
 if numba is not None:
+    @numba.njit(nogil=True, inline="always")
+    def _dot_s8s32(w_row, a_row):
+        acc = np.int32(0)
+        for k in range(w_row.shape[0]):  # contiguous int8 rows, int32 products and sums: LLVM emits vpmaddwd
+            acc += np.int32(w_row[k]) * np.int32(a_row[k])
+        return acc
+
     @numba.njit(parallel=True, nogil=True, cache=True)
     def _gemv_s8s32_nb(a, w, c):
-        M, K = a.shape
         for n in numba.prange(w.shape[0]):  # one output channel per iteration: its weight row read once for all M
-            for m in range(M):
-                acc = np.int32(0)
-                for k in range(K):  # contiguous int8 rows, int32 products and sums: LLVM emits vpmaddwd
-                    acc += np.int32(w[n, k]) * np.int32(a[m, k])
-                c[m, n] = acc
+            for m in range(a.shape[0]):
+                c[m, n] = _dot_s8s32(w[n], a[m])
 
-
-if numba is not None:
     @numba.njit(parallel=True, nogil=True, cache=True)
     def _linear_w8a8_nb(x, sa, w, scale, y):
         M, K = x.shape
@@ -74,10 +75,7 @@ if numba is not None:
                 xq[m, k] = np.int8(min(max(v, np.float32(-127)), np.float32(127)))
         for n in numba.prange(w.shape[0]):
             for m in range(M):
-                acc = np.int32(0)
-                for k in range(K):
-                    acc += np.int32(w[n, k]) * np.int32(xq[m, k])  # int32 products: LLVM's vpmaddwd pattern
-                y[m, n] = np.float32(acc) * scale[n]
+                y[m, n] = np.float32(_dot_s8s32(w[n], xq[m])) * scale[n]
 
 
 def linear_w8a8_gemv(x: np.ndarray, scale_a: float, w: np.ndarray, scale: np.ndarray) -> np.ndarray:

@@ -256,7 +256,7 @@ def op_attention(inp, attrs, ctx):
     T, S = q.shape[0] // B, k.shape[0] // B
     start = _session_start(attrs, ctx)
     if attrs.get("session"):
-        kk, vv = ctx.session.write_and_view(int(attrs["kv_layer"]), start, k.reshape(B, S, KV, d), v.reshape(B, S, KV, d))
+        kk, vv = ctx.session.write(int(attrs["kv_layer"]), start, k.reshape(B, S, KV, d), v.reshape(B, S, KV, d))
     else:
         kk = k.reshape(B, S, KV, d).transpose(0, 2, 1, 3)
         vv = v.reshape(B, S, KV, d).transpose(0, 2, 1, 3)

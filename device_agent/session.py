@@ -40,9 +40,10 @@ class KVSession:
     def nbytes(self) -> int:
         return self.nbytes_for(self.n_layers, self.n_kv_heads, self.head_dim, self.batch, self.capacity)
 
-    def write_and_view(self, layer: int, start: int, k: np.ndarray, v: np.ndarray):
-        """k, v: float32[batch, T, n_kv_heads, head_dim] at positions start..start+T-1 -> the cache's keys
-        and values float32[batch, n_kv_heads, start+T, head_dim] (views)."""
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray):
+        """k, v: float32[batch, T, n_kv_heads, head_dim] at positions start..start+T-1 -> the layer's whole
+        cache, keys and values float32[batch, n_kv_heads, capacity, head_dim]: positions start+T.. are not
+        this sequence's yet (attention() reads the first start+T)."""
         B, T = k.shape[:2]
         if B != self.batch:
             raise OpError("bad_input", f"the session holds {self.batch} sequences, the run sent {B}")
@@ -53,7 +54,7 @@ class KVSession:
                                           "open a session with a larger capacity")
         self.k[layer][:, :, start:start + T] = k.transpose(0, 2, 1, 3)
         self.v[layer][:, :, start:start + T] = v.transpose(0, 2, 1, 3)
-        return self.k[layer][:, :, :start + T], self.v[layer][:, :, :start + T]
+        return self.k[layer], self.v[layer]
 
     def settle(self) -> None:
         """Wait for I/O the session's runs started (expert preloads), so a run's reply reports all its reads."""

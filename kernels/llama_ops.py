@@ -37,6 +37,76 @@ if numba is not None:
                         out[b, t, h, 2 * i] = x0 * c - x1 * s
                         out[b, t, h, 2 * i + 1] = x0 * s + x1 * c
 
+    @numba.njit(nogil=True, fastmath=True, cache=True)
+    def _attention_few_nb(q, k, v, S, start, window, out):
+        """attention() for a few query rows (decode): per query head, scores over the keys it sees, softmax,
+        weighted sum of values, in one pass per head and no [rows, S] temporaries. k, v: C-contiguous
+        [B, KV, >= S, d] (a KV cache read in place), positions S.. ignored. Computes in float64 like
+        _attention_few_np (see there): its float32 output is the numpy path's, bit for bit (but for ~1e-8
+        of elements)."""
+        B, T, H, d = q.shape
+        KV = k.shape[1]
+        G = H // KV
+        scale = 1.0 / np.sqrt(np.float64(d))
+        p = np.empty(S, np.float64)
+        qs = np.empty(d, np.float64)
+        o = np.empty(d, np.float64)
+        for b in range(B):
+            for t in range(T):
+                pos = start + t
+                lo = max(0, pos - window + 1) if window > 0 else 0
+                hi = min(S, pos + 1)  # causal: keys after the query's own position are hidden
+                for h in range(H):
+                    g = h // G
+                    for j in range(d):
+                        qs[j] = np.float64(q[b, t, h, j])
+                    mx = 0.0
+                    for s in range(lo, hi):
+                        acc = 0.0
+                        for j in range(d):
+                            acc += qs[j] * np.float64(k[b, g, s, j])
+                        p[s] = acc * scale
+                        mx = p[s] if s == lo else max(mx, p[s])
+                    tot = 0.0
+                    for s in range(lo, hi):
+                        p[s] = np.exp(p[s] - mx)
+                        tot += p[s]
+                    o[:] = 0.0
+                    for s in range(lo, hi):
+                        w = p[s] / tot
+                        for j in range(d):
+                            o[j] += w * np.float64(v[b, g, s, j])
+                    for j in range(d):
+                        out[b * T + t, h * d + j] = np.float32(o[j])
+
+
+def _attention_few_np(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int) -> np.ndarray:
+    """attention() for a few query rows (decode) without numba, computed as _attention_few_nb does: in float64,
+    rounded to float32 once at the end. The host (numba) and an agent without numba (a phone) must produce the
+    same bits here, not just close ones: W8A8's per-tensor activation quantization turns a one-ulp difference in
+    attn_output's input into a whole int8 code step, and decode logits then drift (cosine ~0.99). Products of
+    float32 numbers are exact in float64 and float64 sums differ by ~1e-16 between summation orders (BLAS,
+    numba's vectorized loops), so the rounded float32 results agree bit for bit except where a result lies within
+    ~1e-16 of a float32 rounding boundary (about 1e-8 of elements; float32 sums in other orders differ in many).
+    k, v: [B, KV, >= start + T, d]."""
+    B, T, H, d = q.shape
+    KV, S = k.shape[1], start + T
+    G = H // KV
+    lo = max(0, start - window + 1) if window > 0 else 0  # keys before lo are hidden from every query row
+    kk = k[:, :, lo:S].astype(np.float64)
+    vv = v[:, :, lo:S].astype(np.float64)
+    qg = q.transpose(0, 2, 1, 3).reshape(B, KV, G * T, d).astype(np.float64)
+    scores = np.matmul(qg, kk.swapaxes(-1, -2)) * (1.0 / np.sqrt(np.float64(d)))  # [B, KV, G*T, S - lo]
+    pos, keys = (start + np.arange(T))[:, None], np.arange(lo, S)[None, :]
+    hidden = (keys > pos) | ((keys <= pos - window) if window > 0 else False)
+    if hidden.any():
+        scores.reshape(B, KV, G, T, S - lo)[...] += np.where(hidden, -np.inf, 0.0)
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores, vv).astype(np.float32)  # [B, KV, G*T, d]
+    return out.reshape(B, H, T, d).transpose(0, 2, 1, 3).reshape(B * T, H * d)
+
 
 def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """x: float32[N, C], w: float32[C] -> x / rms(x) * w (RMSNorm, Zhang & Sennrich 2019)."""
@@ -81,13 +151,26 @@ ATTN_BLOCK = 128  # query rows per block of a long prompt's attention
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0) -> np.ndarray:
     """Causal grouped-query attention, optionally over a sliding window (Gemma 3's local layers).
 
-    q: float32[B, T, n_heads, d] at positions start..start+T-1; k, v: float32[B, n_kv, S, d] with
-    S = start + T. Query head h reads KV head h // (n_heads / n_kv). window > 0: the query at position i
-    sees keys i - window + 1..i only. Returns float32[B*T, n_heads*d].
+    q: float32[B, T, n_heads, d] at positions start..start+T-1; k, v: float32[B, n_kv, >= S, d], S = start + T:
+    a KV cache may be passed whole (positions S.. are ignored; decode reads it in place, no copy of its prefix).
+    Query head h reads KV head h // (n_heads / n_kv). window > 0: the query at position i sees keys
+    i - window + 1..i only. Returns float32[B*T, n_heads*d].
     """
     B, T, H, d = q.shape
-    KV, S = k.shape[1], k.shape[2]
+    KV, S = k.shape[1], start + T
     G = H // KV
+    if k.shape[2] < S or v.shape[2] < S:
+        raise ValueError(f"attention at positions {start}..{S - 1} needs {S} keys and values, got {k.shape[2]}, {v.shape[2]}")
+    if numba is not None and B * T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:
+        out = np.empty((B * T, H * d), np.float32)
+        # numba vectorizes contiguous rows only: a whole cache is; a strided prefix view is copied
+        kc = k if k.flags.c_contiguous else np.ascontiguousarray(k[:, :, :S])
+        vc = v if v.flags.c_contiguous else np.ascontiguousarray(v[:, :, :S])
+        _attention_few_nb(np.ascontiguousarray(q), kc, vc, S, start, window, out)
+        return out
+    if B * T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:
+        return _attention_few_np(q, k, v, start, window)  # the kernel's float64 arithmetic: same bits as with numba
+    k, v = k[:, :, :S], v[:, :, :S]
     if T > ATTN_BLOCK:  # long prompts: query blocks, each over the keys it can see (scores stay in cache)
         out = np.empty((B, T, H * d), np.float32)
         for t0 in range(0, T, ATTN_BLOCK):

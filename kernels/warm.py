@@ -37,10 +37,13 @@ def warm() -> list[str]:
     done.append("shadow_gemm")
     gemm_f16w_seq(x, np.ones((64, 8), np.float32))
     done.append("gemm_f16w_seq")
-    from .llama_ops import apply_rope, rms_norm
+    from .llama_ops import apply_rope, attention, rms_norm
 
     rms_norm(x, _ro(np.ones(64, np.float32)), 1e-5)
     rms_norm(x, np.ones(64, np.float32), 1e-5)
     apply_rope(np.ones((1, 1, 2, 8), np.float32), np.ones((1, 4), np.float32), np.ones((1, 4), np.float32))
     done.append("rms_norm, apply_rope")
+    kv = np.ones((1, 1, 4, 8), np.float32)  # a session's whole cache: C-contiguous, longer than the positions read
+    attention(np.ones((1, 1, 2, 8), np.float32), kv, kv.copy(), 1)
+    done.append("attention (decode rows)")
     return done

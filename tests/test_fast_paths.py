@@ -150,7 +150,8 @@ def test_decode_sized_norms_and_rope_match_the_numpy_ones():
 def test_the_agent_warms_every_kernel_it_calls():
     from edgeprobe_kernels.warm import warm
 
-    assert warm() == ["linear_w8a8_gemv", "matmul_q8_0", "shadow_gemm", "gemm_f16w_seq", "rms_norm, apply_rope"]
+    assert warm() == ["linear_w8a8_gemv", "matmul_q8_0", "shadow_gemm", "gemm_f16w_seq", "rms_norm, apply_rope",
+                      "attention (decode rows)"]
 
 
 def test_agent_workers_reuse_threads_and_never_make_a_task_wait():

@@ -274,7 +274,7 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
         if cache is not None:
             cache.k[i][:, :, start:start + T] = k.transpose(0, 2, 1, 3)
             cache.v[i][:, :, start:start + T] = v.transpose(0, 2, 1, 3)
-            kk, vv = cache.k[i][:, :, :start + T], cache.v[i][:, :, :start + T]
+            kk, vv = cache.k[i], cache.v[i]  # whole: attention() reads the first start + T positions
         else:
             kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
         a = attention(q, kk, vv, start, c.window(i))

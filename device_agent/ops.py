@@ -15,6 +15,8 @@ import numpy as np
 
 from edgeprobe_kernels.linear_records import (NPU_RUNNERS, RUNNERS, SHADOW_KINDS, W8A8_KINDS, run_w8a8, shadow_delta,
                                               w8a8_scale, x_wt)
+from edgeprobe_kernels import int8_gemm
+from edgeprobe_kernels.int8_gemm import GEMV_M
 from edgeprobe_kernels.q8_0 import QK, matmul_q8_0
 from edgeprobe_kernels.llama_ops import apply_rope, attention, geglu_act, head_rms_norm, rms_norm, rope_tables, swiglu_act
 
@@ -63,6 +65,7 @@ class RunnerCache:
     def __init__(self):
         self._fns: dict = {}
         self._keys: dict = {}  # id(rec) -> (rec, its key): the rec held, so its id is not reused while cached
+        self._max_keys = 200_000  # each plan put brings new record objects: forget all past this (recomputed on use)
         self._lock = threading.Lock()
 
     def rec_key(self, rec: dict) -> tuple:
@@ -73,9 +76,24 @@ class RunnerCache:
         if hit is not None and hit[0] is rec:
             return hit[1]
         key = tuple(sorted((k, v) for k, v in rec.items() if isinstance(v, (str, int, float, bool))))
-        with self._lock:
-            self._keys[id(rec)] = (rec, key)
+        self._remember(id(rec), rec, key)
         return key
+
+    def per_object(self, obj, tag: str, make):
+        """make(obj), computed once per (object, tag) and kept with the object (validated plans never change)."""
+        with self._lock:
+            hit = self._keys.get((id(obj), tag))
+        if hit is not None and hit[0] is obj:
+            return hit[1]
+        val = make(obj)
+        self._remember((id(obj), tag), obj, val)
+        return val
+
+    def _remember(self, key, obj, val) -> None:
+        with self._lock:
+            if len(self._keys) >= self._max_keys:
+                self._keys.clear()
+            self._keys[key] = (obj, val)
 
     def get(self, key, build):
         with self._lock:
@@ -326,6 +344,64 @@ def flops(kind: str, inp, out, attrs, ctx=None) -> int:
     return int(out.size)
 
 
+def _sibling_groups(subs: list) -> list:
+    """A fused op's sub-ops as steps: a sub-op alone, or a list of consecutive W8A8 linears that read the same
+    input (q, k, v; gate, up), which a decode step computes in one call (_group_linear)."""
+    steps, i = [], 0
+    while i < len(subs):
+        j = i + 1
+        if _groupable(subs[i]):
+            K = subs[i]["attrs"]["rec"]["shape"][1]
+            while j < len(subs) and _groupable(subs[j]) and subs[j]["inputs"] == subs[i]["inputs"] \
+                    and subs[j]["attrs"]["rec"]["shape"][1] == K:
+                j += 1
+        steps.append(subs[i:j] if j - i > 1 else subs[i])
+        i = j
+    return steps
+
+
+def _groupable(sub: dict) -> bool:
+    a = sub.get("attrs", {})
+    rec = a.get("rec")
+    return sub["kind"] == "linear" and isinstance(rec, dict) and rec.get("kind") in W8A8_KINDS \
+        and a.get("part", "all") == "all" and not any(k in a for k in ("rows", "cols", "pad_to")) \
+        and isinstance(rec.get("shape"), list) and len(rec["shape"]) == 2 and len(sub.get("inputs", [])) == 1
+
+
+def _group_linear(subs: list, x: np.ndarray, ctx) -> list | None:
+    """The outputs of sibling W8A8 linears on x, from one kernel call (their int8 GEMVs; shadow deltas added per
+    linear as run_shadow does: the same bits), or None where the linears run one by one: prefill rows, no numba,
+    the gpu lane, the hvx backend."""
+    if not (int8_gemm.numba is not None and x.ndim == 2 and x.shape[0] <= GEMV_M and ctx.lane != "gpu"
+            and not (ctx.lane == "npu" and ctx.backends.get("npu") == "hvx")):
+        return None
+    recs = [s["attrs"]["rec"] for s in subs]
+    if any(x.shape[1] != int(r["shape"][1]) for r in recs):
+        return None  # a shape mismatch: the single path reports it
+
+    def build():
+        ws, scales, parts = [], [], []
+        for p, rec in enumerate(recs):
+            wt = ctx.get(rec["wt"])  # int8[K, N]
+            ws.append(wt.T)
+            scales.append(np.broadcast_to(w8a8_scale(rec, ctx.get), wt.shape[1]))
+            parts.append(np.full(wt.shape[1], p, np.int32))
+        sa = np.array([r["scale_a"] for r in recs], np.float32)
+        bounds = np.cumsum([0] + [w.shape[0] for w in ws])
+        return (sa, np.concatenate(parts), np.ascontiguousarray(np.concatenate(ws)),
+                np.concatenate(scales).astype(np.float32), bounds)
+    sa, part, w, scale, bounds = ctx.runners.get(("w8a8-group",) + tuple(ctx.runners.rec_key(r) for r in recs), build)
+    y = int8_gemm.linear_w8a8_gemv_group(x, sa, part, w, scale)
+    outs = []
+    for p, rec in enumerate(recs):
+        o = y[:, bounds[p]:bounds[p + 1]]
+        o = o.copy() if x.shape[0] > 1 else o  # one row: a contiguous view
+        if rec["kind"] in SHADOW_KINDS and rec.get("shadow"):
+            o = o + _runner(ctx, rec, "shadow")(x, counters=ctx.counters)
+        outs.append(o)
+    return outs
+
+
 def op_fused(inp, attrs, ctx):
     """A run of one lane's consecutive ops computed back to back as one op (a decode step's layer: its ~15 ops
     cost more in hand-offs than in arithmetic). attrs ops: [{"name", "kind", "inputs": [{"arg": i} (the fused
@@ -333,15 +409,28 @@ def op_fused(inp, attrs, ctx):
     gets the summed flops, and parts_us: each sub-op kind's time inside it."""
     local, parts, total = {}, {}, 0
     t = perf_counter_ns()
-    for sub in attrs["ops"]:
-        args = [inp[r["arg"]] if "arg" in r else local[r["op"]] for r in sub["inputs"]]
-        a = sub.get("attrs", {})
-        out = OPS[sub["kind"]](args, a, ctx)
-        local[sub["name"]] = out
-        total += flops(sub["kind"], args, out, a, ctx)
-        t1 = perf_counter_ns()
-        parts[sub["kind"]] = parts.get(sub["kind"], 0.0) + (t1 - t) / 1000.0
-        t = t1
+    for step in ctx.runners.per_object(attrs, "steps", lambda a: _sibling_groups(a["ops"])):
+        if isinstance(step, list):
+            r = step[0]["inputs"][0]
+            x = inp[r["arg"]] if "arg" in r else local[r["op"]]
+            outs = _group_linear(step, x, ctx)
+            if outs is not None:
+                for sub, out in zip(step, outs):
+                    local[sub["name"]] = out
+                    total += flops("linear", [x], out, sub["attrs"], ctx)
+                t1 = perf_counter_ns()
+                parts["linear"] = parts.get("linear", 0.0) + (t1 - t) / 1000.0
+                t = t1
+                continue
+        for sub in step if isinstance(step, list) else [step]:
+            args = [inp[r["arg"]] if "arg" in r else local[r["op"]] for r in sub["inputs"]]
+            a = sub.get("attrs", {})
+            out = OPS[sub["kind"]](args, a, ctx)
+            local[sub["name"]] = out
+            total += flops(sub["kind"], args, out, a, ctx)
+            t1 = perf_counter_ns()
+            parts[sub["kind"]] = parts.get(sub["kind"], 0.0) + (t1 - t) / 1000.0
+            t = t1
     if ctx.event is not None:
         ctx.event.update({"flops": int(total), "parts_us": parts, "fused_ops": len(attrs["ops"])})
     return out

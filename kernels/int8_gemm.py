@@ -78,6 +78,33 @@ if numba is not None:
                 y[m, n] = np.float32(_dot_s8s32(w[n], xq[m])) * scale[n]
 
 
+if numba is not None:
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def _linear_w8a8_group_nb(x, sa, part, w, scale, y):
+        M, K = x.shape
+        xq = np.empty((sa.shape[0], M, K), np.int8)
+        for p in range(sa.shape[0]):  # x quantized once per linear's scale_a, as _linear_w8a8_nb does
+            for m in range(M):
+                for k in range(K):
+                    v = np.rint(x[m, k] / sa[p])
+                    xq[p, m, k] = np.int8(min(max(v, np.float32(-127)), np.float32(127)))
+        for n in numba.prange(w.shape[0]):
+            for m in range(M):
+                y[m, n] = np.float32(_dot_s8s32(w[n], xq[part[n], m])) * scale[n]
+
+
+def linear_w8a8_gemv_group(x: np.ndarray, scale_a: np.ndarray, part: np.ndarray, w: np.ndarray,
+                           scale: np.ndarray) -> np.ndarray:
+    """Sibling W8A8 linears reading one input (a layer's q, k and v; gate and up) as one decode call (numba only):
+    x float32[M, K] (M <= GEMV_M); w int8[N1 + N2 + .., K] their row-major weights stacked; scale float32[N]
+    (each row's scale_a * weight scale); part int32[N] which linear each row is; scale_a float32[P] each linear's
+    activation scale -> float32[M, N], columns in w's order: each linear's columns are linear_w8a8_gemv's bits.
+    One parallel region instead of P (a decode step is ~200 of them, each a fork and a join of the cores)."""
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _linear_w8a8_group_nb(np.ascontiguousarray(x, np.float32), scale_a, part, w, scale, y)
+    return y
+
+
 def linear_w8a8_gemv(x: np.ndarray, scale_a: float, w: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """A decode-sized W8A8 linear in one call: x float32[M, K] (M <= GEMV_M) quantized per tensor with scale_a
     (as quantize_per_tensor does), times w int8[N, K] (row-major) in exact int32, times scale float32[N]

@@ -19,7 +19,7 @@ def warm() -> list[str]:
     except ImportError:
         return []
     from .f16_gemm import gemm_f16w_seq
-    from .int8_gemm import linear_w8a8_gemv
+    from .int8_gemm import linear_w8a8_gemv, linear_w8a8_gemv_group
     from .q8_0 import matmul_q8_0
     from .shadow import shadow_gemm
 
@@ -27,6 +27,8 @@ def warm() -> list[str]:
     done = []
     linear_w8a8_gemv(x, 0.5, np.ones((8, 64), np.int8), np.ones(8, np.float32))  # the runner's own copies: writable
     done.append("linear_w8a8_gemv")
+    linear_w8a8_gemv_group(x, np.ones(2, np.float32), np.zeros(8, np.int32), np.ones((8, 64), np.int8), np.ones(8, np.float32))
+    done.append("linear_w8a8_gemv_group")
     matmul_q8_0(x, _ro(np.ones((8, 64), np.int8)), _ro(np.ones((8, 2), np.float32)))
     done.append("matmul_q8_0")
     slot = np.full(64, -1, np.int64)

@@ -73,9 +73,16 @@ def test_quantized_models_carry_a_q8_0_head_the_float_one_does_not():
     assert quantize(m, "float").manifest["head"] is None
 
 
-def test_a_fused_decode_step_computes_what_its_ops_compute():
+@pytest.mark.parametrize("scheme", ["w8a8", "w8a8c-shadow"])
+def test_a_fused_decode_step_computes_what_its_ops_compute(scheme, monkeypatch):
+    """Bit for bit, with each layer's sibling linears (q, k, v; gate, up) computed in one grouped call."""
+    from edgeprobe_kernels import int8_gemm
+
+    grouped = []
+    real = int8_gemm.linear_w8a8_gemv_group
+    monkeypatch.setattr(int8_gemm, "linear_w8a8_gemv_group", lambda *a: grouped.append(a[3].shape) or real(*a))
     m = toy_model(layers=3, hidden=32)
-    qm = quantize(m, "w8a8", calibration_profile(m, np.arange(60) % 48, tokens=60, window=30, progress=False))
+    qm = quantize(m, scheme, calibration_profile(m, np.arange(60) % 48, tokens=60, window=30, progress=False))
     cfg = qm.manifest["config"]
     prompt = np.arange(7, dtype=np.int32) % cfg["vocab_size"]
     fused = prefill_plan(qm.manifest, 1, session=True)
@@ -92,6 +99,24 @@ def test_a_fused_decode_step_computes_what_its_ops_compute():
             layer = [e for e in events if e["kind"] == "fused"][0]
             assert layer["flops"] > 0 and {"linear", "attention", "rms_norm"} <= set(layer["parts_us"])
     assert np.array_equal(outs[0], outs[1])
+    assert len(grouped) == 2 * cfg["n_layers"]  # q, k, v and gate, up of each layer: one call each
+
+
+def test_grouped_w8a8_gemv_gives_each_linears_own_bits():
+    from edgeprobe_kernels.int8_gemm import linear_w8a8_gemv, linear_w8a8_gemv_group
+
+    rng = np.random.default_rng(3)
+    K, sizes, sas = 96, (40, 8, 8), (0.031, 0.02, 0.05)
+    ws = [rng.integers(-127, 128, (n, K), dtype=np.int8) for n in sizes]
+    scales = [(rng.random(n) * 0.01).astype(np.float32) for n in sizes]
+    for M in (1, 3):
+        x = (rng.standard_normal((M, K)) * 2).astype(np.float32)
+        x[0, :5] = [1e3, -1e3, 0.5 * 0.031, 1.5 * 0.031, -2.5 * 0.031]  # clipped, and halves rounded to even
+        y = linear_w8a8_gemv_group(x, np.array(sas, np.float32), np.repeat(np.arange(3, dtype=np.int32), sizes),
+                                   np.concatenate(ws), np.concatenate(scales))
+        cols = np.cumsum((0,) + sizes)
+        for p in range(3):
+            assert np.array_equal(y[:, cols[p]:cols[p + 1]], linear_w8a8_gemv(x, sas[p], ws[p], scales[p])), (M, p)
 
 
 def _unfuse(op):
@@ -150,7 +175,7 @@ def test_decode_sized_norms_and_rope_match_the_numpy_ones():
 def test_the_agent_warms_every_kernel_it_calls():
     from edgeprobe_kernels.warm import warm
 
-    assert warm() == ["linear_w8a8_gemv", "matmul_q8_0", "shadow_gemm", "gemm_f16w_seq", "rms_norm, apply_rope",
+    assert warm() == ["linear_w8a8_gemv", "linear_w8a8_gemv_group", "matmul_q8_0", "shadow_gemm", "gemm_f16w_seq", "rms_norm, apply_rope",
                       "attention (decode rows)"]
 
 

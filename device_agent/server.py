@@ -96,6 +96,21 @@ def numba_version() -> str | None:
     return numba.__version__
 
 
+def numba_threading() -> str | None:
+    """The threading layer numba's parallel kernels use ("tbb" where the tbb wheel is installed: edgeprobe_kernels
+    picks it; "omp", "workqueue"), the one requested before the first parallel call, or None without numba."""
+    import edgeprobe_kernels  # noqa: F401  (chooses the layer on import)
+
+    try:
+        import numba
+    except ImportError:
+        return None
+    try:
+        return numba.threading_layer()
+    except ValueError:  # no parallel kernel has run yet: the layer it will load
+        return numba.config.THREADING_LAYER
+
+
 def _memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -381,7 +396,8 @@ class Agent:
                 "cpu": platform.processor() or platform.machine(),
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
                 "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),
-                "numpy": np.__version__, "numba": numba_version(), "store": self.store.stats()}
+                "numpy": np.__version__, "numba": numba_version(), "numba_threading": numba_threading(),
+                "store": self.store.stats()}
 
     def do_heartbeat(self, ident, rid, h, arrays):
         return {"clock_us": now_us()}

@@ -16,6 +16,7 @@ import numpy as np
 from edgeprobe_kernels.linear_records import (NPU_RUNNERS, RUNNERS, SHADOW_KINDS, W8A8_KINDS, run_w8a8, shadow_delta,
                                               w8a8_scale, x_wt)
 from edgeprobe_kernels import int8_gemm
+from edgeprobe_kernels.arena import ARENA
 from edgeprobe_kernels.int8_gemm import GEMV_M
 from edgeprobe_kernels.q8_0 import QK, matmul_q8_0
 from edgeprobe_kernels.llama_ops import apply_rope, attention, geglu_act, head_rms_norm, rms_norm, rope_tables, swiglu_act
@@ -388,7 +389,7 @@ def _group_linear(subs: list, x: np.ndarray, ctx) -> list | None:
             parts.append(np.full(wt.shape[1], p, np.int32))
         sa = np.array([r["scale_a"] for r in recs], np.float32)
         bounds = np.cumsum([0] + [w.shape[0] for w in ws])
-        return (sa, np.concatenate(parts), np.ascontiguousarray(np.concatenate(ws)),
+        return (sa, np.concatenate(parts), ARENA.copy(np.concatenate(ws)),
                 np.concatenate(scales).astype(np.float32), bounds)
     sa, part, w, scale, bounds = ctx.runners.get(("w8a8-group",) + tuple(ctx.runners.rec_key(r) for r in recs), build)
     y = int8_gemm.linear_w8a8_gemv_group(x, sa, part, w, scale)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import int8_gemm
+from .arena import ARENA
 from .f16_gemm import gemm_f16w_seq
 from .int8_gemm import EXACT_K, GEMV_M, gemm_exact_f32, gemm_s8s32, linear_w8a8_gemv, quantize_per_tensor, quantize_per_tensor_f32
 from .intn import dequantize_channels
@@ -57,7 +58,7 @@ def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
     def linear(x, counters=counters):
         if x.shape[0] <= GEMV_M and int8_gemm.numba is not None:  # without numba the BLAS paths below: no transposed copy
             if not rows_major:
-                rows_major.append((np.ascontiguousarray(wt.T), np.array(np.broadcast_to(scale, wt.shape[1]), np.float32)))
+                rows_major.append((ARENA.copy(wt.T), np.array(np.broadcast_to(scale, wt.shape[1]), np.float32)))
             return linear_w8a8_gemv(x, sa, *rows_major[0])
         if wf is not None and wt.shape[0] <= EXACT_K:  # BLAS's float32 sums are the exact int32 ones already
             c = gemm_exact_f32(quantize_per_tensor_f32(x, sa), wf)

@@ -7,8 +7,8 @@ EXTRAS="${1:-}"
 PYTHON="${PYTHON:-python3}"
 
 # Debian packages the project needs at run or test time; later issues append to this list.
-# libgomp1: numba's OpenMP threading layer (without it numba falls back to a layer that cannot run
-# parallel kernels from two lanes at once).
+# libgomp1: numba's OpenMP threading layer, the fallback where the tbb wheel (the layer edgeprobe_kernels picks) is
+# missing (without either numba falls back to a layer that cannot run parallel kernels from two lanes at once).
 # openssh-server: the test suite deploys the agent over a real sshd on 127.0.0.1 (Termux's stand-in).
 # pocl-opencl-icd, ocl-icd-libopencl1: OpenCL on this CPU (PoCL) for the agent's gpu lane.
 # chromium: the tests look at the report as a person would (headless), and make the README's picture.

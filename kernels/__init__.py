@@ -13,10 +13,10 @@ def _prefer_tbb() -> str | None:
     """Make numba's parallel kernels use the TBB threading layer where the `tbb` wheel is installed (its libtbb
     loaded by path: the wheel puts it in the environment's lib/, outside the loader's search path). TBB steals work,
     so a parallel kernel finishes on the cores it actually gets; numba's OpenMP layer splits every loop statically
-    and waits for each thread's share: with a CPU-bound process beside it on one of 2 cores, a SmolLM2 decode step
-    took ~950 ms under OpenMP and ~30 ms under TBB (measured, in-process, issue 17). A layer the user chose
-    (NUMBA_THREADING_LAYER) is kept. Returns the library loaded, or None."""
-    if os.environ.get("NUMBA_THREADING_LAYER"):
+    and waits for each thread's share: beside busy processes on 2 cores, in-process SmolLM2 decode steps took
+    0.5-1.6 s under OpenMP and 28-79 ms under TBB (issue 17). A layer the user (or the agent: device_agent/__main__.py)
+    chose with NUMBA_THREADING_LAYER is kept; "tbb" there gets its library loaded. Returns the library loaded, or None."""
+    if os.environ.get("NUMBA_THREADING_LAYER", "tbb") != "tbb":
         return None
     try:
         import ctypes

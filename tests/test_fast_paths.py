@@ -2,6 +2,8 @@
 exact-float BLAS path of w8a8 linears, the Q8_0 LM head (lossless on SmolLM2's own Q8_0 head, its decode
 kernel and BLAS path agreeing), a decode step's fused layers (the same logits as the unfused ops), and a fused op
 the agent refuses before running when it is malformed."""
+import os
+
 import numpy as np
 import pytest
 
@@ -241,3 +243,19 @@ def test_arena_copies_are_exact_aligned_and_disjoint_across_threads():
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no two copies share a byte
     big = rng.integers(0, 5, 1 << 15, dtype=np.int8)  # above a quarter chunk: its own array
     assert np.array_equal(arena.copy(big), big)
+
+
+def test_a_host_process_runs_numba_on_tbb_and_the_agent_keeps_openmp(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import numpy as np, numba\n"
+            "from edgeprobe_kernels.int8_gemm import gemv_s8s32\n"
+            "gemv_s8s32(np.ones((1, 64), np.int8), np.ones((8, 64), np.int8))\n"
+            "print(numba.threading_layer())")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_THREADING_LAYER"}
+    host = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert host.stdout.strip() == "tbb", host.stderr[-2000:]  # the tbb wheel is a dependency on x86-64 Linux
+    agent = subprocess.run([sys.executable, "-c", "import edgeprobe_agent.__main__\n" + code], capture_output=True,
+                           text=True, env=env, timeout=120)
+    assert agent.stdout.strip() == "omp", agent.stderr[-2000:]

@@ -22,18 +22,25 @@ QK = 32  # values per block (ggml's QK8_0)
 ROWS = 4096  # output rows dequantized at a time on the BLAS path (no float copy of the whole head)
 
 
+QUANT_ROWS = 256  # rows quantized at a time: the temporaries stay in cache (Gemma 3's head: 4.1 s whole, 0.7 s so)
+
+
 def quantize_q8_0(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """x float32[M, K] (K a multiple of 32) -> codes int8[M, K], scales float32[M, K/32]: d = absmax/127 per block,
     q = round(x / d) (ggml rounds half away from zero; |x/d| <= 127, so no clipping is needed)."""
     M, K = x.shape
     if K % QK:
         raise ValueError(f"Q8_0 needs rows of a multiple of {QK} values, got {K}")
-    b = np.asarray(x, np.float32).reshape(M, K // QK, QK)
-    d = (np.abs(b).max(axis=2) / np.float32(127)).astype(np.float32)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
-    r = b * inv[:, :, None]
-    q = (np.sign(r) * np.floor(np.abs(r) + np.float32(0.5))).astype(np.int8)
-    return q.reshape(M, K), d
+    x = np.asarray(x, np.float32)
+    q, d = np.empty((M, K), np.int8), np.empty((M, K // QK), np.float32)
+    for s in range(0, M, QUANT_ROWS):
+        b = x[s:s + QUANT_ROWS].reshape(-1, K // QK, QK)
+        ds = (np.abs(b).max(axis=2) / np.float32(127)).astype(np.float32)
+        inv = np.divide(np.float32(1), ds, out=np.zeros_like(ds), where=ds > 0)
+        r = b * inv[:, :, None]
+        q[s:s + QUANT_ROWS] = (np.sign(r) * np.floor(np.abs(r) + np.float32(0.5))).astype(np.int8).reshape(-1, K)
+        d[s:s + QUANT_ROWS] = ds
+    return q, d
 
 
 def dequantize_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:

@@ -108,6 +108,23 @@ def test_shadow_bytes_and_pruning(smollm, profile, ids):
     assert none_pruned.counters["outliers"] > 0
 
 
+def test_accuracy_table_keeps_its_quantized_models_and_reuses_them(smollm, profile, ids, quantized):
+    from edgeprobe.quant.report import accuracy_table
+
+    shadow = quantized["w8a8-shadow"]  # other tests ran it: its counters are not at zero
+    kept = {"w8a8-shadow": shadow}
+    kw = dict(window=W, max_windows=1, progress=False, quantized=kept)
+    rows = accuracy_table(smollm, ids, profile, ["float", "w8a8-shadow"], **kw)
+    assert kept["w8a8-shadow"] is shadow and kept["float"].scheme == "float"  # reused as given; the other one kept
+    again = accuracy_table(smollm, ids, profile, ["float", "w8a8-shadow"], **kw)
+    # a reused model computes the same and counts from zero: the same shadow reads and float share each time
+    fresh = accuracy_table(smollm, ids, profile, ["w8a8-shadow"], window=W, max_windows=1, progress=False)[0]
+    for r in (rows[1], again[1]):
+        assert r["cold_bytes_read"] == fresh["cold_bytes_read"] > 0 and r["perplexity"] == fresh["perplexity"]
+        assert r["channels_in_float_pct"] == fresh["channels_in_float_pct"] > 0
+    assert rows[0]["perplexity"] == again[0]["perplexity"] and rows[0]["channels_in_float_pct"] == 100
+
+
 def test_save_load_round_trip_and_damage(smollm, quantized, ids, tmp_path):
     qm = quantized["q4_0-tile"]
     qm.save(tmp_path / "q")

@@ -1,7 +1,7 @@
 """Tokenizers built with the `tokenizers` library, from GGUF metadata or a tokenizer.json."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers
@@ -34,6 +34,7 @@ class Tokenizer:
     bos_id: int | None = None
     eos_id: int | None = None
     add_bos: bool = False
+    _hf_json: str | None = field(default=None, init=False, repr=False, compare=False)  # to_json's, made once
 
     def encode(self, text: str, add_bos: bool | None = None) -> np.ndarray:
         """text -> int32[tokens]."""
@@ -51,7 +52,9 @@ class Tokenizer:
         return self.hf.decode(ids, skip_special_tokens=False)
 
     def to_json(self) -> dict:
-        return {"tokenizer": self.hf.to_str(), "vocab_size": self.vocab_size, "bos_id": self.bos_id,
+        if self._hf_json is None:  # Gemma 3's 262k pieces take 0.5 s to serialize; each quantized model asks
+            self._hf_json = self.hf.to_str()
+        return {"tokenizer": self._hf_json, "vocab_size": self.vocab_size, "bos_id": self.bos_id,
                 "eos_id": self.eos_id, "add_bos": self.add_bos}
 
     @classmethod

@@ -24,7 +24,7 @@ class BlobStore:
 
     def put(self, arr: np.ndarray, role: str) -> str:
         arr = np.ascontiguousarray(arr)
-        sha = sha256_bytes(arr.tobytes())
+        sha = sha256_bytes(arr.reshape(-1).view(np.uint8))  # the raw bytes, hashed in place (no copy)
         if sha not in self.arrays:
             self.arrays[sha] = arr
             self.meta[sha] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "nbytes": int(arr.nbytes), "role": role}

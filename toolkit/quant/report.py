@@ -14,19 +14,27 @@ from .qmodel import quantize, schemes_for
 
 
 def accuracy_table(model: Model, ids, profile, schemes=None, window: int = 512, max_windows: int | None = 8,
-                   progress: bool = True, **quant_kw) -> list[dict]:
+                   progress: bool = True, quantized: dict | None = None, **quant_kw) -> list[dict]:
     """One row per scheme: perplexity, change vs float, top-1 agreement with float, bytes, tok/s, and
     channels_in_float_pct: the share of linear-input values (token x input channel) computed in float — the
     shadow GEMM's outliers for w8a8-shadow / w8a8c-shadow (mllm-NPU eq. 1), 100 for float, 0 for pure integer.
 
     All schemes see the same windows of `ids`; top-1 agreement is over every scored position.
+    quantized: {scheme: QuantizedModel}, to keep the models for a later look (per-layer errors) and to reuse them:
+    a scheme found there runs as it is (the caller made it with these settings; its counters start again at
+    zero), a scheme not there is quantized here with `quant_kw` and added.
     """
     schemes = list(schemes or schemes_for(model.config))
     chunks = windows(ids, window)[:max_windows] if max_windows else windows(ids, window)
     float_top1 = [forward(model, c).argmax(-1) for c in chunks]
     rows = []
     for scheme in tqdm(schemes, desc="schemes", unit="scheme", disable=not progress, leave=False):
-        qm = quantize(model, scheme, profile if scheme != "float" else None, **quant_kw)
+        qm = None if quantized is None else quantized.get(scheme)
+        if qm is None:
+            qm = quantize(model, scheme, profile if scheme != "float" else None, **quant_kw)
+            if quantized is not None:
+                quantized[scheme] = qm
+        qm.counters.clear()
         nll, agree, n = 0.0, 0, 0
         t0 = time.perf_counter()
         for c, ref in zip(chunks, float_top1):

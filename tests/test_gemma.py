@@ -1,5 +1,6 @@
 """Gemma 3 270M (the real GGUF, Q4_K_M) through the one forward pass and the one template, checked against
 transformers' own Gemma 3 on the same dequantized weights and against its GGUF tokenizer."""
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,27 @@ def held(gemma):
     return gemma.tokenizer.encode(read_corpus("heldout"))
 
 
+@pytest.fixture(scope="module")
+def hf_gguf(gemma):
+    """transformers reads a GGUF with gguf-py's GGUFReader, whose Python parse of Gemma's 262k-piece vocabulary takes
+    ~15 s, and does it once for the tokenizer, once for the config and once for the weights: here one parse serves
+    them all (the reader only maps the file). Yields the checkpoint's folder and file name."""
+    import gguf
+
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in readers:
+            readers[key] = real(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        p = Path(gemma.source)
+        yield str(p.parent), p.name
+
+
 def test_config_is_read_from_the_gguf(gemma):
     c = gemma.config
     assert (c.arch, c.n_layers, c.hidden, c.head_dim, c.n_heads, c.n_kv_heads, c.vocab_size) == \
@@ -27,11 +49,11 @@ def test_config_is_read_from_the_gguf(gemma):
     assert gemma.tokenizer.add_bos and gemma.tokenizer.bos_id == 2
 
 
-def test_tokenizer_equals_transformers_gguf_tokenizer(gemma):
+def test_tokenizer_equals_transformers_gguf_tokenizer(gemma, hf_gguf):
     from transformers import AutoTokenizer
 
-    p = Path(gemma.source)
-    ref = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    folder, name = hf_gguf
+    ref = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     text = read_corpus("heldout")
     samples = [l for l in text.split("\n") if l][:200] + ["  two  spaces\tand a tab", "ünïcödé 你好 🙂 \u00a0nbsp", "x" * 40]
     for s in samples:
@@ -41,26 +63,34 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(gemma):
     assert gemma.tokenizer.decode(ours[1:200]) == ref.decode(ref.encode(text)[1:200])
 
 
-def test_logits_agree_with_transformers_across_the_sliding_window(gemma, held):
-    """600 tokens: past the 512-key window, so local and global layers differ; same dequantized weights."""
+def test_logits_agree_with_transformers_across_the_sliding_window(gemma, held, hf_gguf):
+    """Past the sliding window, so local and global layers differ; same dequantized weights. The window is 128 keys
+    on both sides (the checkpoint's 512, which test_config_is_read_from_the_gguf checks, would take 600+ tokens through
+    both models): 200 tokens, the last 72 of them seeing fewer keys in the local layers than in the global ones."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    ids = held[:600]
-    ours = forward(gemma, ids)
-    p = Path(gemma.source)
-    ref_model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    W, n = 128, 200
+    local = dataclasses.replace(gemma, config=dataclasses.replace(gemma.config, sliding_window=W))
+    ids = held[:n]
+    ours = forward(local, ids)
+    folder, name = hf_gguf
+    ref_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, sliding_window=W).eval()
+    assert ref_model.config.sliding_window == W
     with torch.no_grad():
         ref = ref_model(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
     top1 = float((ours.argmax(-1) == ref.argmax(-1)).mean())
     err = float(np.abs(ours - ref).max())
-    print(f"gemma3-270m vs transformers, 600 tokens: top-1 {top1:.4f}, max |Δlogit| {err:.2e}")
+    print(f"gemma3-270m vs transformers, {n} tokens, window {W}: top-1 {top1:.4f}, max |Δlogit| {err:.2e}")
     assert top1 >= 0.99 and err < 5e-3
+    # the window mattered: the full-context model gives other logits past it, and the same ones before it
+    full = forward(gemma, ids)
+    assert np.abs(full[:W] - ours[:W]).max() < 1e-4 and np.abs(full[W + 8:] - ours[W + 8:]).max() > 0.1
     # and a decode with the KV cache continues the same computation
-    cache = KVCache(gemma.config)
-    forward(gemma, ids[:598], cache=cache, logits="none")
-    step = forward(gemma, ids[598:600], cache=cache, logits="all")
-    assert np.abs(step - ours[598:600]).max() < 1e-3
+    cache = KVCache(local.config)
+    forward(local, ids[:n - 2], cache=cache, logits="none")
+    step = forward(local, ids[n - 2:], cache=cache, logits="all")
+    assert np.abs(step - ours[n - 2:]).max() < 1e-3
 
 
 def test_perplexity_windows_start_with_bos(gemma, held):

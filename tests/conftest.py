@@ -1,4 +1,5 @@
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -33,6 +34,32 @@ def gemma():
     from edgeprobe import models
 
     return models.load("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def _gguf_readers():
+    return {}
+
+
+@pytest.fixture(scope="module")
+def one_gguf_parse(_gguf_readers):
+    """transformers reads a GGUF through gguf-py's GGUFReader, whose Python parse of the vocabulary takes seconds (3 s
+    for SmolLM2's 49k pieces, 15 s for Gemma 3's 262k), and reads the file again for the tokenizer, the config and the
+    weights. While a module that asks for this runs, one parse per file serves them all, for the whole session (a
+    reader only maps its file, read-only)."""
+    import gguf
+
+    real = gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in _gguf_readers:
+            _gguf_readers[key] = real(path, mode)
+        return _gguf_readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -18,24 +18,10 @@ def held(gemma):
 
 
 @pytest.fixture(scope="module")
-def hf_gguf(gemma):
-    """transformers reads a GGUF with gguf-py's GGUFReader, whose Python parse of Gemma's 262k-piece vocabulary takes
-    ~15 s, and does it once for the tokenizer, once for the config and once for the weights: here one parse serves
-    them all (the reader only maps the file). Yields the checkpoint's folder and file name."""
-    import gguf
-
-    real, readers = gguf.GGUFReader, {}
-
-    def reader(path, mode="r"):
-        key = (str(Path(path).resolve()), mode)
-        if key not in readers:
-            readers[key] = real(path, mode)
-        return readers[key]
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf, "GGUFReader", reader)
-        p = Path(gemma.source)
-        yield str(p.parent), p.name
+def hf_gguf(gemma, one_gguf_parse):
+    """The checkpoint's folder and file name, for transformers (which parses it once: tests/conftest.py)."""
+    p = Path(gemma.source)
+    return str(p.parent), p.name
 
 
 def test_config_is_read_from_the_gguf(gemma):

@@ -20,6 +20,11 @@ from edgeprobe.forward import forward
 N_TOKENS = 256  # the issue asks for at least 128
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _parse_once(one_gguf_parse):
+    """transformers reads the GGUF four times in this module: one parse serves them all (tests/conftest.py)."""
+
+
 @pytest.fixture(scope="module")
 def hf_model():
     path = models.resolve("smollm2-135m")

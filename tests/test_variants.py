@@ -16,7 +16,7 @@ N_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
-def base():
+def base(one_gguf_parse):
     """SmolLM2's real weights in Hugging Face's layout (transformers reads the GGUF), 4 layers to keep it small."""
     path = models.resolve("smollm2-135m")
     m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()

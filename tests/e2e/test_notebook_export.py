@@ -10,7 +10,7 @@ from pathlib import Path
 from edgeprobe.browser import dump_dom
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-SMALL = {"EDGEPROBE_NB_TOKENS": "1024"}  # notebook 01 profiles 4 windows of 256 tokens: seconds, not minutes
+SMALL = {"EDGEPROBE_NB_TOKENS": "512"}  # notebook 01 profiles 4 windows of 128 tokens: seconds, not minutes
 
 
 def test_nbconvert_execute_exports_figures_that_draw_offline(tmp_path):

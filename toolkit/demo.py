@@ -186,13 +186,15 @@ def _local_agent(store: Path, print_fn):
     or one left behind), on a temporary store of its own: slower (uploads again), never stuck."""
     import tempfile
 
+    from .client import _store_held
     from .device import Device, DeviceError
 
-    try:
-        return Device.local(store=store, startup_timeout_s=90)
-    except DeviceError as e:
-        if "in use by another agent" not in str(e):
-            raise
+    if not _store_held(store):  # held now: go elsewhere at once (an agent given a held store waits 10 s, then refuses)
+        try:
+            return Device.local(store=store, startup_timeout_s=90)
+        except DeviceError as e:  # taken since: the same way out
+            if "in use by another agent" not in str(e):
+                raise
     tmp = Path(tempfile.mkdtemp(prefix="edgeprobe-demo-store-"))
     print_fn(f"agent       {store} is held by another agent; this run uploads to a temporary store {tmp}")
     dev = Device.local(store=tmp)

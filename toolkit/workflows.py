@@ -119,10 +119,25 @@ def prefill(dev: Client, qm, tokens, progress: bool = True, float_lane: str = "c
     from .plan import prefill_plan
 
     tokens = np.asarray(tokens, np.int32)
-    dev.upload(qm, progress=progress)
-    dev.load_model(qm)
-    plan_id = dev.put_plan(prefill_plan(qm.manifest, len(tokens), float_lane=float_lane))
-    return dev.run(plan_id, {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, {qm.scheme}")
+    return _run_plan(dev, qm, ("prefill", len(tokens), float_lane), lambda: prefill_plan(qm.manifest, len(tokens), float_lane=float_lane),
+                     {"tokens": tokens}, f"prefill {len(tokens)} tokens, {qm.scheme}", progress)
+
+
+# what an agent answers when it lacks what the client remembered it holding (a new agent behind the same address)
+_FORGOTTEN = {"unknown_plan", "unknown_model", "missing_blob"}
+
+
+def _run_plan(dev: Client, qm, key, build, inputs: dict, title: str, progress: bool) -> RunResult:
+    """Upload what is missing, load qm, put build()'s plan (each once per connection: Client.plan_for) and run it."""
+    for attempt in (0, 1):
+        dev.upload(qm, progress=progress)
+        plan_id = dev.plan_for(qm, key, build)
+        try:
+            return dev.run(plan_id, inputs, title=title)
+        except DeviceError as e:
+            if e.code not in _FORGOTTEN or attempt:
+                raise
+            dev.forget()  # and once more from the start
 
 
 def prefill_chunked(dev: Client, qm, tokens, chunk: int = 256, scheduler: str = "ooo",

@@ -79,6 +79,28 @@ def test_prefill_on_the_agent_matches_the_host_and_traces_both_lanes(dev, qm, sm
     Trace.load(res.trace.save(tmp_path / "t.json"))
 
 
+def test_a_warm_prefill_sends_only_its_run_and_a_forgetful_agent_is_served_again(dev, qm, heldout_ids):
+    toks = heldout_ids[:16]
+    first = dev.prefill(qm, toks, progress=False)
+    sent, send = [], dev.send
+    dev.send = lambda op, *a, **kw: (sent.append(op), send(op, *a, **kw))[1]
+    try:
+        again = dev.prefill(qm, toks, progress=False)
+        assert [op for op in sent if op != "heartbeat"] == ["run"]  # no upload check, load_model or put_plan
+        assert np.array_equal(again.logits, first.logits)
+        # an agent that lacks the plan the client remembers (one restarted behind the same address): the client
+        # hears unknown_plan, forgets, and loads and puts the plan again
+        plans = dev._known[id(qm)]["plans"]
+        for key in plans:
+            plans[key] = "0" * 16
+        sent.clear()
+        third = dev.prefill(qm, toks, progress=False)
+        assert [op for op in sent if op != "heartbeat"] == ["run", "has_blobs", "load_model", "put_plan", "run"]
+        assert np.array_equal(third.logits, first.logits)
+    finally:
+        dev.send = send
+
+
 def test_bad_plans_get_error_replies(dev, qm):
     plan = prefill_plan(qm.manifest, 8)
     bad_blob = json.loads(json.dumps(plan))

@@ -178,12 +178,14 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
     lock = threading.Lock()
     lane_counters = {lane: {} for lane in plan.lane_order}
 
-    def resolve(ref):
+    def resolve(ref, rows_only: bool = False):
         (k, v), = ref.items()
         if k == "op":
             return results[v]
         if k == "blob":
-            return ctx.get(v)
+            # an embedding table (113 MB float32 for SmolLM2, as large as the rest of the int8 model) of which a run
+            # gathers a few rows: mapped, so only those rows' pages are read (llama.cpp maps it too)
+            return ctx.map_blob(v) if rows_only and ctx.map_blob is not None else ctx.get(v)
         if v not in inputs:
             raise OpError("missing_input", f"the plan reads run input {str(v)[:40]!r}, which the run did not send")
         return inputs[v]
@@ -199,7 +201,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                             raise Cancelled()
                 if cancel.is_set() or failure:
                     raise Cancelled()
-                args = [resolve(r) for r in op.get("inputs", [])]
+                args = [resolve(r, op["kind"] == "embed" and i == 1) for i, r in enumerate(op.get("inputs", []))]
                 lane_ctx.event = {}
                 threads = CORES_IN_USE.enter()
                 t0 = now_us()

@@ -51,7 +51,7 @@ def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
     wt, sa = get(rec["wt"]), rec["scale_a"]
     if cols is not None:
         wt = np.ascontiguousarray(wt[:, cols[0]:cols[1]])
-    wf = wt.astype(np.float32) if keep_f32 else None
+    wf = int8_gemm.as_f32(wt) if keep_f32 else None
     scale = w8a8_scale(rec, get, cols)
     rows_major = []  # (int8[N, K], float32[N] scales), made at the first decode-sized call (two lanes racing make equal copies)
 

@@ -1,6 +1,6 @@
 """Load the numba kernels a run calls, before the first run: a process's first numba call costs ~0.25 s (the
-runtime and LLVM start) and each kernel ~20 ms more to load from numba's cache. The agent calls `warm()` on a
-background thread when it starts, so its first run computes instead of loading (issue 17: the first run within
+runtime and LLVM start) and each kernel ~20 ms more to load from numba's cache. The agent calls `warm()` when it
+starts, before it says it listens, so its first run computes instead of loading (issue 17: the first run within
 1.5x of a warm one). Arguments mimic the runtime's: blobs are read-only arrays, activations writable float32."""
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def warm() -> list[str]:
     except ImportError:
         return []
     from .f16_gemm import gemm_f16w_seq
-    from .int8_gemm import linear_w8a8_gemv, linear_w8a8_gemv_group
+    from .int8_gemm import as_f32, linear_w8a8_gemv, linear_w8a8_gemv_group
     from .q8_0 import matmul_q8_0
     from .shadow import shadow_gemm
 
@@ -29,6 +29,8 @@ def warm() -> list[str]:
     done.append("linear_w8a8_gemv")
     linear_w8a8_gemv_group(x, np.ones(2, np.float32), np.zeros(8, np.int32), np.ones((8, 64), np.int8), np.ones(8, np.float32))
     done.append("linear_w8a8_gemv_group")
+    as_f32(_ro(np.ones((8, 64), np.int8)))
+    done.append("as_f32")
     matmul_q8_0(x, _ro(np.ones((8, 64), np.int8)), _ro(np.ones((8, 2), np.float32)))
     done.append("matmul_q8_0")
     slot = np.full(64, -1, np.int64)

@@ -177,8 +177,17 @@ def test_decode_sized_norms_and_rope_match_the_numpy_ones():
 def test_the_agent_warms_every_kernel_it_calls():
     from edgeprobe_kernels.warm import warm
 
-    assert warm() == ["linear_w8a8_gemv", "linear_w8a8_gemv_group", "matmul_q8_0", "shadow_gemm", "gemm_f16w_seq", "rms_norm, apply_rope",
-                      "attention (decode rows)"]
+    assert warm() == ["linear_w8a8_gemv", "linear_w8a8_gemv_group", "as_f32", "matmul_q8_0", "shadow_gemm", "gemm_f16w_seq",
+                      "rms_norm, apply_rope", "attention (decode rows)"]
+
+
+def test_the_parallel_float32_copy_of_an_int8_weight_holds_its_values():
+    from edgeprobe_kernels.int8_gemm import as_f32
+
+    w = np.random.default_rng(0).integers(-127, 128, (577, 193)).astype(np.int8)
+    for a in (w, w[:, 5:100], np.frombuffer(w.tobytes(), np.int8).reshape(w.shape)):  # strided; read-only, as blobs are
+        f = as_f32(a)
+        assert f.dtype == np.float32 and f.flags.c_contiguous and f.flags.writeable and np.array_equal(f, a)
 
 
 def test_agent_workers_reuse_threads_and_never_make_a_task_wait():

@@ -182,9 +182,10 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
     qg = q.transpose(0, 2, 1, 3).reshape(B, KV, G * T, d) * np.float32(1.0 / np.sqrt(d))
     scores = np.matmul(qg, k.swapaxes(-1, -2))  # [B, KV, G*T, S]
     if T > 1 or (window and S > window):
-        pos, keys = (start + np.arange(T))[:, None], np.arange(S)[None, :]
+        lo = 0 if window else start  # without a window every query sees keys 0..start-1: mask only the block's own
+        pos, keys = (start + np.arange(T))[:, None], np.arange(lo, S)[None, :]
         hidden = (keys > pos) | ((keys <= pos - window) if window else False)
-        scores.reshape(B, KV, G, T, S)[...] += np.where(hidden, -np.inf, 0.0).astype(np.float32)
+        scores.reshape(B, KV, G, T, S)[..., lo:] += np.where(hidden, -np.inf, 0.0).astype(np.float32)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)

@@ -13,8 +13,8 @@ from time import perf_counter_ns
 
 import numpy as np
 
-from edgeprobe_kernels.linear_records import (NPU_RUNNERS, RUNNERS, SHADOW_KINDS, W8A8_KINDS, run_w8a8, shadow_delta,
-                                              w8a8_scale, x_wt)
+from edgeprobe_kernels.linear_records import (NPU_RUNNERS, RUNNERS, SHADOW_KINDS, W8A8_KINDS, run_shadow, run_w8a8,
+                                              shadow_delta, w8a8_scale, x_wt)
 from edgeprobe_kernels import int8_gemm
 from edgeprobe_kernels.arena import ARENA
 from edgeprobe_kernels.int8_gemm import GEMV_M
@@ -120,6 +120,8 @@ def _runner(ctx, rec, part, cols=None):
         get = lambda sha: ctx.map_blob(sha) if sha == rec.get("cold") else ctx.get(sha)
     if part == "int8" or (kind == "w8a8" and part == "all"):  # the emulated NPU keeps float32 copies
         build = lambda: run_w8a8(rec, get, None, cols, keep_f32=True)
+    elif part == "all" and kind in SHADOW_KINDS:  # a whole shadow linear (a pruned layer's is its int8 GEMM alone)
+        build = lambda: run_shadow(rec, get, None, keep_f32=True)
     elif part == "shadow":
         build = lambda: shadow_delta(rec, get, None)
     elif kind in runners:

@@ -169,12 +169,20 @@ def gemm_s8s32(a: np.ndarray, bt: np.ndarray, bt_f32: np.ndarray | None = None) 
     _check(a, bt)
     af = a.astype(np.float32)
     bf = bt.astype(np.float32) if bt_f32 is None else bt_f32
-    K = a.shape[1]
-    if K <= EXACT_K:
+    if a.shape[1] <= EXACT_K:
         return gemm_exact_f32(af, bf).astype(np.int32)
-    c = np.zeros((a.shape[0], bt.shape[1]), np.int32)
-    for k0 in range(0, K, EXACT_K):
-        c += (af[:, k0:k0 + EXACT_K] @ bf[k0:k0 + EXACT_K]).astype(np.int32)
+    return gemm_blocked_f32(af, bf)
+
+
+def gemm_blocked_f32(af: np.ndarray, bf: np.ndarray) -> np.ndarray:
+    """af float32[M, K], bf float32[K, N], both holding int8 values, any K -> int32[M, N], exact: K cut into
+    equal blocks of <= EXACT_K (1536 -> 2 x 768: two even BLAS calls run faster than 1024 + 512)."""
+    K = af.shape[1]
+    step = -(-K // -(-K // EXACT_K))
+    c = None
+    for k0 in range(0, K, step):
+        part = (af[:, k0:k0 + step] @ bf[k0:k0 + step]).astype(np.int32)
+        c = part if c is None else np.add(c, part, out=c)
     return c
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from . import int8_gemm
 from .arena import ARENA
 from .f16_gemm import gemm_f16w_seq
-from .int8_gemm import EXACT_K, GEMV_M, gemm_exact_f32, gemm_s8s32, linear_w8a8_gemv, quantize_per_tensor, quantize_per_tensor_f32
+from .int8_gemm import EXACT_K, GEMV_M, gemm_blocked_f32, gemm_exact_f32, gemm_s8s32, linear_w8a8_gemv, quantize_per_tensor, quantize_per_tensor_f32
 from .intn import dequantize_channels
 from .lut import lut16_dequant
 from .shadow import extract_outliers, shadow_gemm
@@ -62,6 +62,8 @@ def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
             return linear_w8a8_gemv(x, sa, *rows_major[0])
         if wf is not None and wt.shape[0] <= EXACT_K:  # BLAS's float32 sums are the exact int32 ones already
             c = gemm_exact_f32(quantize_per_tensor_f32(x, sa), wf)
+        elif wf is not None:
+            c = gemm_blocked_f32(quantize_per_tensor_f32(x, sa), wf).astype(np.float32)
         else:
             c = gemm_s8s32(quantize_per_tensor(x, sa), wt, wf).astype(np.float32)
         c *= scale  # exact int32 sums on every path: the same bits
@@ -80,9 +82,9 @@ def w8a8_scale(rec, get, cols=None):
     return np.float32(rec["scale_a"]) * sw
 
 
-def run_shadow(rec, get, counters):
-    """mllm-NPU eq. 1: the int8 GEMM plus the float shadow GEMM of the outliers (x - clip(x))."""
-    base, delta = run_w8a8(rec, get, counters), shadow_delta(rec, get, counters)
+def run_shadow(rec, get, counters, keep_f32: bool = False):
+    """mllm-NPU eq. 1: the int8 GEMM plus the float shadow GEMM of the outliers (x - clip(x)). keep_f32: as run_w8a8."""
+    base, delta = run_w8a8(rec, get, counters, keep_f32=keep_f32), shadow_delta(rec, get, counters)
     if not rec["shadow"]:
         return base  # pruned layer: outliers are clipped, no CPU work
     return lambda x, counters=counters: base(x) + delta(x, counters)

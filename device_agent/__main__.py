@@ -9,6 +9,10 @@ LANE_THREADS = os.environ.get("EDGEPROBE_LANE_THREADS", "1")
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 os.environ.setdefault("NUMBA_NUM_THREADS", str(len(os.sched_getaffinity(0)) if LANE_THREADS == "auto" else 1))
+# With 2-thread BLAS (auto), OpenBLAS's idle worker spins 2^28 cycles (~0.1 s) after each call, taking a core from the
+# numba kernel that runs next: q4_0-tile's npu GEMM ran 4x slower after an attention GEMM. 2^16 cycles (~20 us)
+# still bridges back-to-back BLAS calls; q4_0-tile prefill 2.0 -> 1.2 s at 256 tokens, w8a8-shadow level at 1024
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 # The agent keeps numba's OpenMP layer (a host process gets TBB: edgeprobe_kernels/__init__.py). Measured by
 # bench/threading_layers.py on 2 cores: agent decode steps level on a quiet machine, and beside two busy processes
 # 35-43 ms under OpenMP against 59-76 under TBB; OpenMP's stalls (steps of 0.5-1.6 s) were seen in host processes only.

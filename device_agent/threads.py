@@ -7,6 +7,7 @@ op's BLAS and numba kernels use every core. Each trace event records the threads
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -54,6 +55,23 @@ class Cores:
         except ImportError:
             self._set_numba = None
         self.enabled = True
+        if self._set_blas is not None:
+            from edgeprobe_kernels import llama_ops
+
+            llama_ops.SPLIT_HOOK = self.single_blas  # an op alone may split its rows over the cores (attention, SwiGLU)
+
+    @contextlib.contextmanager
+    def single_blas(self):
+        """BLAS on one thread while an op runs its own parts on every core (llama_ops._split); then as before."""
+        with self._lock:
+            if self._blas != 1:
+                self._set_blas(1)
+        try:
+            yield
+        finally:
+            with self._lock:
+                if self._blas != 1:  # what enter() last set (an op starting meanwhile on another lane sets 1)
+                    self._set_blas(self._blas)
 
     def enter(self) -> int | None:
         """An op starts on the calling lane thread: its thread count (all cores if it computes alone); None

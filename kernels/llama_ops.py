@@ -5,6 +5,9 @@ on the agent computes what the host simulates.
 """
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 
 try:
@@ -146,6 +149,42 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 
 ATTN_BLOCK = 128  # query rows per block of a long prompt's attention
+SPLIT_ROWS = 256  # from this many rows an elementwise op is worth splitting over the op's cores
+_POOL: list = []  # [ThreadPoolExecutor]: made at the first split; its threads only ever run _split's parts
+_POOL_LOCK = threading.Lock()
+# A context manager factory under which the op's BLAS calls run on one thread, set by the agent (threads.py), or
+# None: ops never split. Two parts each calling 2-thread BLAS ran attention 2-3x slower; and outside the agent
+# OpenBLAS's idle worker spins ~0.1 s after each call (the agent shortens it), taking the core a part would use.
+SPLIT_HOOK = None
+
+
+def _op_cores() -> int:
+    """The cores the calling thread's op may use: numba's thread count for this thread, which the agent sets per
+    op (1 when another lane computes, all when the op computes alone: edgeprobe_agent/threads.py); 1 without numba."""
+    return numba.get_num_threads() if numba is not None else 1
+
+
+def _split(fn, items: list) -> None:
+    """fn(part) over items dealt round-robin into one part per core the op may use: the calling thread runs the
+    first part, pool threads the others (numpy's ufuncs and BLAS release the GIL). Each part writes its own rows,
+    so the result is the same bits as fn(items)."""
+    hook = SPLIT_HOOK
+    n = min(_op_cores(), len(items)) if hook is not None else 1
+    if n < 2:
+        fn(items)
+        return
+    with _POOL_LOCK:
+        if not _POOL:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _POOL.append(ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="op-split"))
+    with hook():
+        futures = [_POOL[0].submit(fn, items[i::n]) for i in range(1, n)]
+        try:
+            fn(items[0::n])
+        finally:
+            for f in futures:
+                f.result()  # waits for every part, and raises the first part's error
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0) -> np.ndarray:
@@ -173,10 +212,13 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
     k, v = k[:, :, :S], v[:, :, :S]
     if T > ATTN_BLOCK:  # long prompts: query blocks, each over the keys it can see (scores stay in cache)
         out = np.empty((B, T, H * d), np.float32)
-        for t0 in range(0, T, ATTN_BLOCK):
-            t1 = min(T, t0 + ATTN_BLOCK)
-            s1 = start + t1  # keys after the block's last position are masked for all of its queries
-            out[:, t0:t1] = attention(q[:, t0:t1], k[:, :, :s1], v[:, :, :s1], start + t0, window).reshape(B, t1 - t0, H * d)
+
+        def blocks(t0s):  # the blocks are independent: split over the op's cores (softmax is numpy, one thread each)
+            for t0 in t0s:
+                t1 = min(T, t0 + ATTN_BLOCK)
+                s1 = start + t1  # keys after the block's last position are masked for all of its queries
+                out[:, t0:t1] = attention(q[:, t0:t1], k[:, :, :s1], v[:, :, :s1], start + t0, window).reshape(B, t1 - t0, H * d)
+        _split(blocks, list(range(0, T, ATTN_BLOCK)))
         return out.reshape(B * T, H * d)
     # The G query heads of a KV head share its keys: one GEMM of M = G*T rows per KV head.
     qg = q.transpose(0, 2, 1, 3).reshape(B, KV, G * T, d) * np.float32(1.0 / np.sqrt(d))
@@ -194,8 +236,19 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
 
 
 def swiglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:
-    """silu(g) * u: the input of an FFN's down projection (Shazeer 2020)."""
-    return g / (1.0 + np.exp(-g)) * u
+    """silu(g) * u: the input of an FFN's down projection (Shazeer 2020). Rows split over the op's cores from
+    SPLIT_ROWS rows (numpy's float32 exp is ~1.8 ns an element here, 0.2 s of a 1024-token prefill)."""
+    if g.ndim != 2 or g.shape[0] < SPLIT_ROWS or g.shape != u.shape:
+        return g / (1.0 + np.exp(-g)) * u
+    out = np.empty(np.broadcast_shapes(g.shape, u.shape), np.result_type(g, u, 1.0))
+    step = -(-g.shape[0] // 8)
+
+    def rows(r0s):
+        for r0 in r0s:
+            gr, ur = g[r0:r0 + step], u[r0:r0 + step]
+            out[r0:r0 + step] = gr / (1.0 + np.exp(-gr)) * ur
+    _split(rows, list(range(0, g.shape[0], step)))
+    return out
 
 
 def geglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:

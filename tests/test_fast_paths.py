@@ -3,6 +3,7 @@ exact-float BLAS path of w8a8 linears, the Q8_0 LM head (lossless on SmolLM2's o
 kernel and BLAS path agreeing), a decode step's fused layers (the same logits as the unfused ops), and a fused op
 the agent refuses before running when it is malformed."""
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -268,3 +269,32 @@ def test_a_host_process_runs_numba_on_tbb_and_the_agent_keeps_openmp(tmp_path):
     agent = subprocess.run([sys.executable, "-c", "import edgeprobe_agent.__main__\n" + code], capture_output=True,
                            text=True, env=env, timeout=120)
     assert agent.stdout.strip() == "omp", agent.stderr[-2000:]
+
+
+def test_an_op_alone_splits_attention_blocks_and_swiglu_rows_over_the_cores_with_the_same_bits():
+    """The agent's auto lanes let an op computing alone run its query blocks / rows on every core, BLAS on one
+    thread meanwhile (llama_ops._split, threads.Cores.single_blas); the result is the unsplit one, bit for bit."""
+    import contextlib
+
+    from edgeprobe_kernels import llama_ops
+
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 300, 9, 64)).astype(np.float32)
+    k = rng.standard_normal((1, 3, 300, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 3, 300, 64)).astype(np.float32)
+    g, u = (rng.standard_normal((600, 96)).astype(np.float32) for _ in range(2))
+    calls = []
+    want = [llama_ops.attention(q, k, v, 0), llama_ops.attention(q, k, v, 0, window=100), llama_ops.swiglu_act(g, u)]
+
+    @contextlib.contextmanager
+    def hook():
+        calls.append(threading.current_thread().name)
+        yield
+
+    old, llama_ops.SPLIT_HOOK = llama_ops.SPLIT_HOOK, hook
+    try:
+        got = [llama_ops.attention(q, k, v, 0), llama_ops.attention(q, k, v, 0, window=100), llama_ops.swiglu_act(g, u)]
+    finally:
+        llama_ops.SPLIT_HOOK = old
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert len(calls) == (3 if llama_ops._op_cores() >= 2 else 0)  # one split per op where the op has 2+ cores

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .ops import OPS, OpError, RunnerCache, check_fused, flops
+from .ops import GATHERS_ROWS, OPS, OpError, RunnerCache, check_fused, flops
 from .protocol import AgentError
 from .store import now_us
 from .threads import CORES_IN_USE
@@ -183,9 +183,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
         if k == "op":
             return results[v]
         if k == "blob":
-            # an embedding table (113 MB float32 for SmolLM2, as large as the rest of the int8 model) of which a run
-            # gathers a few rows: mapped, so only those rows' pages are read (llama.cpp maps it too)
-            return ctx.map_blob(v) if rows_only and ctx.map_blob is not None else ctx.get(v)
+            return ctx.map_blob(v) if rows_only and ctx.map_blob is not None else ctx.get(v)  # ops.GATHERS_ROWS
         if v not in inputs:
             raise OpError("missing_input", f"the plan reads run input {str(v)[:40]!r}, which the run did not send")
         return inputs[v]
@@ -201,7 +199,8 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                             raise Cancelled()
                 if cancel.is_set() or failure:
                     raise Cancelled()
-                args = [resolve(r, op["kind"] == "embed" and i == 1) for i, r in enumerate(op.get("inputs", []))]
+                gathered = GATHERS_ROWS.get(op["kind"])
+                args = [resolve(r, i == gathered) for i, r in enumerate(op.get("inputs", []))]
                 lane_ctx.event = {}
                 threads = CORES_IN_USE.enter()
                 t0 = now_us()

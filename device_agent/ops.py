@@ -472,6 +472,10 @@ def _moe_ffn(inp, attrs, ctx):
     return op_moe_ffn(inp, attrs, ctx)
 
 
+# op kind -> the input it gathers a few rows from: a blob there is mapped, not read whole (an embedding table is
+# 113 MB float32 for SmolLM2, as large as the rest of the int8 model; a run reads only its tokens' rows' pages)
+GATHERS_ROWS = {"embed": 1}
+
 OPS = {"ffn_flash": _ffn_flash, "moe_ffn": _moe_ffn, "embed": op_embed, "rms_norm": op_rms_norm, "linear": op_linear, "rope": op_rope, "attention": op_attention,
        "add": op_add, "swiglu": op_swiglu, "lm_head": op_lm_head, "concat": op_concat, "sigmoid_mul": op_sigmoid_mul,
        "geglu": op_geglu, "fused": op_fused}

@@ -174,6 +174,12 @@ def gemm_s8s32(a: np.ndarray, bt: np.ndarray, bt_f32: np.ndarray | None = None) 
     return gemm_blocked_f32(af, bf)
 
 
+def gemm_codes_f32(af: np.ndarray, bf: np.ndarray) -> np.ndarray:
+    """af float32[M, K], bf float32[K, N], both holding int8 values, any K -> float32[M, N] holding the exact int32
+    sums (what a runner keeping its weight's float32 copy multiplies by its scales)."""
+    return gemm_exact_f32(af, bf) if af.shape[1] <= EXACT_K else gemm_blocked_f32(af, bf).astype(np.float32)
+
+
 def gemm_blocked_f32(af: np.ndarray, bf: np.ndarray) -> np.ndarray:
     """af float32[M, K], bf float32[K, N], both holding int8 values, any K -> int32[M, N], exact: K cut into
     equal blocks of <= EXACT_K (1536 -> 2 x 768: two even BLAS calls run faster than 1024 + 512)."""

@@ -14,7 +14,7 @@ import numpy as np
 from . import int8_gemm
 from .arena import ARENA
 from .f16_gemm import gemm_f16w_seq
-from .int8_gemm import EXACT_K, GEMV_M, gemm_blocked_f32, gemm_exact_f32, gemm_s8s32, linear_w8a8_gemv, quantize_per_tensor, quantize_per_tensor_f32
+from .int8_gemm import GEMV_M, gemm_codes_f32, gemm_s8s32, linear_w8a8_gemv, quantize_per_tensor, quantize_per_tensor_f32
 from .intn import dequantize_channels
 from .lut import lut16_dequant
 from .shadow import extract_outliers, shadow_gemm
@@ -60,12 +60,10 @@ def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
             if not rows_major:
                 rows_major.append((ARENA.copy(wt.T), np.array(np.broadcast_to(scale, wt.shape[1]), np.float32)))
             return linear_w8a8_gemv(x, sa, *rows_major[0])
-        if wf is not None and wt.shape[0] <= EXACT_K:  # BLAS's float32 sums are the exact int32 ones already
-            c = gemm_exact_f32(quantize_per_tensor_f32(x, sa), wf)
-        elif wf is not None:
-            c = gemm_blocked_f32(quantize_per_tensor_f32(x, sa), wf).astype(np.float32)
+        if wf is not None:  # BLAS on the float32 codes: exact int32 sums (K-blocks of <= EXACT_K)
+            c = gemm_codes_f32(quantize_per_tensor_f32(x, sa), wf)
         else:
-            c = gemm_s8s32(quantize_per_tensor(x, sa), wt, wf).astype(np.float32)
+            c = gemm_s8s32(quantize_per_tensor(x, sa), wt).astype(np.float32)
         c *= scale  # exact int32 sums on every path: the same bits
         return c
     return linear

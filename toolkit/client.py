@@ -322,6 +322,7 @@ class Client:
         if known is not None:
             return known["model_id"]
         model_id = self.request("load_model", manifest=_plain(qm.manifest))[0]["model_id"]
+        self._known = {k: v for k, v in self._known.items() if v["ref"]() is not None}  # not the manifests of dropped models
         self._known[id(qm)] = {"ref": weakref.ref(qm), "manifest": qm.manifest, "model_id": model_id, "plans": {}}
         return model_id
 

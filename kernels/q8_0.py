@@ -50,29 +50,25 @@ def dequantize_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 
 if numba is not None:
-    @numba.njit(nogil=True, fastmath=True, inline="never")
-    def _row_q8_0(row, xm, dv, tmp):
-        """One output: the products in a contiguous pass (vectorizes), then block sums times their scales."""
-        K = row.shape[0]
-        for j in range(K):
-            tmp[j] = np.float32(row[j]) * xm[j]
-        acc = np.float32(0)
-        for b in range(K // 32):
-            s = np.float32(0)
-            for j in range(b * 32, b * 32 + 32):
-                s += tmp[j]
-            acc += dv[b] * s
-        return acc
-
     @numba.njit(parallel=True, nogil=True, fastmath=True, cache=True)
     def _matmul_q8_0_nb(x, q, d, y):
         M, K = x.shape
         V = q.shape[0]
         for blk in numba.prange((V + 63) // 64):  # 64 output rows per task: less scheduling per row
-            tmp = np.empty(K, np.float32)
+            acc = np.empty(QK, np.float32)
             for v in range(blk * 64, min(V, blk * 64 + 64)):
+                row, dv = q[v], d[v]
                 for m in range(M):
-                    y[m, v] = _row_q8_0(q[v], x[m], d[v], tmp)
+                    xm = x[m]
+                    acc[:] = 0
+                    for b in range(K // QK):  # 32 lanes accumulate scaled products: one horizontal sum per row
+                        db = dv[b]
+                        for j in range(QK):
+                            acc[j] += db * (np.float32(row[b * QK + j]) * xm[b * QK + j])
+                    s = np.float32(0)
+                    for j in range(QK):
+                        s += acc[j]
+                    y[m, v] = s
 
 
 def matmul_q8_0(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:

@@ -371,16 +371,9 @@ def _groupable(sub: dict) -> bool:
         and isinstance(rec.get("shape"), list) and len(rec["shape"]) == 2 and len(sub.get("inputs", [])) == 1
 
 
-def _group_linear(subs: list, x: np.ndarray, ctx) -> list | None:
-    """The outputs of sibling W8A8 linears on x, from one kernel call (their int8 GEMVs; shadow deltas added per
-    linear as run_shadow does: the same bits), or None where the linears run one by one: prefill rows, no numba,
-    the gpu lane, the hvx backend."""
-    if not (int8_gemm.numba is not None and x.ndim == 2 and x.shape[0] <= GEMV_M and ctx.lane != "gpu"
-            and not (ctx.lane == "npu" and ctx.backends.get("npu") == "hvx")):
-        return None
+def _group_weights(subs: list, ctx):
+    """The stacked weights of sibling W8A8 linears (see _group_linear), built once for all plans naming them."""
     recs = [s["attrs"]["rec"] for s in subs]
-    if any(x.shape[1] != int(r["shape"][1]) for r in recs):
-        return None  # a shape mismatch: the single path reports it
 
     def build():
         ws, scales, parts = [], [], []
@@ -393,7 +386,21 @@ def _group_linear(subs: list, x: np.ndarray, ctx) -> list | None:
         bounds = np.cumsum([0] + [w.shape[0] for w in ws])
         return (sa, np.concatenate(parts), ARENA.copy(np.concatenate(ws)),
                 np.concatenate(scales).astype(np.float32), bounds)
-    sa, part, w, scale, bounds = ctx.runners.get(("w8a8-group",) + tuple(ctx.runners.rec_key(r) for r in recs), build)
+    return ctx.runners.get(("w8a8-group",) + tuple(ctx.runners.rec_key(r) for r in recs), build)
+
+
+def _group_linear(subs: list, x: np.ndarray, ctx) -> list | None:
+    """The outputs of sibling W8A8 linears on x, from one kernel call (their int8 GEMVs; shadow deltas added per
+    linear as run_shadow does: the same bits), or None where the linears run one by one: prefill rows, no numba,
+    the gpu lane, the hvx backend."""
+    if not (int8_gemm.numba is not None and x.ndim == 2 and x.shape[0] <= GEMV_M and ctx.lane != "gpu"
+            and not (ctx.lane == "npu" and ctx.backends.get("npu") == "hvx")):
+        return None
+    recs = [s["attrs"]["rec"] for s in subs]
+    if any(x.shape[1] != int(r["shape"][1]) for r in recs):
+        return None  # a shape mismatch: the single path reports it
+    # the step list is the fused op's own (kept with its attrs): its weights are looked up once, not per step
+    sa, part, w, scale, bounds = ctx.runners.per_object(subs, "w8a8-group", lambda s: _group_weights(s, ctx))
     y = int8_gemm.linear_w8a8_gemv_group(x, sa, part, w, scale)
     outs = []
     for p, rec in enumerate(recs):
@@ -405,34 +412,63 @@ def _group_linear(subs: list, x: np.ndarray, ctx) -> list | None:
     return outs
 
 
+def _plain_linear(sub: dict) -> bool:
+    """A sub-op that is a whole linear with no split (a decode step's o and down projections): op_fused calls its
+    cached runner directly, without op_linear's per-call lookups."""
+    a = sub.get("attrs", {})
+    return sub["kind"] == "linear" and isinstance(a.get("rec"), dict) and a.get("part", "all") == "all" \
+        and not any(k in a for k in ("rows", "cols", "pad_to")) and len(sub.get("inputs", [])) == 1
+
+
+def _compile_fused(attrs: dict) -> list:
+    """attrs ops as steps: (a list of sibling linears or None, [(sub-op, its input refs as ("arg", i) | ("op", name),
+    whether it is a plain linear)])."""
+    steps = []
+    for step in _sibling_groups(attrs["ops"]):
+        subs = step if isinstance(step, list) else [step]
+        steps.append((step if isinstance(step, list) else None,
+                      [(sub, [("arg", r["arg"]) if "arg" in r else ("op", r["op"]) for r in sub["inputs"]], _plain_linear(sub))
+                       for sub in subs]))
+    return steps
+
+
 def op_fused(inp, attrs, ctx):
     """A run of one lane's consecutive ops computed back to back as one op (a decode step's layer: its ~15 ops
     cost more in hand-offs than in arithmetic). attrs ops: [{"name", "kind", "inputs": [{"arg": i} (the fused
     op's input i) | {"op": an earlier sub-op}], "attrs"}]; the value is the last sub-op's. The op's trace event
-    gets the summed flops, and parts_us: each sub-op kind's time inside it."""
+    gets the summed flops, and parts_us: each sub-op kind's time inside it. The sub-ops are parsed once per
+    plan (validated plans never change) and a plain linear's runner is looked up once per lane: a decode step
+    runs ~400 sub-ops, and their Python around the kernels ran from caches the weights had just swept."""
     local, parts, total = {}, {}, 0
+    hvx = ctx.lane == "npu" and ctx.backends.get("npu") == "hvx"
+    runners = ctx.runners
     t = perf_counter_ns()
-    for step in ctx.runners.per_object(attrs, "steps", lambda a: _sibling_groups(a["ops"])):
-        if isinstance(step, list):
-            r = step[0]["inputs"][0]
-            x = inp[r["arg"]] if "arg" in r else local[r["op"]]
-            outs = _group_linear(step, x, ctx)
+    for group, subs in runners.per_object(attrs, "steps", _compile_fused):
+        if group is not None:
+            src, i = subs[0][1][0]
+            x = inp[i] if src == "arg" else local[i]
+            outs = _group_linear(group, x, ctx)
             if outs is not None:
-                for sub, out in zip(step, outs):
+                for sub, out in zip(group, outs):
                     local[sub["name"]] = out
-                    total += flops("linear", [x], out, sub["attrs"], ctx)
+                    total += 2 * x.shape[0] * x.shape[1] * out.shape[1]
                 t1 = perf_counter_ns()
                 parts["linear"] = parts.get("linear", 0.0) + (t1 - t) / 1000.0
                 t = t1
                 continue
-        for sub in step if isinstance(step, list) else [step]:
-            args = [inp[r["arg"]] if "arg" in r else local[r["op"]] for r in sub["inputs"]]
-            a = sub.get("attrs", {})
-            out = OPS[sub["kind"]](args, a, ctx)
+        for sub, rr, plain in subs:
+            args = [inp[i] if src == "arg" else local[i] for src, i in rr]
+            kind, a = sub["kind"], sub.get("attrs", {})
+            if plain and ctx.lane != "gpu" and not hvx and isinstance(args[0], np.ndarray) and args[0].ndim == 2:
+                fn = runners.per_object(sub, ctx.lane, lambda s: _runner(ctx, s["attrs"]["rec"], "all"))
+                out = fn(args[0], counters=ctx.counters)
+                total += 2 * args[0].shape[0] * args[0].shape[1] * out.shape[1]
+            else:
+                out = OPS[kind](args, a, ctx)
+                total += flops(kind, args, out, a, ctx)
             local[sub["name"]] = out
-            total += flops(sub["kind"], args, out, a, ctx)
             t1 = perf_counter_ns()
-            parts[sub["kind"]] = parts.get(sub["kind"], 0.0) + (t1 - t) / 1000.0
+            parts[kind] = parts.get(kind, 0.0) + (t1 - t) / 1000.0
             t = t1
     if ctx.event is not None:
         ctx.event.update({"flops": int(total), "parts_us": parts, "fused_ops": len(attrs["ops"])})

@@ -15,9 +15,18 @@ def _ro(a: np.ndarray) -> np.ndarray:
 def warm() -> list[str]:
     """Call each numba kernel of the agent's lanes once on tiny inputs; returns the names warmed (none without numba)."""
     try:
-        import numba  # noqa: F401
+        import numba
     except ImportError:
         return []
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)  # one thread: no OpenMP team kept on this thread (see edgeprobe_agent.server._Workers)
+    try:
+        return _warm()
+    finally:
+        numba.set_num_threads(threads)
+
+
+def _warm() -> list[str]:
     from .f16_gemm import gemm_f16w_seq
     from .int8_gemm import as_f32, linear_w8a8_gemv, linear_w8a8_gemv_group
     from .q8_0 import matmul_q8_0

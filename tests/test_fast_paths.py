@@ -192,7 +192,8 @@ def test_the_parallel_float32_copy_of_an_int8_weight_holds_its_values():
 
 
 def test_agent_workers_reuse_threads_and_never_make_a_task_wait():
-    """A decode step runs on a thread kept from the last one; a run that blocks does not hold up the next."""
+    """A decode step runs on the thread that ran the last one (its OpenMP team); a run that blocks does not hold
+    up the next."""
     import queue
     import threading
     import time
@@ -208,15 +209,18 @@ def test_agent_workers_reuse_threads_and_never_make_a_task_wait():
 
     def idle(n):
         deadline = time.monotonic() + 10
-        while w._idle < n and time.monotonic() < deadline:
+        while len(w._idle) < n and time.monotonic() < deadline:
             time.sleep(0.01)
-        return w._idle
+        return len(w._idle)
 
     gate.set()
     assert idle(2) == 2
-    for _ in range(5):
+    ran = []
+    for _ in range(5):  # one after another: each on the thread the last one ran on
         w.submit(lambda: seen.put(threading.get_ident()))
-        assert seen.get(timeout=10) in {a, b}  # no new thread
+        ran.append(seen.get(timeout=10))
+        assert idle(2) == 2
+    assert len(set(ran)) == 1 and ran[0] in {a, b}  # no new thread, and no hopping between the two
     gate2, started = threading.Event(), queue.Queue()
     for _ in range(3):  # three at once: a third thread starts, and ends when done (keep = 2)
         w.submit(lambda: (started.put(threading.get_ident()), gate2.wait(10)))
@@ -224,7 +228,7 @@ def test_agent_workers_reuse_threads_and_never_make_a_task_wait():
     gate2.set()
     assert idle(2) == 2
     time.sleep(0.2)
-    assert w._idle == 2
+    assert len(w._idle) == 2
 
 
 def test_arena_copies_are_exact_aligned_and_disjoint_across_threads():

@@ -48,3 +48,43 @@ def shadow_gemm(rows, cols, vals, slot, hot, cold, y) -> None:
     if numba is None or len(rows) == 0:
         return shadow_gemm_ref(rows, cols, vals, slot, hot, cold, y)
     _shadow_gemm_nb(rows.astype(np.int64), cols.astype(np.int64), vals.astype(np.float32), slot, hot, cold, y)
+
+
+if numba is not None:
+    @numba.njit(nogil=True, cache=True)
+    def _shadow_few_nb(x, clip, slot, hot, cold, y, seen):
+        """extract_outliers + _shadow_gemm_nb in one pass (same order: rows, then channels ascending; the same
+        float32 operations, no fastmath): returns (outliers, distinct cold channels read)."""
+        n_out, n_cold = 0, 0
+        for m in range(x.shape[0]):
+            for j in range(x.shape[1]):
+                v = x[m, j]
+                if abs(v) > clip:
+                    d = v - min(max(v, -clip), clip)
+                    s = slot[j]
+                    n_out += 1
+                    if s >= 0:
+                        for n in range(y.shape[1]):
+                            y[m, n] += d * hot[s, n]
+                    else:
+                        if seen[j] == 0:
+                            seen[j] = 1
+                            n_cold += 1
+                        for n in range(y.shape[1]):
+                            y[m, n] += d * cold[-1 - s, n]
+        return n_out, n_cold
+
+
+FEW_ROWS = 8  # up to this many rows (decode steps) one numba pass replaces extract_outliers' numpy temporaries
+
+
+def shadow_delta_few(x: np.ndarray, clip: float, slot: np.ndarray, hot: np.ndarray, cold: np.ndarray, N: int):
+    """(x - clip(x)) @ W^T for a few rows of x float32[M, K] (M <= FEW_ROWS) -> (y float32[M, N], outliers,
+    distinct cold channels read): the bits of extract_outliers + shadow_gemm, without numpy's per-call temporaries
+    (a w8a8c-shadow decode step runs 210 of these, each ~60 us through numpy). None without numba."""
+    if numba is None or x.shape[0] > FEW_ROWS or x.dtype != np.float32:
+        return None
+    y = np.zeros((x.shape[0], N), np.float32)
+    n_out, n_cold = _shadow_few_nb(np.ascontiguousarray(x), np.float32(clip), slot, hot, cold, y,
+                                   np.zeros(x.shape[1], np.uint8))
+    return y, n_out, n_cold

@@ -30,7 +30,7 @@ def _warm() -> list[str]:
     from .f16_gemm import gemm_f16w_seq
     from .int8_gemm import as_f32, linear_w8a8_gemv, linear_w8a8_gemv_group
     from .q8_0 import matmul_q8_0
-    from .shadow import shadow_gemm
+    from .shadow import shadow_delta_few, shadow_gemm
 
     x = np.ones((1, 64), np.float32)
     done = []
@@ -48,6 +48,9 @@ def _warm() -> list[str]:
         shadow_gemm(np.zeros(1, np.int64), np.zeros(1, np.int64), np.ones(1, np.float32), _ro(slot),
                     _ro(np.ones((2, 8), np.float32)), cold, np.zeros((1, 8), np.float32))
     done.append("shadow_gemm")
+    for cold in (_ro(np.ones((62, 8), np.float32)), np.ones((62, 8), np.float32)):
+        shadow_delta_few(x, 0.5, _ro(slot), _ro(np.ones((2, 8), np.float32)), cold, 8)
+    done.append("shadow_delta_few")
     gemm_f16w_seq(x, np.ones((64, 8), np.float32))
     done.append("gemm_f16w_seq")
     from .llama_ops import apply_rope, attention, rms_norm

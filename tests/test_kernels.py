@@ -100,6 +100,36 @@ def test_shadow_gemm():
     np.testing.assert_allclose(y1, (x - np.clip(x, -2.5, 2.5)) @ w.T, atol=1e-5)
 
 
+@pytest.mark.parametrize("M", [1, 3])
+def test_decode_rows_shadow_delta_is_the_numpy_paths_bits_and_counts(M):
+    """shadow_delta_few (one numba pass for decode rows) against extract_outliers + shadow_gemm: values exactly at
+    and one ulp past a clip that float32 cannot hold, and a cold channel that two rows both read (counted once)."""
+    from edgeprobe_kernels.linear_records import shadow_delta
+
+    K, N, clip = 48, 30, 2.2  # float32(2.2) > 2.2: x == float32(clip) is an outlier only if compared in float64
+    x = (rng.standard_normal((M, K)) * 2).astype(np.float32)
+    c32 = np.float32(clip)
+    x[0, 5], x[0, 6], x[0, 7] = c32, np.nextafter(c32, np.float32(9)), -np.nextafter(c32, np.float32(9))
+    x[:, 20] = 5.0  # channel 20 is cold: every row reads it
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    hot = np.array([3, 6, 11])
+    cold = np.setdiff1d(np.arange(K), hot)
+    slot = np.empty(K, np.int64)
+    slot[hot], slot[cold] = np.arange(3), -1 - np.arange(len(cold))
+    blobs = {"slot": slot, "hot": w.T[hot].copy(), "cold": w.T[cold].copy()}
+    rec = {"shape": [N, K], "shadow": True, "clip": clip, "slot": "slot", "hot": "hot", "cold": "cold"}
+    fast_c, slow_c = {}, {}
+    fast = shadow_delta(rec, blobs.__getitem__, fast_c)(x)
+    rows, cols, vals = extract_outliers(x, clip)
+    slow = np.zeros((M, N), np.float32)
+    shadow_gemm(rows, cols, vals, slot, blobs["hot"], blobs["cold"], slow)
+    np.testing.assert_array_equal(fast, slow)
+    cold_read = np.unique(cols[slot[cols] < 0])
+    assert fast_c == {"shadow_values": x.size, "outliers": len(rows), "cold_rows_read": len(cold_read),
+                      "cold_bytes_read": len(cold_read) * N * 4}
+    assert 6 in cols[rows == 0] and (cols == 20).sum() == M
+
+
 @pytest.mark.parametrize("causal,start", [(True, 0), (True, 5), (False, 0)])
 def test_flash_attention_f16(causal, start):
     H, T, d = 2, 40, 64

@@ -191,6 +191,8 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
     def lane_worker(lane, names):
         lane_ctx = replace(ctx, lane=lane, counters=lane_counters[lane])  # shares the runner cache
         try:
+            if len(busy) > 1:
+                CORES_IN_USE.lanes_started()  # see threads.Cores.lanes_started: no lane's team spins on the other's core
             for name in names:
                 op = plan.ops[name]
                 for p in plan.waits[name]:

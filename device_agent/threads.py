@@ -73,6 +73,18 @@ class Cores:
                 if self._blas != 1:  # what enter() last set (an op starting meanwhile on another lane sets 1)
                     self._set_blas(self._blas)
 
+    def lanes_started(self) -> None:
+        """A lane thread of a run with two or more lanes starts: give it an OpenMP team now (a tiny parallel loop
+        on every core). libgomp spins ~3 ms after each parallel region while its pool threads are no more than the
+        cores, and otherwise sleeps at once: the lone team of a decode step's thread spins across the gaps between
+        its kernels, but one lane's spinning worker takes the core the other lane computes on (q4_0-tile decode,
+        npu GEMMs between cpu ops: 100 -> 230 ms a step). A team on every lane thread puts the count past the
+        cores for the run's duration; the teams end with their threads."""
+        if self.enabled and self._set_numba is not None:
+            from edgeprobe_kernels.warm import build_team
+
+            build_team(self.cores)
+
     def enter(self) -> int | None:
         """An op starts on the calling lane thread: its thread count (all cores if it computes alone); None
         when not enabled (the kernels keep the process's settings)."""

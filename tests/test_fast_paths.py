@@ -178,7 +178,7 @@ def test_decode_sized_norms_and_rope_match_the_numpy_ones():
 def test_the_agent_warms_every_kernel_it_calls():
     from edgeprobe_kernels.warm import warm
 
-    assert warm() == ["linear_w8a8_gemv", "linear_w8a8_gemv_group", "as_f32", "matmul_q8_0", "shadow_gemm", "shadow_delta_few",
+    assert warm() == ["build_team", "linear_w8a8_gemv", "linear_w8a8_gemv_group", "as_f32", "matmul_q8_0", "shadow_gemm", "shadow_delta_few",
                       "gemm_f16w_seq",
                       "rms_norm, apply_rope", "attention (decode rows)"]
 

@@ -17,14 +17,29 @@ except ImportError:
 
 FEW_ROWS = 8  # up to this many rows (decode steps) the numba kernels below replace numpy's per-call overheads
 
+LANES = 16  # partial sums of a row's squares: vertical adds, vectorized without fastmath's free reordering
+
 if numba is not None:
-    @numba.njit(nogil=True, fastmath=True, cache=True)
+    # No fastmath: the sum's order is the code's (16 lanes, a tail, a fixed halving fold), so every compilation of
+    # the kernel (each array type is one, cached by whichever process met it first) gives the same bits
+    @numba.njit(nogil=True, cache=True)
     def _rms_norm_nb(x, w, eps, out):
         N, C = x.shape
+        acc = np.empty(LANES, np.float32)
         for n in range(N):
-            ms = np.float32(0)
-            for c in range(C):
-                ms += x[n, c] * x[n, c]
+            acc[:] = 0
+            body = C - C % LANES
+            for c0 in range(0, body, LANES):
+                for j in range(LANES):
+                    acc[j] += x[n, c0 + j] * x[n, c0 + j]
+            for c in range(body, C):
+                acc[c - body] += x[n, c] * x[n, c]
+            h = LANES // 2
+            while h > 0:
+                for j in range(h):
+                    acc[j] += acc[j + h]
+                h //= 2
+            ms = acc[0]
             r = np.float32(1.0 / np.sqrt(ms / C + eps))
             for c in range(C):
                 out[n, c] = x[n, c] * r * w[c]

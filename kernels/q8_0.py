@@ -50,7 +50,10 @@ def dequantize_q8_0(q: np.ndarray, d: np.ndarray) -> np.ndarray:
 
 
 if numba is not None:
-    @numba.njit(parallel=True, nogil=True, fastmath=True, cache=True)
+    # No fastmath: with it LLVM picks the order of the row's sum, and two compilations of one kernel (a writable and
+    # a read-only blob's specializations, cached by different processes) summed differently, ~1e-5 apart. Here the
+    # order is the code's: 32 lanes (vertical adds, vectorized without reassociation), then a fixed halving fold.
+    @numba.njit(parallel=True, nogil=True, cache=True)
     def _matmul_q8_0_nb(x, q, d, y):
         M, K = x.shape
         V = q.shape[0]
@@ -61,14 +64,16 @@ if numba is not None:
                 for m in range(M):
                     xm = x[m]
                     acc[:] = 0
-                    for b in range(K // QK):  # 32 lanes accumulate scaled products: one horizontal sum per row
+                    for b in range(K // QK):  # lane j accumulates the block's j-th scaled product
                         db = dv[b]
                         for j in range(QK):
                             acc[j] += db * (np.float32(row[b * QK + j]) * xm[b * QK + j])
-                    s = np.float32(0)
-                    for j in range(QK):
-                        s += acc[j]
-                    y[m, v] = s
+                    w = QK // 2
+                    while w > 0:  # lanes j and j + w, halving: 16 + 8 + 4 + 2 + 1 vertical adds
+                        for j in range(w):
+                            acc[j] += acc[j + w]
+                        w //= 2
+                    y[m, v] = acc[0]
 
 
 def matmul_q8_0(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:

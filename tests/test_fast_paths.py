@@ -303,3 +303,30 @@ def test_an_op_alone_splits_attention_blocks_and_swiglu_rows_over_the_cores_with
         llama_ops.SPLIT_HOOK = old
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     assert len(calls) == (3 if llama_ops._op_cores() >= 2 else 0)  # one split per op where the op has 2+ cores
+
+
+def test_a_kernel_compiled_by_another_process_gives_the_same_bits(tmp_path):
+    """numba compiles a kernel once per array type (a blob is read-only, an activation writable) and caches each
+    compilation from whichever process met it first. Under fastmath LLVM chose each compilation's order of a sum:
+    the agent's read-only Q8_0 head and a host's writable one summed SmolLM2's logits ~1e-5 apart. The head and
+    the decode-row RMSNorm fix their sums' order in the code, so the bits are the same whoever compiled them."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), NUMBA_NUM_THREADS="1", NUMBA_THREADING_LAYER="omp")
+    agent = subprocess.run([sys.executable, "-c", "from edgeprobe_kernels.warm import warm; warm()"],
+                           capture_output=True, text=True, env=env, timeout=300)  # read-only kernels, as the agent
+    assert agent.returncode == 0, agent.stderr[-2000:]
+    code = ("import numpy as np\n"
+            "from edgeprobe_kernels.q8_0 import matmul_q8_0, quantize_q8_0\n"
+            "from edgeprobe_kernels.llama_ops import rms_norm\n"
+            "from edgeprobe_kernels.warm import _ro\n"
+            "rng = np.random.default_rng(0)\n"
+            "q, d = quantize_q8_0(rng.standard_normal((2048, 576)).astype(np.float32))\n"
+            "x, w = rng.standard_normal((2, 576)).astype(np.float32), rng.standard_normal(576).astype(np.float32)\n"
+            "head = np.array_equal(matmul_q8_0(x, q, d), matmul_q8_0(x, _ro(q), _ro(d)))\n"
+            "norm = np.array_equal(rms_norm(x, w, 1e-5), rms_norm(x, _ro(w), 1e-5))\n"
+            "print(head, norm)")
+    host = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(env, NUMBA_NUM_THREADS="2", NUMBA_THREADING_LAYER="tbb"), timeout=300)
+    assert host.stdout.split() == ["True", "True"], host.stdout + host.stderr[-2000:]

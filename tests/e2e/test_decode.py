@@ -12,6 +12,7 @@ from edgeprobe.device import DecodeSession, Device, DeviceError
 from edgeprobe.generate import HostSession, replay
 from edgeprobe.trace import cosine
 from edgeprobe.tts import beam_search, best_of_n, mean_logprob
+from edgeprobe_kernels.linear_records import run_q4_0_tile_seq
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +122,13 @@ def test_best_of_n_runs_on_the_agent_session(dev, qm, heldout_ids):
     with dev.session(qm, 16, progress=False) as s:
         cands = best_of_n(s, heldout_ids[:8], n=3, max_tokens=4, temperature=0.8, seed=0)
         assert s.batch == 3 and len(s.step_ms) == 4
-    host = best_of_n(HostSession(qm.model, qm.linear), heldout_ids[:8], n=3, max_tokens=4, temperature=0.8, seed=0)
+    # the host with the npu lane's arithmetic (q4_0-tile's sums in order, not BLAS's): sampled tokens are a step
+    # function of the logits, so only the same bits make equal samples a fair test rather than luck
+    seq = {n: run_q4_0_tile_seq(rec, qm.store.get, {}) for n, rec in qm.manifest["linears"].items()}
+    host = best_of_n(HostSession(qm.model, lambda n, x: seq[n](x)), heldout_ids[:8], n=3, max_tokens=4,
+                     temperature=0.8, seed=0)
     assert sorted(c.tokens for c in cands) == sorted(c.tokens for c in host)
+    assert sorted(c.logprobs for c in cands) == sorted(c.logprobs for c in host)
 
 
 def test_run_cli_decodes_a_batch(tmp_path):

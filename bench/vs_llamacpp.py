@@ -10,9 +10,11 @@ measurement alternates the two, A/B/A/B, so both see the same machine.
 
 Prints, per scheme and prompt length: prefill tok/s of llama.cpp and of the agent, warm (model uploaded, one
 prefill done; best of 2) and first run (a new agent process on a store that holds the blobs: its first prefill
-reads them from flash and compiles its runners); then batch-1 decode (64 greedy steps after a 64-token prompt,
-the host picking each token from the logits on both sides), the per-token time outside the agent's ops, and one
-decode step's profile. With --repeats N every ratio is the median of N rounds.
+reads them from flash and compiles its runners); then batch-1 decode, 64 greedy steps after a 64-token prompt:
+llama.cpp loops in its process (argmax of the logits, then one token through the model), the agent's loop runs
+once on the agent (decode@agent: argmax there, one request for all steps, as a phone's runtime loops) and once
+on the host (decode@host: a round trip per token); the per-token time outside the agent's ops and one decode
+step's profile for each. With --repeats N every ratio is the median of N rounds.
 """
 from __future__ import annotations
 
@@ -184,21 +186,28 @@ def main():
             for s in args.decode_schemes.split(","):
                 qm = qms[s]
                 prompt = ids[:64]
+                lr, by_loop = [], {"agent": [], "host": []}
                 with Device.local(store=store) as dev:
-                    dev.generate(qm, prompt, 4, progress=False)  # warm
-                    lr = llama.run(prompt, args.steps)
-                    d = dev.generate(qm, prompt, args.steps, progress=False)
-                    lr2 = llama.run(prompt, args.steps)
-                    d2 = dev.generate(qm, prompt, args.steps, progress=False)
-                best = min((d, d2), key=lambda x: x.decode_s)
-                ll_s = min(lr["decode_s"], lr2["decode_s"])
-                rows.setdefault(("decode b=1", s, 64), []).append((args.steps / ll_s, args.steps / best.decode_s))
-                prof, outside = decode_profile(best, args.steps)
-                extra.setdefault(s, []).append((prof, outside, best.step_ms))
-                ours = best.tokens[0].tolist()
-                same = next((i for i, (a, b) in enumerate(zip(lr["tokens"], ours)) if a != b), len(ours))
-                print(f"   decode {s}: the first {same} of {args.steps} greedy tokens equal llama.cpp's (Q4_1 weights "
-                      "there; after the first difference the texts part)")
+                    for loop in by_loop:
+                        dev.generate(qm, prompt, 4, progress=False, loop=loop)  # warm
+                    for _ in range(2):  # A/B/A/B: llama.cpp, the loop on the agent, the loop on the host
+                        lr.append(llama.run(prompt, args.steps))
+                        for loop, runs in by_loop.items():
+                            runs.append(dev.generate(qm, prompt, args.steps, progress=False, loop=loop))
+                ll_s = min(r["decode_s"] for r in lr)
+                for loop, runs in by_loop.items():
+                    best = min(runs, key=lambda x: x.decode_s)
+                    rows.setdefault((f"decode@{loop}", s, 64), []).append((args.steps / ll_s, args.steps / best.decode_s))
+                    prof, outside = decode_profile(best, args.steps)
+                    extra.setdefault((s, loop), []).append((prof, outside, best.step_ms))
+                a, h = by_loop["agent"][0], by_loop["host"][0]
+                same_bits = (a.tokens == h.tokens).all() and all((x == y).all() for x, y in zip(a.logits, h.logits))
+                ours = a.tokens[0].tolist()
+                same = next((i for i, (x, y) in enumerate(zip(lr[0]["tokens"], ours)) if x != y), len(ours))
+                print(f"   decode {s}: the loop on the agent and the loop on the host gave "
+                      f"{'the same tokens and logits, bit for bit' if same_bits else 'DIFFERENT results'}; the first "
+                      f"{same} of {args.steps} greedy tokens equal llama.cpp's (Q4_1 weights there; after the first "
+                      "difference the texts part)")
     finally:
         llama.close()
         tmp.cleanup()
@@ -211,14 +220,13 @@ def main():
         at = statistics.median(v[1] for v in vals)
         ratio = statistics.median(v[1] / v[0] for v in vals)
         print(f"{what:<14} {s:<12} {n:>6} {lt:16.1f} {at:12.1f} {ratio:6.2f}x")
-    for s, runs in extra.items():
+    for (s, loop), runs in extra.items():
         prof, outside, step_ms = runs[len(runs) // 2]
-        print(f"\none decode step, {s} (ms; fused layers broken into their parts): "
+        print(f"\none decode step, {s}, loop on the {loop} (ms; fused layers broken into their parts): "
               + ", ".join(f"{k} {v:.2f}" for k, v in prof.items()))
-        print(f"   per-token time outside the agent's ops (round trip, sampling, dispatch): "
+        print(f"   per-token time outside the agent's ops (round trips, sampling, dispatch between ops): "
               f"{statistics.median(r[1] for r in runs):.2f} ms; agent makespan per step "
               f"{statistics.median(step_ms[1:]):.2f} ms")
-
 
 if __name__ == "__main__":
     main()

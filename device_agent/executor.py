@@ -154,6 +154,7 @@ class Context:
     runners: RunnerCache = field(default_factory=RunnerCache)
     lane: str = "cpu"                # which processor the op runs on (ops pick their kernels by it)
     session: object = None           # the run's decode session (KV cache kept on the agent), if any
+    offset: int = 0                  # positions past the session's length where this pass starts (a decode loop's step)
     read_rows: object = None         # (sha, rows, lane=) -> rows of a blob read from flash, not kept resident
     read_blob: object = None         # sha -> a whole blob read from flash, not kept resident
     map_blob: object = None          # sha -> the blob memory-mapped: rows paged in from flash when touched

@@ -233,11 +233,12 @@ def _gpu_linear(rec, part, x, ctx, cols=None):
 
 
 def _session_start(attrs, ctx) -> int:
-    """Position of the run's first token: attrs start, or the session's length (a decode step)."""
+    """Position of the run's first token: attrs start, or the session's length (a decode step; plus the step's
+    offset in a decode loop)."""
     if attrs.get("session"):
         if ctx.session is None:
             raise OpError("no_session", "the plan reads a decode session but the run named none")
-        return ctx.session.length
+        return ctx.session.length + ctx.offset
     return int(attrs.get("start", 0))
 
 
@@ -342,7 +343,7 @@ def flops(kind: str, inp, out, attrs, ctx=None) -> int:
         T, H, d = inp[0].shape[0], int(attrs["n_heads"]), int(attrs["head_dim"])
         S = sum(a.shape[0] for a in inp[1:1 + int(attrs.get("parts", 1))])
         if attrs.get("session") and ctx is not None and ctx.session is not None:  # all the session's keys
-            return 4 * H * T * (S // int(attrs.get("batch", 1)) + ctx.session.length) * d
+            return 4 * H * T * (S // int(attrs.get("batch", 1)) + ctx.session.length + ctx.offset) * d
         return 4 * H * T * S * d  # QK^T and PV over S keys (the causal mask still computes them)
     return int(out.size)
 

@@ -31,6 +31,7 @@ CHUNK_BYTES = 4 << 20            # put_blob chunk size the client uses (the agen
 HEARTBEAT_S = 0.5                # interval of heartbeats while a request is in flight
 HEARTBEAT_TIMEOUT_S = 5.0        # silence after which either side gives the other up
 MAX_HEADER_BYTES = 1 << 24       # a header larger than this is refused unparsed
+MAX_STEPS = 1 << 16             # decode steps one run may loop over (a run of `steps`)
 MAX_NDIM = 32                    # numpy's own limit on every version the agent runs on
 ALLOWED_DTYPES = {"int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64", "bool"}
 NO_ID = -1                       # the id of an error reply to a message whose id could not be read

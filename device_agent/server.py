@@ -30,7 +30,7 @@ import queue
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -39,8 +39,8 @@ import zmq
 from . import __version__
 from .backends import check_backend, lane_backends, lane_kernels
 from .executor import EMULATED_LANES, LANES, Cancelled, Context, execute, validate
-from .ops import RunnerCache
-from .protocol import (ALLOWED_DTYPES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, AgentError,
+from .ops import OpError, RunnerCache
+from .protocol import (ALLOWED_DTYPES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, MAX_STEPS, NO_ID, PROTOCOL_VERSION, AgentError,
                        ProtocolError, check_request, error_reply, is_shape, pack, request_id, unpack_frames,
                        unpack_header)
 from .session import KVSession
@@ -149,6 +149,7 @@ class _FlashLog:
 
     def __init__(self):
         self._events: list = []
+        self._skip = 0
         self._lock = threading.Lock()
 
     def add(self, ev: dict) -> None:
@@ -157,7 +158,12 @@ class _FlashLog:
 
     def events(self) -> list:
         with self._lock:
-            return list(self._events)
+            return self._events[self._skip:]
+
+    def skip(self, n: int) -> None:
+        """events() leaves out the first n from now on (a decode loop reported them with its steps)."""
+        with self._lock:
+            self._skip = n
 
 
 class _Workers:
@@ -205,7 +211,9 @@ class _Run:
     cancel: threading.Event = field(default_factory=threading.Event)
     last_seen: float = field(default_factory=time.monotonic)  # written and read by the loop only
     session: object = None   # the KVSession the run reads and extends
-    advance: int = 0         # positions it adds to the session on success
+    advance: int = 0         # positions it adds to the session on success (every step's together)
+    steps: int = 1           # passes of the plan; after the first, each is fed the argmax of the one before
+    keep: str = "last"       # which steps' outputs the reply carries: "last" or "all" (stacked on a new axis 0)
 
 
 class Agent:
@@ -569,6 +577,16 @@ class Agent:
             raise ProtocolError("bad_request", "run needs 'inputs': one name per attached frame")
         if (ident, rid) in self.runs:
             raise ProtocolError("bad_id", f"request id {rid} is already running")
+        steps, keep = h.get("steps", 1), h.get("keep", "last")
+        if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
+            raise ProtocolError("bad_request", f"'steps' must be an integer from 1 to {MAX_STEPS}, got {str(steps)[:20]}")
+        if keep not in ("last", "all"):
+            raise ProtocolError("bad_request", f"'keep' must be 'last' or 'all', got {str(keep)[:20]!r}")
+        if steps > 1 and (h.get("session") is None or h.get("phase") != "decode" or len(names) != 1
+                          or len(plan.outputs) != 1 or plan.outputs[0] == "fed"):
+            raise ProtocolError("bad_request", "a run of several steps is a greedy decode loop: it needs a session, "
+                                               "phase 'decode', one input (the first step's tokens) and a plan with "
+                                               "one output (the logits), not named 'fed'")
         sess, advance = None, 0
         if h.get("session") is not None:
             sess = self._session(h.get("session"))
@@ -577,10 +595,10 @@ class Agent:
                 raise ProtocolError("bad_request", "a run in a session needs 'advance', the positions it adds (>= 1)")
             if h.get("phase") == "decode" and sess.length == 0:
                 raise ProtocolError("no_prefill", "decode step on an empty session: prefill the prompt first")
-            if sess.length + advance > sess.capacity:
-                raise ProtocolError("context_full", f"{sess.length + advance} positions exceed the session's capacity "
-                                                    f"{sess.capacity}")
-        run = _Run(rid, ident, session=sess, advance=advance)
+            if sess.length + advance * steps > sess.capacity:
+                raise ProtocolError("context_full", f"{sess.length + advance * steps} positions exceed the session's "
+                                                    f"capacity {sess.capacity}")
+        run = _Run(rid, ident, session=sess, advance=advance * steps, steps=steps, keep=keep)
         inputs = {n: np.array(a) for n, a in zip(names, arrays)}  # own the bytes: frames are recycled
         self.runs[(ident, rid)] = run
         try:
@@ -590,10 +608,43 @@ class Agent:
             raise
         return None  # the worker hands its final reply to the loop
 
+    @staticmethod
+    def _steps(run: _Run, plan, inputs, ctx: Context, on_op, flash: _FlashLog) -> tuple[dict, list, dict]:
+        """The run's passes of the plan on this thread: one, or `steps` of a greedy decode loop, each fed the argmax of
+        the last one's logits float32[batch, vocab] as int32[batch], at the next positions of the session (whose
+        length the loop moves on only after the whole run: a failed step leaves the cache as it was). A loop's
+        events carry "step"; its reply adds "fed" int32[batch, steps] (every step's tokens) and "step_counters"."""
+        if run.steps == 1:
+            outs, events = execute(plan, inputs, ctx, run.cancel, on_op)
+            return outs, events, {}
+        (name,), (out,) = list(inputs), plan.outputs
+        tokens = np.asarray(inputs[name]).reshape(-1).astype(np.int32)
+        per = run.advance // run.steps
+        events, kept, fed, step_counters, seen = [], [], [], [], 0
+        for i in range(run.steps):
+            step_ctx = replace(ctx, counters={}, offset=i * per)  # this step's positions, its own counters
+            outs, evs = execute(plan, {name: tokens}, step_ctx, run.cancel, on_op)
+            fed.append(tokens)
+            logits = outs[out]
+            if logits.ndim != 2 or logits.shape[0] != tokens.shape[0]:
+                raise OpError("bad_plan", f"a decode loop feeds each step the argmax of the plan's output, which must "
+                                          f"be float[batch={tokens.shape[0]}, vocab]; it is {list(logits.shape)}")
+            tokens = np.argmax(logits, axis=-1).astype(np.int32)  # the host's greedy sample(): the first maximum
+            new = flash.events()[seen:]
+            seen += len(new)
+            events += [{**e, "step": i} for e in evs + new]
+            kept.append(logits)
+            for k, v in step_ctx.counters.items():
+                ctx.counters[k] = ctx.counters.get(k, 0) + v
+            step_counters.append({k: int(v) for k, v in step_ctx.counters.items()})
+        flash.skip(seen)  # already in the events, with their steps
+        outs = {out: np.stack(kept) if run.keep == "all" else kept[-1], "fed": np.stack(fed, axis=1)}
+        return outs, events, {"step_counters": step_counters}
+
     def _run_worker(self, run: _Run, plan, inputs) -> None:
         """Runs on its own thread; hands the loop exactly one ("run_done", ...) item, whatever happens."""
         header, arrays = error_reply(run.rid, "internal", "the run ended without a result"), ()
-        total = len(plan.order)
+        total = len(plan.order) * run.steps
         # progress every 0.2 s of a long run; none for a short one (a decode step), whose final reply says it all
         state = {"done": 0, "last": time.monotonic()}
         lock = threading.Lock()  # on_op runs on every lane thread
@@ -615,13 +666,13 @@ class Agent:
                           backends={"npu": self.npu_backend}, kernels=self.kernels, emulated=self.emulated)
             t0 = now_us()
             try:
-                outs, events = execute(plan, inputs, ctx, run.cancel, on_op)
+                outs, events, more = self._steps(run, plan, inputs, ctx, on_op, flash)
             finally:
                 if run.session is not None:
                     run.session.settle()  # reads this run started (expert preloads) end before its reply
             t1 = now_us()
             header = {"id": run.rid, "final": True, "ok": True, "outputs": list(outs), "events": events + flash.events(),
-                      "counters": {k: int(v) for k, v in ctx.counters.items()}, "start_us": t0, "end_us": t1}
+                      "counters": {k: int(v) for k, v in ctx.counters.items()}, "start_us": t0, "end_us": t1, **more}
             arrays = [np.ascontiguousarray(a) for a in outs.values()]
         except Cancelled:
             header = error_reply(run.rid, "cancelled", "the run was cancelled")

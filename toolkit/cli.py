@@ -220,6 +220,10 @@ def cmd_run(args) -> int:
     if args.decode is None and args.batch != 1:
         print("edgeprobe: error: --batch applies to decoding; add --decode N", file=sys.stderr)
         return 2
+    if args.decode_loop == "agent" and (args.decode is None or args.temperature > 0):
+        print("edgeprobe: error: --decode-loop agent is a greedy loop of --decode N steps; give --decode N and leave "
+              "--temperature at 0", file=sys.stderr)
+        return 2
     if args.decode is not None and args.scheduler != "layer":
         print("edgeprobe: error: --decode prefills layer by layer inside its decode session; leave --scheduler at layer",
               file=sys.stderr)
@@ -480,7 +484,7 @@ def _run_decode(args, dev, qm, model, tokens, progress: bool, before: int) -> in
             print(model.tokenizer.decode([int(tok[0])]), end="", flush=True)
 
     dec = dev.generate(qm, tokens, args.decode, batch=args.batch, temperature=args.temperature, seed=args.seed,
-                       on_step=stream, progress=progress)
+                       on_step=stream, progress=progress, loop=args.decode_loop)
     if not args.json:
         print()
     host = replay(qm.model, tokens, dec.tokens, linear=qm.linear)
@@ -496,7 +500,7 @@ def _run_decode(args, dev, qm, model, tokens, progress: bool, before: int) -> in
            "upload_bytes": int(dev.uploaded_bytes - before), "logits_cosine_vs_host": cos[0],
            "agent": {k: info.get(k) for k in ("agent_version", "lanes", "emulated_lanes", "cores", "cpu", "backends")},
            **_agent_fields(info), "trace": args.trace, "scheduler": "layer", "chunk": None, "npu_backend": args.npu_backend,
-           "decode_steps": args.decode, "batch": args.batch, "temperature": args.temperature, "seed": args.seed,
+           "decode_steps": args.decode, "decode_loop": args.decode_loop, "batch": args.batch, "temperature": args.temperature, "seed": args.seed,
            "decode_tok_per_s": dec.decode_tok_per_s,
            "decode_step_ms_median": float(np.median(dec.step_ms)),
            "decode_logits_min_cosine_vs_host": float(min(cos[1:])),
@@ -802,6 +806,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after the prefill, run N decode steps on the agent (its KV cache stays there)")
     r.add_argument("--batch", type=int, default=1, help="--decode: sequences decoded together (test-time scaling)")
     r.add_argument("--temperature", type=float, default=0.0, help="--decode: 0 = greedy, else sampled")
+    r.add_argument("--decode-loop", default="host", choices=["host", "agent"],
+                   help="--decode: the host samples each token (a round trip per token; any temperature), or the agent "
+                        "loops greedily itself (one request for all steps, as a phone's runtime does)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--npu-backend", default="numba", choices=["numba", "hvx"],
                    help="the npu lane's kernels: numba (NPU semantics on this CPU) or hvx (Hexagon v67 HVX code under "

@@ -54,6 +54,7 @@ class RunResult:
     counters: dict = field(default_factory=dict)
     wall_s: float = 0.0
     schedule: object = None  # the Schedule a chunked prefill was laid out by (its predicted times)
+    step_counters: list = field(default_factory=list)  # a decode loop's counters, one dict per step
 
     @property
     def logits(self) -> np.ndarray:
@@ -358,7 +359,8 @@ class Client:
                   for e in head["events"]]
         meta = {"title": title or "edgeprobe agent run", "agent": self.info.get("agent_version"), "url": self.url,
                 "clock_offset_us": self.clock_offset_us, "counters": head.get("counters", {})}
-        return RunResult(dict(zip(head["outputs"], arrays)), Trace(events, meta), head.get("counters", {}), wall)
+        return RunResult(dict(zip(head["outputs"], arrays)), Trace(events, meta), head.get("counters", {}), wall,
+                         step_counters=head.get("step_counters", []))
 
     def close(self, shutdown: bool | None = None) -> None:
         """Say bye (and stop the agent if this client started it)."""

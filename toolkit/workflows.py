@@ -27,7 +27,7 @@ class Decoded:
     trace: Trace
     batch: int
     prefill_s: float
-    decode_s: float          # wall time of the n steps, sampling and round trips included
+    decode_s: float          # wall time of the n steps, sampling and round trips included (fork and plan before)
     step_ms: list            # each step's makespan on the agent
     step_counters: list = field(default_factory=list)  # each step's counters (+ flash_read_bytes)
 
@@ -101,6 +101,31 @@ class DecodeSession:
         self.length += 1
         return r.logits.reshape(self.batch, -1)
 
+    def greedy(self, tokens, n: int, keep: str = "all") -> tuple[np.ndarray, list]:
+        """n decode steps in one run, the loop on the agent: step 0 is fed tokens int[batch], each later step the
+        argmax of the step before's logits, computed there (no round trip per token: a phone's runtime loops
+        in-process too). -> (fed int32[batch, n], logits: each step's float32[batch, vocab], or only the last
+        step's with keep="last"). The steps join `events` ("step{i}"), `step_ms` and `step_counters` as if sent
+        one by one, and their bits are the same."""
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        if len(tokens) != self.batch:
+            raise ValueError(f"the session holds {self.batch} sequences; step needs one token for each, got {len(tokens)}")
+        if n < 1:
+            raise ValueError(f"n (decode steps) must be >= 1, got {n}")
+        i0 = len(self.step_ms)
+        r = self.dev.run(self._plan(1, self.batch), {"tokens": tokens}, title=f"decode steps {i0}..{i0 + n - 1}",
+                         session=self.name, advance=1, phase="decode", steps=n, keep=keep)
+        by_step: dict = {i: [] for i in range(n)}
+        for e in r.trace.events:
+            by_step[e.get("step", n - 1)].append(e)  # reads still in flight at the loop's end: the last step's
+        for i, evs in by_step.items():  # as step() records one step
+            met = Trace(evs, {}).metrics()
+            self.step_ms.append(met["makespan_ms"])
+            self.step_counters.append({**r.step_counters[i], "flash_read_bytes": met["flash_read_bytes"]})
+            self.events += [{**e, "group": f"step{i0 + i}"} for e in evs]
+        self.length += n
+        return r.outputs["fed"], list(r.logits) if keep == "all" else [r.logits]
+
     def close(self) -> None:
         try:
             self.dev.request("close_session", session=self.name)
@@ -172,7 +197,8 @@ def session(dev: Client, qm, capacity: int, name: str = "decode", progress: bool
 
 
 def generate(dev: Client, qm, prompt, n: int, batch: int = 1, temperature: float = 0.0, seed: int = 0,
-             on_step=None, progress: bool = True, split=None, ffn_flash=None, experts_flash=None) -> Decoded:
+             on_step=None, progress: bool = True, split=None, ffn_flash=None, experts_flash=None,
+             loop: str = "host") -> Decoded:
     """Prefill `prompt` (token ids) once, fork it into `batch` sequences, then run `n` decode steps on the
     agent, its KV cache staying there. Each step feeds every sequence its next token, sampled on the host
     from the previous logits (greedy at temperature 0, else softmax(z / T) with `seed`), and gets
@@ -180,10 +206,17 @@ def generate(dev: Client, qm, prompt, n: int, batch: int = 1, temperature: float
     events by "prefill" and "step{i}". split: HeteroLLM's partition of the decode steps' int8 GEMMs
     between the gpu and npu lanes ({matmul: Choice}, schedule.hetero.decode_choices). ffn_flash: FFN neurons
     read from flash ({"mode": "sparse" | "dense", "window": k}; needs neurons.add_bundles). experts_flash:
-    MoE experts read from flash through an expert buffer ({"capacity", "policy", "preload_n"}; EdgeMoE)."""
+    MoE experts read from flash through an expert buffer ({"capacity", "policy", "preload_n"}; EdgeMoE).
+    loop="agent" (greedy only): the agent loops over the n steps itself, feeding each the argmax of the last
+    (DecodeSession.greedy): one round trip for all of them, the same tokens and logits; on_step then runs
+    after the loop, once per step."""
     prompt = np.asarray(prompt, np.int32).reshape(-1)
     if n < 1 or batch < 1:
         raise ValueError(f"n (decode steps) and batch must be >= 1, got n={n}, batch={batch}")
+    if loop not in ("host", "agent"):
+        raise ValueError(f"loop must be 'host' (the host samples each token) or 'agent' (greedy on the agent), got {loop!r}")
+    if loop == "agent" and temperature > 0:
+        raise ValueError(f"the agent's decode loop is greedy; sampling at temperature {temperature} needs loop='host'")
     rng = np.random.default_rng(seed)
     with session(dev, qm, len(prompt) + n, progress=progress, split=split, ffn_flash=ffn_flash,
                  experts_flash=experts_flash) as s:
@@ -192,18 +225,24 @@ def generate(dev: Client, qm, prompt, n: int, batch: int = 1, temperature: float
         t1 = time.perf_counter()
         if batch > 1:
             s.reorder([0] * batch)
+        s._plan(1, batch)  # the steps' plan is put once per session, before the clock of the steps starts
+        t1d = time.perf_counter()
         logits = np.repeat(logits, batch, axis=0)
         fed, all_logits = [], [s.logits_history[0]]
+        if loop == "agent":
+            tokens, steps = s.greedy(sample(logits, 0.0, rng), n)
+            fed, all_logits = list(tokens.T.astype(np.int64)), all_logits + steps
         for i in range(n):
-            tok = sample(logits, temperature, rng)
-            fed.append(tok)
+            if loop == "host":
+                fed.append(sample(logits, temperature, rng))
             if on_step:
-                on_step(i, tok)
-            logits = s.step(tok)
-            all_logits.append(logits)
+                on_step(i, fed[i])
+            if loop == "host":
+                logits = s.step(fed[i])
+                all_logits.append(logits)
         t2 = time.perf_counter()
     meta = {**s.meta, "title": f"prefill {len(prompt)} + {n} decode steps x batch {batch}, {qm.scheme}"}
-    return Decoded(np.stack(fed, axis=1), all_logits, Trace(s.events, meta), batch, t1 - t0, t2 - t1, s.step_ms,
+    return Decoded(np.stack(fed, axis=1), all_logits, Trace(s.events, meta), batch, t1 - t0, t2 - t1d, s.step_ms,
                    s.step_counters)
 
 

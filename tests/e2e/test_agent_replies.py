@@ -56,6 +56,50 @@ def test_a_failed_or_cancelled_step_answers_under_its_id_and_leaves_the_session_
         assert e.value.code == "unknown_target"
 
 
+def test_a_decode_loop_on_the_agent_cancelled_or_refused_leaves_the_session_as_it_was(dev, toy):
+    def host_steps(s, tok, n):  # n steps, each token sampled on the host: the reference bits
+        out = []
+        for _ in range(n):
+            out.append(s.step([tok]))
+            tok = int(out[-1][0].argmax())
+        return out
+
+    with dev.session(toy, 4000, name="ref", progress=False) as s:
+        s.prefill([1, 2, 3])
+        ref = host_steps(s, 5, 3)
+    with dev.session(toy, 4000, name="loop", progress=False) as s:
+        s.prefill([1, 2, 3])
+        step = s._plan(1, 1)
+        progress = []
+        rid = dev.send("run", [np.array([5], np.int32)], plan_id=step, inputs=["tokens"], session="loop", advance=1,
+                       phase="decode", steps=3990)
+        deadline = time.monotonic() + 30
+        while not progress and time.monotonic() < deadline:
+            if dev.sock.poll(100):
+                h, _ = unpack(dev.sock.recv_multipart())
+                if h.get("event") == "progress":
+                    progress.append(h)
+        # the loop reports progress over all its steps' ops while it runs; cancel it once it has
+        assert progress and progress[0]["total"] % 3990 == 0 and 0 < progress[0]["done"] < progress[0]["total"]
+        assert dev.request("cancel", target=rid)[0]["cancelled"] == rid
+        with pytest.raises(DeviceError, match="cancelled"):
+            dev.wait(rid)
+        assert _length(dev, "loop") == 3  # the positions the loop wrote are not the sequence's
+        for fields, code in (({"steps": 0}, "bad_request"), ({"steps": 2, "keep": "some"}, "bad_request"),
+                             ({"steps": 2, "phase": "prefill"}, "bad_request"), ({"steps": 3998}, "context_full")):
+            rid = dev.send("run", [np.array([5], np.int32)], plan_id=step, inputs=["tokens"], session="loop",
+                           advance=1, **{"phase": "decode", **fields})
+            with pytest.raises(DeviceError) as e:
+                dev.wait(rid)
+            assert e.value.code == code, fields
+        rid = dev.send("run", [np.array([5], np.int32)], plan_id=step, inputs=["tokens"], steps=2)
+        with pytest.raises(DeviceError, match="greedy decode loop") as e:
+            dev.wait(rid)  # no session
+        assert _length(dev, "loop") == 3
+        got = host_steps(s, 5, 3)
+    assert all((a == b).all() for a, b in zip(got, ref))
+
+
 def test_a_request_id_already_running_is_refused_and_the_run_still_answers_once(dev, slow_plan):
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -63,6 +63,27 @@ def test_decode_batch_on_the_agent_matches_the_host_step_by_step(dev, qm, smollm
     assert g.tokens[0].tolist() == [int(h[i][0].argmax()) for i in range(3)]
 
 
+def test_the_decode_loop_on_the_agent_gives_the_host_loops_tokens_and_bits(dev, qm, heldout_ids):
+    prompt = heldout_ids[:8]
+    host = dev.generate(qm, prompt, 3, batch=2, progress=False)
+    seen = []
+    agent = dev.generate(qm, prompt, 3, batch=2, progress=False, loop="agent", on_step=lambda i, t: seen.append(i))
+    assert agent.tokens.tolist() == host.tokens.tolist() and seen == [0, 1, 2]
+    assert len(agent.logits) == 4 and all((a == b).all() for a, b in zip(agent.logits, host.logits))
+    assert {e["group"] for e in agent.trace.events} == {"prefill", "step0", "step1", "step2"}
+    assert len(agent.step_ms) == 3 and all(t > 0 for t in agent.step_ms) and len(agent.step_counters) == 3
+    assert [e["name"] for e in agent.trace.events if e["group"] == "step1"] == \
+        [e["name"] for e in host.trace.events if e["group"] == "step1"]
+    with dev.session(qm, 16, progress=False) as s:  # the loop moves the session on: a host step continues it
+        s.prefill(prompt)
+        fed, logits = s.greedy([int(host.tokens[0, 0])], 2, keep="last")
+        assert fed.tolist() == [host.tokens[0, :2].tolist()] and len(logits) == 1 and s.length == 10
+        assert (logits[0][0] == host.logits[2][0]).all()
+        assert (s.step([int(host.tokens[0, 2])])[0] == host.logits[3][0]).all()
+    with pytest.raises(ValueError, match="greedy"):
+        dev.generate(qm, prompt, 2, temperature=0.5, loop="agent", progress=False)
+
+
 def test_bad_decode_requests_get_clear_errors(tmp_path, qm, heldout_ids):
     resident = sum(int(b["nbytes"]) for b in qm.manifest["blobs"].values())
     with Device.local(store=tmp_path / "st", memory_budget_mb=(resident + 2e6) / 1e6) as d:
@@ -144,6 +165,15 @@ def test_run_cli_decodes_a_batch(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--batch", "4", "--prompt-len", "8"],
                          capture_output=True, text=True, timeout=900, env=env)
     assert bad.returncode == 2 and "--decode" in bad.stderr and "Traceback" not in bad.stderr
+    r = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--scheme", "q4_0-tile", "--prompt-len", "12",
+                        "--decode", "2", "--decode-loop", "agent", "--json", "--no-progress"],
+                       capture_output=True, text=True, timeout=900, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["decode_loop"] == "agent" and out["decode_logits_min_cosine_vs_host"] >= 0.999
+    bad = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--decode", "2", "--decode-loop", "agent",
+                          "--temperature", "0.5"], capture_output=True, text=True, timeout=900, env=env)
+    assert bad.returncode == 2 and "greedy" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_neuron_window_keeps_the_last_k_steps_and_moves_rows_into_holes():

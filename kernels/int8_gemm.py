@@ -19,6 +19,11 @@ try:
 except ImportError:
     numba = None
 
+from .simd import AVX2
+
+if AVX2:
+    from .simd import dot_s8_avx2
+
 
 def gemm_s8s32_ref(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
     """a: int8[M, K], bt: int8[K, N] -> int32[M, N] (numpy reference, exact)."""
@@ -78,6 +83,20 @@ if numba is not None:
             acc += np.int32(w_row[k]) * np.int32(a_row[k])
         return acc
 
+    if AVX2:
+        @numba.njit(nogil=True, inline="always")
+        def _dot_q8(w_row, a_row):
+            """_dot_s8s32 for activations quantized to [-127, 127] (quantize_per_tensor): 32 bytes per AVX2 step
+            (simd.dot_s8_avx2), the K % 32 tail in scalar code; the same int32 sum."""
+            K = w_row.shape[0]
+            K32 = K - K % 32
+            acc = dot_s8_avx2(a_row, w_row, K32)
+            for k in range(K32, K):
+                acc += np.int32(w_row[k]) * np.int32(a_row[k])
+            return acc
+    else:
+        _dot_q8 = _dot_s8s32
+
     @numba.njit(parallel=True, nogil=True, cache=True)
     def _gemv_s8s32_nb(a, w, c):
         for n in numba.prange(w.shape[0]):  # one output channel per iteration: its weight row read once for all M
@@ -94,7 +113,7 @@ if numba is not None:
                 xq[m, k] = np.int8(min(max(v, np.float32(-127)), np.float32(127)))
         for n in numba.prange(w.shape[0]):
             for m in range(M):
-                y[m, n] = np.float32(_dot_s8s32(w[n], xq[m])) * scale[n]
+                y[m, n] = np.float32(_dot_q8(w[n], xq[m])) * scale[n]
 
 
 if numba is not None:
@@ -109,7 +128,7 @@ if numba is not None:
                     xq[p, m, k] = np.int8(min(max(v, np.float32(-127)), np.float32(127)))
         for n in numba.prange(w.shape[0]):
             for m in range(M):
-                y[m, n] = np.float32(_dot_s8s32(w[n], xq[part[n], m])) * scale[n]
+                y[m, n] = np.float32(_dot_q8(w[n], xq[part[n], m])) * scale[n]
 
 
 def linear_w8a8_gemv_group(x: np.ndarray, scale_a: np.ndarray, part: np.ndarray, w: np.ndarray,
@@ -120,7 +139,7 @@ def linear_w8a8_gemv_group(x: np.ndarray, scale_a: np.ndarray, part: np.ndarray,
     activation scale -> float32[M, N], columns in w's order: each linear's columns are linear_w8a8_gemv's bits.
     One parallel region instead of P (a decode step is ~200 of them, each a fork and a join of the cores)."""
     y = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _linear_w8a8_group_nb(np.ascontiguousarray(x, np.float32), scale_a, part, w, scale, y)
+    _linear_w8a8_group_nb(np.ascontiguousarray(x, np.float32), scale_a, part, np.ascontiguousarray(w), scale, y)
     return y
 
 
@@ -133,7 +152,7 @@ def linear_w8a8_gemv(x: np.ndarray, scale_a: float, w: np.ndarray, scale: np.nda
     if numba is None:
         return gemv_s8s32(quantize_per_tensor(x, scale_a), w).astype(np.float32) * scale
     y = np.empty((x.shape[0], w.shape[0]), np.float32)
-    _linear_w8a8_nb(np.ascontiguousarray(x, np.float32), np.float32(scale_a), w, scale, y)
+    _linear_w8a8_nb(np.ascontiguousarray(x, np.float32), np.float32(scale_a), np.ascontiguousarray(w), scale, y)
     return y
 
 

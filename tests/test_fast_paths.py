@@ -52,6 +52,30 @@ def test_every_w8a8_path_gives_the_same_bits(K):
             assert np.array_equal(agent(x), ref) and np.array_equal(host(x), ref), M
 
 
+@pytest.mark.parametrize("K", [1, 31, 32, 70, 576, 1537])
+def test_the_avx2_decode_dot_gives_the_exact_int32_sums(K):
+    """Decode's W8A8 GEMV runs vpmaddubsw on |w| and a * sign(w) where the CPU has AVX2 (kernels/simd.py): every
+    weight (-128 too) against activations clipped to +-127, K with and without a tail past the 32-byte steps."""
+    import platform
+
+    from edgeprobe_kernels import simd
+    from edgeprobe_kernels.int8_gemm import linear_w8a8_gemv
+
+    if platform.machine() in ("x86_64", "AMD64"):  # this CPU's own word for it, not numba's
+        assert simd.AVX2 == (" avx2" in open("/proc/cpuinfo").read())
+    rng = np.random.default_rng(K)
+    w = rng.integers(-128, 128, (67, K), dtype=np.int8)
+    w[0], w[1] = -128, 127  # the extremes: |-128| is 128 unsigned, 2 * 128 * 127 pair sums still fit int16
+    x = (rng.standard_normal((3, K)) * 4).astype(np.float32)
+    x[0] = 1e3  # clipped to 127 everywhere
+    x[1] = -1e3
+    scale = (rng.random(67) * 0.01).astype(np.float32)
+    ref = gemm_s8s32_ref(quantize_per_tensor(x, 0.031), np.ascontiguousarray(w.T)).astype(np.float32) * scale
+    assert np.array_equal(linear_w8a8_gemv(x, 0.031, w, scale), ref)
+    strided = np.repeat(w, 2, axis=1)[:, ::2]  # the same weights as a strided view: copied, never read as contiguous
+    assert np.array_equal(linear_w8a8_gemv(x, 0.031, strided, scale), ref)
+
+
 def test_q8_0_head_is_smollm2s_own_and_both_paths_agree(smollm):
     w = np.asarray(smollm.output_weight, np.float32)
     q, d = quantize_q8_0(w)

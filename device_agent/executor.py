@@ -47,6 +47,7 @@ class Plan:
     deps: dict = field(default_factory=dict)    # name -> sorted parents (what its trace event lists)
     waits: dict = field(default_factory=dict)   # name -> parents on other lanes (the only ones to wait for)
     signals: set = field(default_factory=set)   # ops another lane waits for (the only ones that need an Event)
+    steps: dict = field(default_factory=dict)   # name -> what running it needs, parsed once (see __post_init__)
 
     def __post_init__(self):
         lane = {n: self.ops[n]["lane"] for n in self.order}
@@ -55,6 +56,15 @@ class Plan:
         # would be a cycle, which validate refuses
         self.waits = {n: [p for p in self.deps[n] if lane[p] != lane[n]] for n in self.order}
         self.signals = {p for n in self.order for p in self.waits[n]}
+        # per op, parsed once: a decode step runs ~33 ops, each costing tens of us of Python beside its kernel
+        # (kind, its function, attrs, inputs as (source, key) pairs, the input it gathers rows from, its trace
+        # event's fixed fields)
+        for n in self.order:
+            op = self.ops[n]
+            self.steps[n] = (op["kind"], OPS[op["kind"]], op.get("attrs", {}),
+                             [next(iter(r.items())) for r in op.get("inputs", [])], GATHERS_ROWS.get(op["kind"]),
+                             {"name": n, "kind": op["kind"], "lane": lane[n], "layer": op.get("layer", -1),
+                              "chunk": op.get("chunk", 0), "deps": self.deps[n], "group": op.get("group", n)})
 
 
 def validate(plan, has_blob, lanes=LANES) -> Plan:
@@ -179,50 +189,46 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
     lock = threading.Lock()
     lane_counters = {lane: {} for lane in plan.lane_order}
 
-    def resolve(ref, rows_only: bool = False):
-        (k, v), = ref.items()
-        if k == "op":
-            return results[v]
-        if k == "blob":
-            return ctx.map_blob(v) if rows_only and ctx.map_blob is not None else ctx.get(v)  # ops.GATHERS_ROWS
-        if v not in inputs:
-            raise OpError("missing_input", f"the plan reads run input {str(v)[:40]!r}, which the run did not send")
-        return inputs[v]
+    def resolve(src, key, rows_only: bool):
+        if src == "blob":
+            return ctx.map_blob(key) if rows_only and ctx.map_blob is not None else ctx.get(key)  # ops.GATHERS_ROWS
+        if key not in inputs:
+            raise OpError("missing_input", f"the plan reads run input {str(key)[:40]!r}, which the run did not send")
+        return inputs[key]
 
     def lane_worker(lane, names):
         lane_ctx = replace(ctx, lane=lane, counters=lane_counters[lane])  # shares the runner cache
+        backend = {"backend": ctx.kernels[lane]} if lane in ctx.kernels else {}
+        emulated = ctx.emulated.get(lane, False)
         try:
             if len(busy) > 1:
                 CORES_IN_USE.lanes_started()  # see threads.Cores.lanes_started: no lane's team spins on the other's core
             for name in names:
-                op = plan.ops[name]
+                kind, fn, attrs, refs, gathered, fixed = plan.steps[name]
                 for p in plan.waits[name]:
                     while not done[p].wait(0.05):
                         if cancel.is_set() or failure:
                             raise Cancelled()
                 if cancel.is_set() or failure:
                     raise Cancelled()
-                gathered = GATHERS_ROWS.get(op["kind"])
-                args = [resolve(r, i == gathered) for i, r in enumerate(op.get("inputs", []))]
+                args = [results[key] if src == "op" else resolve(src, key, i == gathered)
+                        for i, (src, key) in enumerate(refs)]
                 lane_ctx.event = {}
                 threads = CORES_IN_USE.enter()
                 t0 = now_us()
                 try:
-                    out = OPS[op["kind"]](args, op.get("attrs", {}), lane_ctx)
+                    out = fn(args, attrs, lane_ctx)
                 except (AgentError, Cancelled):
                     raise
                 except Exception as e:  # a kernel failing on bad shapes must not kill the agent
-                    raise OpError("op_failed", f"op {name!r} ({op['kind']}) failed: {type(e).__name__}: {e}") from None
+                    raise OpError("op_failed", f"op {name!r} ({kind}) failed: {type(e).__name__}: {e}") from None
                 finally:
                     t1 = now_us()
                     CORES_IN_USE.leave()
-                ev = {"name": name, "kind": op["kind"], "lane": lane, "start_us": t0, "end_us": t1,
-                      "layer": op.get("layer", -1), "chunk": op.get("chunk", 0),
+                ev = {**fixed, "start_us": t0, "end_us": t1,
                       "bytes_in": int(sum(a.nbytes for a in args if isinstance(a, np.ndarray))),
-                      "bytes_out": int(out.nbytes), "flops": int(flops(op["kind"], args, out, op.get("attrs", {}), lane_ctx)),
-                      "emulated": lane_ctx.event.pop("emulated", ctx.emulated.get(lane, False)),
-                      "deps": plan.deps[name], "shape": list(out.shape), "group": op.get("group", name),
-                      **({"backend": ctx.kernels[lane]} if lane in ctx.kernels else {}),
+                      "bytes_out": int(out.nbytes), "flops": int(flops(kind, args, out, attrs, lane_ctx)),
+                      "emulated": lane_ctx.event.pop("emulated", emulated), "shape": list(out.shape), **backend,
                       **({"threads": threads} if threads else {}), **lane_ctx.event}
                 with lock:
                     results[name] = out

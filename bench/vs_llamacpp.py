@@ -148,10 +148,11 @@ def main():
     from edgeprobe.prepare import prepared
 
     lengths = [int(x) for x in args.lengths.split(",")]
-    schemes = args.schemes.split(",")
+    schemes = [s for s in args.schemes.split(",") if s]  # --schemes "": decode only
     m = models.load("smollm2-135m")
     ids = m.tokenizer.encode(read_corpus("heldout"))
-    qms = {s: prepared(m, s, say=print) for s in dict.fromkeys(schemes + args.decode_schemes.split(","))}
+    decode_schemes = [s for s in args.decode_schemes.split(",") if s]
+    qms = {s: prepared(m, s, say=print) for s in dict.fromkeys(schemes + decode_schemes)}
     llama = LlamaCpp(_smollm2_135m(), max(lengths) + args.steps + 64)
     rows: dict = {}  # (what, scheme, length) -> list of (llama tok/s, agent tok/s) per round
     extra: dict = {}
@@ -183,7 +184,7 @@ def main():
                             b.append(llama.run(toks)["prefill_s"])
                             a.append(agent_prefill(dev, qm, toks)[0])
                         rows.setdefault(("prefill warm", s, n), []).append((n / min(b), n / min(a)))
-            for s in args.decode_schemes.split(","):
+            for s in decode_schemes:
                 qm = qms[s]
                 prompt = ids[:64]
                 lr, by_loop = [], {"agent": [], "host": []}

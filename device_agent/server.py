@@ -214,6 +214,7 @@ class _Run:
     advance: int = 0         # positions it adds to the session on success (every step's together)
     steps: int = 1           # passes of the plan; after the first, each is fed the argmax of the one before
     keep: str = "last"       # which steps' outputs the reply carries: "last" or "all" (stacked on a new axis 0)
+    loop: bool = False       # a greedy decode loop (the request named steps): its reply adds fed and step_counters
 
 
 class Agent:
@@ -582,9 +583,10 @@ class Agent:
             raise ProtocolError("bad_request", f"'steps' must be an integer from 1 to {MAX_STEPS}, got {str(steps)[:20]}")
         if keep not in ("last", "all"):
             raise ProtocolError("bad_request", f"'keep' must be 'last' or 'all', got {str(keep)[:20]!r}")
-        if steps > 1 and (h.get("session") is None or h.get("phase") != "decode" or len(names) != 1
+        loop = "steps" in h  # a decode loop, even of one step: its reply has the loop's form (fed, step_counters)
+        if loop and (h.get("session") is None or h.get("phase") != "decode" or len(names) != 1
                           or len(plan.outputs) != 1 or plan.outputs[0] == "fed"):
-            raise ProtocolError("bad_request", "a run of several steps is a greedy decode loop: it needs a session, "
+            raise ProtocolError("bad_request", "a run with 'steps' is a greedy decode loop: it needs a session, "
                                                "phase 'decode', one input (the first step's tokens) and a plan with "
                                                "one output (the logits), not named 'fed'")
         sess, advance = None, 0
@@ -598,7 +600,7 @@ class Agent:
             if sess.length + advance * steps > sess.capacity:
                 raise ProtocolError("context_full", f"{sess.length + advance * steps} positions exceed the session's "
                                                     f"capacity {sess.capacity}")
-        run = _Run(rid, ident, session=sess, advance=advance * steps, steps=steps, keep=keep)
+        run = _Run(rid, ident, session=sess, advance=advance * steps, steps=steps, keep=keep, loop=loop)
         inputs = {n: np.array(a) for n, a in zip(names, arrays)}  # own the bytes: frames are recycled
         self.runs[(ident, rid)] = run
         try:
@@ -610,11 +612,11 @@ class Agent:
 
     @staticmethod
     def _steps(run: _Run, plan, inputs, ctx: Context, on_op, flash: _FlashLog) -> tuple[dict, list, dict]:
-        """The run's passes of the plan on this thread: one, or `steps` of a greedy decode loop, each fed the argmax of
+        """The run's passes of the plan on this thread: one, or the `steps` of a greedy decode loop, each fed the argmax of
         the last one's logits float32[batch, vocab] as int32[batch], at the next positions of the session (whose
         length the loop moves on only after the whole run: a failed step leaves the cache as it was). A loop's
         events carry "step"; its reply adds "fed" int32[batch, steps] (every step's tokens) and "step_counters"."""
-        if run.steps == 1:
+        if not run.loop:
             outs, events = execute(plan, inputs, ctx, run.cancel, on_op)
             return outs, events, {}
         (name,), (out,) = list(inputs), plan.outputs

@@ -80,6 +80,9 @@ def test_the_decode_loop_on_the_agent_gives_the_host_loops_tokens_and_bits(dev, 
         assert fed.tolist() == [host.tokens[0, :2].tolist()] and len(logits) == 1 and s.length == 10
         assert (logits[0][0] == host.logits[2][0]).all()
         assert (s.step([int(host.tokens[0, 2])])[0] == host.logits[3][0]).all()
+        fed, logits = s.greedy([int(host.logits[3][0].argmax())], 1)  # a loop of one step keeps the loop's form
+        assert fed.shape == (1, 1) and len(logits) == 1 and logits[0].shape == (1, host.logits[3].shape[1])
+        assert s.length == 12 and len(s.step_ms) == 4 and {e["group"] for e in s.events} >= {"step3"}
     with pytest.raises(ValueError, match="greedy"):
         dev.generate(qm, prompt, 2, temperature=0.5, loop="agent", progress=False)
 

@@ -377,16 +377,15 @@ def _group_weights(subs: list, ctx):
     recs = [s["attrs"]["rec"] for s in subs]
 
     def build():
-        ws, scales, parts = [], [], []
-        for p, rec in enumerate(recs):
-            wt = ctx.get(rec["wt"])  # int8[K, N]
-            ws.append(wt.T)
-            scales.append(np.broadcast_to(w8a8_scale(rec, ctx.get), wt.shape[1]))
-            parts.append(np.full(wt.shape[1], p, np.int32))
+        wts = [ctx.get(rec["wt"]) for rec in recs]  # int8[K, N] each
+        bounds = np.cumsum([0] + [wt.shape[1] for wt in wts])
+        w = ARENA.empty((int(bounds[-1]), wts[0].shape[0]), np.int8)  # their rows stacked, row-major
+        for p, wt in enumerate(wts):
+            int8_gemm.transpose_into(wt, w[bounds[p]:bounds[p + 1]])
+        scales = [np.broadcast_to(w8a8_scale(rec, ctx.get), wt.shape[1]) for rec, wt in zip(recs, wts)]
+        parts = [np.full(wt.shape[1], p, np.int32) for p, wt in enumerate(wts)]
         sa = np.array([r["scale_a"] for r in recs], np.float32)
-        bounds = np.cumsum([0] + [w.shape[0] for w in ws])
-        return (sa, np.concatenate(parts), ARENA.copy(np.concatenate(ws)),
-                np.concatenate(scales).astype(np.float32), bounds)
+        return sa, np.concatenate(parts), w, np.concatenate(scales).astype(np.float32), bounds
     return ctx.runners.get(("w8a8-group",) + tuple(ctx.runners.rec_key(r) for r in recs), build)
 
 

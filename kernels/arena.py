@@ -27,17 +27,23 @@ class Arena:
     def copy(self, a: np.ndarray) -> np.ndarray:
         """A C-contiguous, writable copy of a (any shape, any dtype) inside a chunk."""
         a = np.asarray(a)
-        n = a.nbytes
+        out = self.empty(a.shape, a.dtype)
+        out[...] = a
+        return out
+
+    def empty(self, shape: tuple, dtype) -> np.ndarray:
+        """A new C-contiguous array inside a chunk, for the caller to fill."""
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape)) * dtype.itemsize
         if n == 0 or n > self.chunk // 4:  # a large copy is a large allocation already: huge pages by itself
-            return np.array(a, order="C", copy=True)
+            return np.empty(shape, dtype)
         with self._lock:
             start = self._aligned(self._used)
             if self._buf is None or start + n > self._buf.size:
                 self._buf = np.empty(self.chunk + ALIGN, np.uint8)
                 start = self._aligned(0)
-            out = self._buf[start:start + n].view(a.dtype).reshape(a.shape)
+            out = self._buf[start:start + n].view(dtype).reshape(shape)
             self._used = start + n
-        out[...] = a
         return out
 
 

@@ -5,12 +5,16 @@ C[m, n] = sum_k A[m, k] * Bt[k, n] exactly in int32, then y = C * (scale_a * sca
 every output channel applies to input channel k), the layout an outer-product kernel streams:
 each int8 product fits int16 (|127 * 127| < 2^15) and is accumulated in int32, as vector units do.
 
-Two exact implementations: `gemm_s8s32` (default) runs float32 BLAS on K-blocks of at most EXACT_K rows,
-inside which every partial sum is an integer below 2^24 and so exact in float32, then adds the blocks in
-int32 — 3–4x the numba integer kernel on one core here (bench/quant.py). `gemm_s8s32_numba` is the
-integer-only outer-product kernel, kept to compare against.
+Exact implementations: `gemm_s8s32` runs float32 BLAS on K-blocks of at most EXACT_K rows, inside which every
+partial sum is an integer below 2^24 and so exact in float32, then adds the blocks in int32 — 3–4x the numba
+integer kernel on one core here (bench/quant.py). `gemm_s8s32_numba` is the integer-only outer-product kernel,
+kept to compare against. On AVX2 CPUs a whole W8A8 linear of any row count runs `linear_w8a8_gemm` (vpmaddubsw
+in 4 x 2 register blocks on int8 rows: ~1.5x the BLAS path at 2 threads here, no float32 weight copy), and decode
+rows `linear_w8a8_gemv`; all give the same int32 sums.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -19,10 +23,11 @@ try:
 except ImportError:
     numba = None
 
+from .arena import ARENA
 from .simd import AVX2
 
 if AVX2:
-    from .simd import dot_s8_avx2
+    from .simd import dot4x2_s8_avx2, dot_s8_avx2
 
 
 def gemm_s8s32_ref(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
@@ -62,6 +67,39 @@ if numba is not None:
         for k in numba.prange(w.shape[0]):
             for n in range(w.shape[1]):
                 out[k, n] = np.float32(w[k, n])
+
+
+if numba is not None:
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def _transpose_nb(w, out):
+        K, N = w.shape
+        for kb in numba.prange((K + 7) // 8):  # 8 rows of w a pass: each n writes 8 contiguous bytes (unrolled)
+            k0 = kb * 8
+            if k0 + 8 <= K:
+                for n in range(N):
+                    for k in range(8):
+                        out[n, k0 + k] = w[k0 + k, n]
+            else:
+                for n in range(N):
+                    for k in range(k0, K):
+                        out[n, k] = w[k, n]
+
+
+def rows_major(wt: np.ndarray) -> np.ndarray:
+    """int8[K, N] (the record's k-major weight) -> a new int8[N, K] in the decode arena (arena.py), the layout the
+    row-dot kernels read (see transpose_into)."""
+    out = ARENA.empty(wt.shape[::-1], wt.dtype)
+    transpose_into(wt, out)
+    return out
+
+
+def transpose_into(wt: np.ndarray, out: np.ndarray) -> None:
+    """out[...] = wt.T for int8[K, N] -> C-contiguous int8[N, K]: on every core numba has, ~7x numpy's strided
+    int8 copy (1.7 ms for [576, 1536] here), which every linear's first decode or prefill call on the agent pays."""
+    if numba is None or wt.ndim != 2 or not out.flags.c_contiguous:
+        out[...] = wt.T
+    else:
+        _transpose_nb(wt, out)
 
 
 def as_f32(w: np.ndarray) -> np.ndarray:
@@ -129,6 +167,72 @@ if numba is not None:
         for n in numba.prange(w.shape[0]):
             for m in range(M):
                 y[m, n] = np.float32(_dot_q8(w[n], xq[part[n], m])) * scale[n]
+
+
+if AVX2:
+    GEMM_NB = 16  # output channels per parallel chunk: their int8 rows (16 x K bytes) stay in L1/L2 while A streams
+
+    @numba.njit(nogil=True, inline="always")
+    def _quantize_rows(x, sa, xq, m):
+        for k in range(x.shape[1]):  # quantize_per_tensor, element for element: x / scale_a in float32, rint, clip
+            v = np.rint(x[m, k] / sa)
+            xq[m, k] = np.int8(min(max(v, np.float32(-127)), np.float32(127)))
+
+    @numba.njit(nogil=True, inline="always")
+    def _tail(xq, w, m, n, k0):
+        acc = np.int32(0)
+        for k in range(k0, xq.shape[1]):  # the K % 32 products past the AVX2 steps
+            acc += np.int32(w[n, k]) * np.int32(xq[m, k])
+        return acc
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def _linear_w8a8_gemm_nb(x, sa, w, scale, y):
+        M, K = x.shape
+        N = w.shape[0]
+        K32 = K - K % 32
+        xq = np.empty((M, K), np.int8)
+        for m in numba.prange(M):
+            _quantize_rows(x, sa, xq, m)
+        M4 = M - M % 4
+        for blk in numba.prange((N + GEMM_NB - 1) // GEMM_NB):
+            n_lo = blk * GEMM_NB
+            n_hi = min(N, n_lo + GEMM_NB)
+            n2 = n_hi - (n_hi - n_lo) % 2
+            for m0 in range(0, M4, 4):
+                for n0 in range(n_lo, n2, 2):
+                    r = dot4x2_s8_avx2(xq, w, m0, n0, K32)
+                    s0, s1 = scale[n0], scale[n0 + 1]  # unrolled: a tuple indexed at run time spills to memory
+                    y[m0, n0] = np.float32(r[0] + _tail(xq, w, m0, n0, K32)) * s0
+                    y[m0, n0 + 1] = np.float32(r[1] + _tail(xq, w, m0, n0 + 1, K32)) * s1
+                    y[m0 + 1, n0] = np.float32(r[2] + _tail(xq, w, m0 + 1, n0, K32)) * s0
+                    y[m0 + 1, n0 + 1] = np.float32(r[3] + _tail(xq, w, m0 + 1, n0 + 1, K32)) * s1
+                    y[m0 + 2, n0] = np.float32(r[4] + _tail(xq, w, m0 + 2, n0, K32)) * s0
+                    y[m0 + 2, n0 + 1] = np.float32(r[5] + _tail(xq, w, m0 + 2, n0 + 1, K32)) * s1
+                    y[m0 + 3, n0] = np.float32(r[6] + _tail(xq, w, m0 + 3, n0, K32)) * s0
+                    y[m0 + 3, n0 + 1] = np.float32(r[7] + _tail(xq, w, m0 + 3, n0 + 1, K32)) * s1
+                for n in range(n2, n_hi):  # an odd chunk's last channel
+                    for m in range(m0, m0 + 4):
+                        y[m, n] = np.float32(_dot_q8(w[n], xq[m])) * scale[n]
+            for m in range(M4, M):  # the last M % 4 rows
+                for n in range(n_lo, n_hi):
+                    y[m, n] = np.float32(_dot_q8(w[n], xq[m])) * scale[n]
+
+
+def linear_w8a8_gemm(x: np.ndarray, scale_a: float, w: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """A W8A8 linear of any row count on AVX2 (numba with AVX2 only: see GEMM_INT8): x float32[M, K] quantized per
+    tensor with scale_a, times w int8[N, K] (row-major) in exact int32 over 4 x 2 register blocks, times scale
+    float32[N] -> float32[M, N]: linear_w8a8_gemv's bits at any M, and the float32 BLAS path's (exact int32 sums
+    there too). mllm-NPU §3.3 eq. 1's int8 part as an NPU's matrix unit computes it: int8 in, int32 out."""
+    if not GEMM_INT8:
+        raise RuntimeError("linear_w8a8_gemm needs numba on an AVX2 CPU: use the BLAS path (gemm_codes_f32)")
+    y = np.empty((x.shape[0], w.shape[0]), np.float32)
+    _linear_w8a8_gemm_nb(np.ascontiguousarray(x, np.float32), np.float32(scale_a), np.ascontiguousarray(w), scale, y)
+    return y
+
+
+# prefill's int8 GEMM runs on int8 weights (no float32 copy) where this is true; EDGEPROBE_INT8_GEMM=0 keeps the
+# float32 BLAS path, for A/B runs of the agent (bench/quant.py compares the kernels themselves)
+GEMM_INT8 = AVX2 and os.environ.get("EDGEPROBE_INT8_GEMM", "1") != "0"
 
 
 def linear_w8a8_gemv_group(x: np.ndarray, scale_a: np.ndarray, part: np.ndarray, w: np.ndarray,

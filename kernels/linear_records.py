@@ -12,7 +12,6 @@ from __future__ import annotations
 import numpy as np
 
 from . import int8_gemm
-from .arena import ARENA
 from .f16_gemm import gemm_f16w_seq
 from .int8_gemm import GEMV_M, gemm_codes_f32, gemm_s8s32, linear_w8a8_gemv, quantize_per_tensor, quantize_per_tensor_f32
 from .intn import dequantize_channels
@@ -47,19 +46,21 @@ def run_float(rec, get, counters):
 
 def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
     """cols (a, b): only output channels a..b-1 (one side of a row-cut split, HeteroLLM §4.1). keep_f32: keep
-    the int8 weight's float32 copy for the exact BLAS path (the agent, which runs one weight every step)."""
+    the int8 weight's float32 copy for the exact BLAS path (the agent, which runs one weight every step), unless
+    this CPU runs int8 GEMMs itself (int8_gemm.GEMM_INT8: AVX2), which read an int8 row-major copy instead."""
     wt, sa = get(rec["wt"]), rec["scale_a"]
     if cols is not None:
         wt = np.ascontiguousarray(wt[:, cols[0]:cols[1]])
-    wf = int8_gemm.as_f32(wt) if keep_f32 else None
+    wf = int8_gemm.as_f32(wt) if keep_f32 and not int8_gemm.GEMM_INT8 else None
     scale = w8a8_scale(rec, get, cols)
-    rows_major = []  # (int8[N, K], float32[N] scales), made at the first decode-sized call (two lanes racing make equal copies)
+    rows_major = []  # (int8[N, K], float32[N] scales), made at the first call that needs them (two lanes racing make equal copies)
 
     def linear(x, counters=counters):
-        if x.shape[0] <= GEMV_M and int8_gemm.numba is not None:  # without numba the BLAS paths below: no transposed copy
+        small = x.shape[0] <= GEMV_M
+        if (small and int8_gemm.numba is not None) or int8_gemm.GEMM_INT8:  # without numba the BLAS paths below: no transposed copy
             if not rows_major:
-                rows_major.append((ARENA.copy(wt.T), np.array(np.broadcast_to(scale, wt.shape[1]), np.float32)))
-            return linear_w8a8_gemv(x, sa, *rows_major[0])
+                rows_major.append((int8_gemm.rows_major(wt), np.array(np.broadcast_to(scale, wt.shape[1]), np.float32)))
+            return (linear_w8a8_gemv if small else int8_gemm.linear_w8a8_gemm)(x, sa, *rows_major[0])
         if wf is not None:  # BLAS on the float32 codes: exact int32 sums (K-blocks of <= EXACT_K)
             c = gemm_codes_f32(quantize_per_tensor_f32(x, sa), wf)
         else:

@@ -5,7 +5,8 @@ on 128-bit registers: 16 instructions per 32 bytes of weights, and a decode step
 vpmaddubsw multiplies 32 unsigned by 32 signed bytes into 16 int16 pair sums in one instruction; fed |w| and a
 carrying w's sign (vpsignb), every pair sum stays exact (|w| <= 128, |a| <= 127: 2 * 128 * 127 < 2^15), and
 vpmaddwd against ones widens them to int32: 5 instructions per 32 bytes. The sums are the same integers, so the
-kernels' bits do not change. `AVX2` says whether this CPU has it (numba's cache is keyed by the CPU's features,
+kernels' bits do not change. A prefill GEMM (`dot4x2_s8_avx2`) keeps a 4 x 2 block of such dots in registers:
+1.4-3x the float32 BLAS path on int8 codes here (bench/quant.py). `AVX2` says whether this CPU has it (numba's cache is keyed by the CPU's features,
 so a kernel compiled here is never loaded on a CPU without them).
 """
 from __future__ import annotations
@@ -32,36 +33,64 @@ def _host_has_avx2() -> bool:
 AVX2 = numba is not None and _host_has_avx2()
 
 if AVX2:
+    def _emit_dots(context, builder, pa: list, pw: list, n):
+        """LLVM IR for every sum over k < n of int32(a_i[k]) * int32(w_j[k]) (pa, pw: int8 pointers, n an int64 multiple
+        of 32) -> int32 values, row-major over (i, j): each 32 bytes of w_j are made |w_j| once for all the a_i."""
+        i64 = ir.IntType(64)
+        v32i8, v16i16, v8i32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(32), 8)
+        fn = lambda ret, params, name: cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
+        psign = fn(v32i8, [v32i8, v32i8], "llvm.x86.avx2.psign.b")
+        absb = fn(v32i8, [v32i8, ir.IntType(1)], "llvm.abs.v32i8")
+        maddubs = fn(v16i16, [v32i8, v32i8], "llvm.x86.avx2.pmadd.ub.sw")
+        maddwd = fn(v8i32, [v16i16, v16i16], "llvm.x86.avx2.pmadd.wd")
+        reduce = fn(ir.IntType(32), [v8i32], "llvm.vector.reduce.add.v8i32")
+        ones = ir.Constant(v16i16, [1] * 16)
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(v8i32, [0] * 8)) for _ in range(len(pa) * len(pw))]
+        load = lambda p, off: builder.load(builder.bitcast(builder.gep(p, [off]), v32i8.as_pointer()), align=1)
+        with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(i64, 32))) as loop:
+            off = builder.mul(loop.index, ir.Constant(i64, 32))
+            ws = [load(p, off) for p in pw]
+            unsigned = [builder.call(absb, [w8, ir.Constant(ir.IntType(1), 0)]) for w8 in ws]  # |w|; -128 reads as 128
+            for i, p in enumerate(pa):
+                x = load(p, off)
+                for j, w8 in enumerate(ws):
+                    pairs = builder.call(maddubs, [unsigned[j], builder.call(psign, [x, w8])])  # 16 exact int16 pair sums of |w| * a*sign(w)
+                    acc = accs[i * len(pw) + j]
+                    builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])), acc)
+        return [builder.call(reduce, [builder.load(acc)]) for acc in accs]
+
+    def _c_arrays(ok_ndim, *ts):
+        return all(isinstance(t, types.Array) and t.dtype == types.int8 and t.ndim == ok_ndim and t.layout == "C" for t in ts)
+
     @intrinsic
     def dot_s8_avx2(typingctx, a, w, n32):
         """sum over k < n32 of int32(a[k]) * int32(w[k]) -> int32; a int8[K] with |a| <= 127, w int8[K], both
         1-D C-contiguous, n32 a multiple of 32 (the caller adds the tail). Exact for K < 2^31 / (128 * 127)."""
-        ok = all(isinstance(t, types.Array) and t.dtype == types.int8 and t.ndim == 1 and t.layout == "C" for t in (a, w))
-        if not ok or not isinstance(n32, types.Integer):
+        if not _c_arrays(1, a, w) or not isinstance(n32, types.Integer):
             return None  # a typing error at compile time, never a wrong sum over a strided view
 
         def codegen(context, builder, sig, args):
-            av_, wv_, n = args
-            pa0 = context.make_array(sig.args[0])(context, builder, av_).data
-            pw0 = context.make_array(sig.args[1])(context, builder, wv_).data
-            i64 = ir.IntType(64)
-            v32i8, v16i16, v8i32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(32), 8)
-            fn = lambda ret, params, name: cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
-            psign = fn(v32i8, [v32i8, v32i8], "llvm.x86.avx2.psign.b")
-            absb = fn(v32i8, [v32i8, ir.IntType(1)], "llvm.abs.v32i8")
-            maddubs = fn(v16i16, [v32i8, v32i8], "llvm.x86.avx2.pmadd.ub.sw")
-            maddwd = fn(v8i32, [v16i16, v16i16], "llvm.x86.avx2.pmadd.wd")
-            reduce = fn(ir.IntType(32), [v8i32], "llvm.vector.reduce.add.v8i32")
-            ones = ir.Constant(v16i16, [1] * 16)
-            acc = cgutils.alloca_once_value(builder, ir.Constant(v8i32, [0] * 8))
-            n = context.cast(builder, n, sig.args[2], types.int64)
-            with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(i64, 32))) as loop:
-                off = builder.mul(loop.index, ir.Constant(i64, 32))
-                x = builder.load(builder.bitcast(builder.gep(pa0, [off]), v32i8.as_pointer()), align=1)
-                w8 = builder.load(builder.bitcast(builder.gep(pw0, [off]), v32i8.as_pointer()), align=1)
-                signed = builder.call(psign, [x, w8])                    # a * sign(w)
-                unsigned = builder.call(absb, [w8, ir.Constant(ir.IntType(1), 0)])  # |w|; -128 reads as 128 unsigned
-                pairs = builder.call(maddubs, [unsigned, signed])        # 16 exact int16 pair sums
-                builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])), acc)
-            return builder.call(reduce, [builder.load(acc)])
+            pa = context.make_array(sig.args[0])(context, builder, args[0]).data
+            pw = context.make_array(sig.args[1])(context, builder, args[1]).data
+            n = context.cast(builder, args[2], sig.args[2], types.int64)
+            return _emit_dots(context, builder, [pa], [pw], n)[0]
         return types.int32(a, w, n32), codegen
+
+    @intrinsic
+    def dot4x2_s8_avx2(typingctx, a, w, m0, n0, n32):
+        """The 8 sums over k < n32 of int32(a[m0 + i, k]) * int32(w[n0 + j, k]), i < 4, j < 2 -> int32 tuple in
+        (i, j) order; a int8[M, K] with |a| <= 127, w int8[N, K], both 2-D C-contiguous; the caller keeps
+        m0 + 3 < M, n0 + 1 < N and adds the K % 32 tail. A GEMM's register block: each 32 bytes loaded feed 2 or 4
+        dot products (4 x 2: 8 accumulators, 2 |w|, a and a temporary in 16 ymm registers)."""
+        if not _c_arrays(2, a, w) or not all(isinstance(t, types.Integer) for t in (m0, n0, n32)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            aa = context.make_array(sig.args[0])(context, builder, args[0])
+            ww = context.make_array(sig.args[1])(context, builder, args[1])
+            m0, n0, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[2:], sig.args[2:]))
+            row = lambda arr, r, k: builder.gep(arr.data, [builder.mul(builder.add(r, ir.Constant(ir.IntType(64), k)),
+                                                                       builder.extract_value(arr.strides, 0))])
+            vals = _emit_dots(context, builder, [row(aa, m0, i) for i in range(4)], [row(ww, n0, j) for j in range(2)], n)
+            return context.make_tuple(builder, sig.return_type, vals)
+        return types.UniTuple(types.int32, 8)(a, w, m0, n0, n32), codegen

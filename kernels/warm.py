@@ -48,7 +48,7 @@ def warm() -> list[str]:
 
 def _warm() -> list[str]:
     from .f16_gemm import gemm_f16w_seq
-    from .int8_gemm import as_f32, linear_w8a8_gemv, linear_w8a8_gemv_group
+    from .int8_gemm import GEMM_INT8, as_f32, linear_w8a8_gemm, linear_w8a8_gemv, linear_w8a8_gemv_group, rows_major
     from .q8_0 import matmul_q8_0
     from .shadow import shadow_delta_few, shadow_gemm
 
@@ -62,6 +62,12 @@ def _warm() -> list[str]:
     done.append("linear_w8a8_gemv_group")
     as_f32(_ro(np.ones((8, 64), np.int8)))
     done.append("as_f32")
+    for wt in (_ro(np.ones((64, 8), np.int8)), np.ones((64, 8), np.int8)):  # a blob, a column split's copy
+        rows_major(wt)
+    done.append("rows_major")
+    if GEMM_INT8:
+        linear_w8a8_gemm(np.ones((9, 64), np.float32), 0.5, np.ones((8, 64), np.int8), np.ones(8, np.float32))
+        done.append("linear_w8a8_gemm")
     matmul_q8_0(x, _ro(np.ones((8, 64), np.int8)), _ro(np.ones((8, 2), np.float32)))
     done.append("matmul_q8_0")
     slot = np.full(64, -1, np.int64)

@@ -14,7 +14,7 @@ from edgeprobe.plan import prefill_plan
 from edgeprobe.quant import calibration_profile, quantize
 from edgeprobe_agent.executor import validate
 from edgeprobe_agent.protocol import AgentError
-from edgeprobe_kernels import q8_0
+from edgeprobe_kernels import int8_gemm, q8_0
 from edgeprobe_kernels.int8_gemm import gemm_s8s32, gemm_s8s32_ref, gemv_s8s32, quantize_per_tensor
 from edgeprobe_kernels.linear_records import run_w8a8
 from edgeprobe_kernels.q8_0 import dequantize_q8_0, matmul_q8_0, quantize_q8_0
@@ -33,9 +33,11 @@ def test_int8_gemv_is_exact(M, K, N):
     assert np.array_equal(gemv_s8s32(full, np.full((N, K), -127, np.int8)), np.full((M, N), -127 * 127 * K))
 
 
+@pytest.mark.parametrize("gemm_int8", [False, True] if int8_gemm.GEMM_INT8 else [False])
 @pytest.mark.parametrize("K", [576, 1536])
-def test_every_w8a8_path_gives_the_same_bits(K):
-    """Decode rows (GEMV), few and many rows (exact float BLAS, K <= 1024; int32 blocks above): one answer."""
+def test_every_w8a8_path_gives_the_same_bits(K, gemm_int8, monkeypatch):
+    """Decode rows (GEMV), few and many rows (AVX2 int8 GEMM, or exact float BLAS, K <= 1024; int32 blocks above): one answer."""
+    monkeypatch.setattr(int8_gemm, "GEMM_INT8", gemm_int8)
     rng = np.random.default_rng(K)
     wt = rng.integers(-127, 128, (K, 300), dtype=np.int8)
     sw_ch = (rng.random(300) * 0.01 + 0.001).astype(np.float32)  # w8a8c: the weight's scale per output channel
@@ -74,6 +76,29 @@ def test_the_avx2_decode_dot_gives_the_exact_int32_sums(K):
     assert np.array_equal(linear_w8a8_gemv(x, 0.031, w, scale), ref)
     strided = np.repeat(w, 2, axis=1)[:, ::2]  # the same weights as a strided view: copied, never read as contiguous
     assert np.array_equal(linear_w8a8_gemv(x, 0.031, strided, scale), ref)
+
+
+@pytest.mark.parametrize("M,K,N", [(4, 32, 2), (9, 70, 37), (64, 576, 192), (131, 1537, 45)])
+def test_the_avx2_int8_gemm_gives_the_exact_int32_sums(M, K, N):
+    """Prefill's W8A8 GEMM (4 x 2 register blocks of vpmaddubsw dots): rows past the last block of 4, an odd
+    channel at a chunk's end, K tails past 32 bytes, -128 weights and clipped activations; read-only weights as
+    blobs are, transposed from the record's k-major layout."""
+    rng = np.random.default_rng(M + K + N)
+    wt = rng.integers(-128, 128, (K, N), dtype=np.int8)
+    wt[:, 0], wt[:, -1] = -128, 127
+    x = (rng.standard_normal((M, K)) * 4).astype(np.float32)
+    x[0], x[-1] = 1e3, -1e3
+    scale = (rng.random(N) * 0.01).astype(np.float32)
+    ref = gemm_s8s32_ref(quantize_per_tensor(x, 0.031), wt).astype(np.float32) * scale
+    blob = np.frombuffer(wt.tobytes(), np.int8).reshape(wt.shape)
+    w = int8_gemm.rows_major(blob)
+    assert w.flags.c_contiguous and np.array_equal(w, wt.T)
+    if not int8_gemm.GEMM_INT8:  # AVX2 code: without it, the BLAS path (tested above) runs, and this says so
+        with pytest.raises(RuntimeError, match="AVX2"):
+            int8_gemm.linear_w8a8_gemm(x, 0.031, w, scale)
+        return
+    assert np.array_equal(int8_gemm.linear_w8a8_gemm(x, 0.031, w, scale), ref)
+    assert np.array_equal(int8_gemm.linear_w8a8_gemm(x, 0.031, np.repeat(w, 2, axis=1)[:, ::2], scale), ref)  # strided: copied
 
 
 def test_q8_0_head_is_smollm2s_own_and_both_paths_agree(smollm):
@@ -202,8 +227,9 @@ def test_decode_sized_norms_and_rope_match_the_numpy_ones():
 def test_the_agent_warms_every_kernel_it_calls():
     from edgeprobe_kernels.warm import warm
 
-    assert warm() == ["build_team", "linear_w8a8_gemv", "linear_w8a8_gemv_group", "as_f32", "matmul_q8_0", "shadow_gemm", "shadow_delta_few",
-                      "gemm_f16w_seq",
+    gemm = ["linear_w8a8_gemm"] if int8_gemm.GEMM_INT8 else []
+    assert warm() == ["build_team", "linear_w8a8_gemv", "linear_w8a8_gemv_group", "as_f32", "rows_major", *gemm, "matmul_q8_0",
+                      "shadow_gemm", "shadow_delta_few", "gemm_f16w_seq",
                       "rms_norm, apply_rope", "attention (decode rows)"]
 
 

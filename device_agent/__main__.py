@@ -19,7 +19,6 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 os.environ.setdefault("NUMBA_THREADING_LAYER", "omp")
 
 
-
 def _one_malloc_arena() -> bool:
     """glibc only (not a phone's bionic): every thread allocates from the main malloc arena. By default each thread
     gets an arena of its own, in 64 MB heaps that glibc deletes when they empty; a run's lane threads are new each
@@ -37,7 +36,7 @@ def _one_malloc_arena() -> bool:
         return False
 
 
-ONE_ARENA = _one_malloc_arena()
+_one_malloc_arena()
 
 import argparse  # noqa: E402
 import signal  # noqa: E402

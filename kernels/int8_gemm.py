@@ -115,6 +115,12 @@ def as_f32(w: np.ndarray) -> np.ndarray:
 
 if numba is not None:
     @numba.njit(nogil=True, inline="always")
+    def _quantize_rows(x, sa, xq, m):
+        for k in range(x.shape[1]):  # quantize_per_tensor, element for element: x / scale_a in float32, rint, clip
+            v = np.rint(x[m, k] / sa)
+            xq[m, k] = np.int8(min(max(v, np.float32(-127)), np.float32(127)))
+
+    @numba.njit(nogil=True, inline="always")
     def _dot_s8s32(w_row, a_row):
         acc = np.int32(0)
         for k in range(w_row.shape[0]):  # contiguous int8 rows, int32 products and sums: LLVM emits vpmaddwd
@@ -145,10 +151,8 @@ if numba is not None:
     def _linear_w8a8_nb(x, sa, w, scale, y):
         M, K = x.shape
         xq = np.empty((M, K), np.int8)
-        for m in range(M):  # quantize_per_tensor, element for element: x / scale_a in float32, rint, clip
-            for k in range(K):
-                v = np.rint(x[m, k] / sa)
-                xq[m, k] = np.int8(min(max(v, np.float32(-127)), np.float32(127)))
+        for m in range(M):
+            _quantize_rows(x, sa, xq, m)
         for n in numba.prange(w.shape[0]):
             for m in range(M):
                 y[m, n] = np.float32(_dot_q8(w[n], xq[m])) * scale[n]
@@ -161,9 +165,7 @@ if numba is not None:
         xq = np.empty((sa.shape[0], M, K), np.int8)
         for p in range(sa.shape[0]):  # x quantized once per linear's scale_a, as _linear_w8a8_nb does
             for m in range(M):
-                for k in range(K):
-                    v = np.rint(x[m, k] / sa[p])
-                    xq[p, m, k] = np.int8(min(max(v, np.float32(-127)), np.float32(127)))
+                _quantize_rows(x, sa[p], xq[p], m)
         for n in numba.prange(w.shape[0]):
             for m in range(M):
                 y[m, n] = np.float32(_dot_q8(w[n], xq[part[n], m])) * scale[n]
@@ -171,12 +173,6 @@ if numba is not None:
 
 if AVX2:
     GEMM_NB = 16  # output channels per parallel chunk: their int8 rows (16 x K bytes) stay in L1/L2 while A streams
-
-    @numba.njit(nogil=True, inline="always")
-    def _quantize_rows(x, sa, xq, m):
-        for k in range(x.shape[1]):  # quantize_per_tensor, element for element: x / scale_a in float32, rint, clip
-            v = np.rint(x[m, k] / sa)
-            xq[m, k] = np.int8(min(max(v, np.float32(-127)), np.float32(127)))
 
     @numba.njit(nogil=True, inline="always")
     def _tail(xq, w, m, n, k0):

@@ -118,10 +118,11 @@ def _runner(ctx, rec, part, cols=None):
     get = ctx.get
     if kind in SHADOW_KINDS and ctx.map_blob is not None:  # cold shadow rows stay in flash: mapped, ~1% touched
         get = lambda sha: ctx.map_blob(sha) if sha == rec.get("cold") else ctx.get(sha)
+    layout = _rows_layout(ctx)
     if part == "int8" or (kind == "w8a8" and part == "all"):  # the emulated NPU keeps float32 copies
-        build = lambda: run_w8a8(rec, get, None, cols, keep_f32=True)
+        build = lambda: run_w8a8(rec, get, None, cols, keep_f32=True, layout=layout)
     elif part == "all" and kind in SHADOW_KINDS:  # a whole shadow linear (a pruned layer's is its int8 GEMM alone)
-        build = lambda: run_shadow(rec, get, None, keep_f32=True)
+        build = lambda: run_shadow(rec, get, None, keep_f32=True, layout=layout)
     elif part == "shadow":
         build = lambda: shadow_delta(rec, get, None)
     elif kind in runners:
@@ -129,6 +130,22 @@ def _runner(ctx, rec, part, cols=None):
     else:
         raise OpError("unknown_record", f"linear record kind {kind!r} is unknown to this agent")
     return ctx.runners.get(key, build)
+
+
+def _rows_layout(ctx):
+    """sha -> the row-major int8[N, K] copy of a W8A8 weight whose blob is k-major int8[K, N], kept in the store's
+    flash (FlashStore.layout: read from there, else transposed from the mapped blob, which is never kept resident);
+    None where the run has no store (a host running plans in-process). into: fill this array instead of a new one."""
+    if ctx.layout is None or ctx.map_blob is None:
+        return None
+
+    def rows(sha, into=None):
+        wt = ctx.map_blob(sha)
+        if wt.ndim != 2 or wt.dtype != np.int8:
+            raise OpError("bad_record", f"a W8A8 weight is int8[K, N], blob {str(sha)[:12]} is {wt.dtype}{list(wt.shape)}")
+        return ctx.layout(sha, "rows", wt.shape[::-1], np.int8, lambda out: int8_gemm.transpose_into(ctx.map_blob(sha), out),
+                          empty=ARENA.empty if into is None else (lambda shape, dtype: into))
+    return rows
 
 
 def _span(attrs, key, size):
@@ -377,11 +394,15 @@ def _group_weights(subs: list, ctx):
     recs = [s["attrs"]["rec"] for s in subs]
 
     def build():
-        wts = [ctx.get(rec["wt"]) for rec in recs]  # int8[K, N] each
+        rows = _rows_layout(ctx)
+        wts = [(ctx.map_blob if rows else ctx.get)(rec["wt"]) for rec in recs]  # int8[K, N] each
         bounds = np.cumsum([0] + [wt.shape[1] for wt in wts])
         w = ARENA.empty((int(bounds[-1]), wts[0].shape[0]), np.int8)  # their rows stacked, row-major
-        for p, wt in enumerate(wts):
-            int8_gemm.transpose_into(wt, w[bounds[p]:bounds[p + 1]])
+        for p, (rec, wt) in enumerate(zip(recs, wts)):
+            if rows:
+                rows(rec["wt"], into=w[bounds[p]:bounds[p + 1]])
+            else:
+                int8_gemm.transpose_into(wt, w[bounds[p]:bounds[p + 1]])
         scales = [np.broadcast_to(w8a8_scale(rec, ctx.get), wt.shape[1]) for rec, wt in zip(recs, wts)]
         parts = [np.full(wt.shape[1], p, np.int32) for p, wt in enumerate(wts)]
         sa = np.array([r["scale_a"] for r in recs], np.float32)

@@ -665,10 +665,12 @@ class Agent:
             ctx = Context(get=partial(self.store.get, on_read=flash.add), counters={}, runners=self.runners,
                           session=run.session, read_rows=partial(self.store.read_rows, on_read=flash.add),
                           read_blob=partial(self.store.read_cold, on_read=flash.add), map_blob=self.store.map,
+                          layout=partial(self.store.layout, on_read=flash.add),
                           backends={"npu": self.npu_backend}, kernels=self.kernels, emulated=self.emulated)
             t0 = now_us()
             try:
-                outs, events, more = self._steps(run, plan, inputs, ctx, on_op, flash)
+                with self.store.running():
+                    outs, events, more = self._steps(run, plan, inputs, ctx, on_op, flash)
             finally:
                 if run.session is not None:
                     run.session.settle()  # reads this run started (expert preloads) end before its reply

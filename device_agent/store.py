@@ -6,6 +6,8 @@ Layout under the store root:
     blobs/<sha256>.json       {"dtype", "shape"} of a blob stored by an older agent (still read)
     partial/<sha256>.part     an upload in progress, preallocated to its full size
     partial/<sha256>.json     {"dtype", "shape", "nbytes", "n_chunks", "chunk_bytes", "have": [chunk indices]}
+    layouts/<sha256>.<tag>    a blob in the layout a kernel reads (e.g. "rows": an int8 weight transposed), made by
+                              the agent from the verified blob the first time a run needs it (see `layout`)
 Chunks are written into the .part file while a second thread extends the blob's sha256 (a resumed, out-of-order
 upload is re-hashed from the file); a blob gets its real name only once its sha256 matches and its bytes and its
 index line are fsynced, and its upload is acknowledged complete only once the name is fsynced too. Finished
@@ -17,6 +19,7 @@ own), else to the store's `on_read` (EdgeMoE experts and cold shadow rows use th
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -35,6 +38,7 @@ import numpy as np
 from .protocol import AgentError, crc32
 
 _HEX = set("0123456789abcdef")
+LAYOUT_PIECE = 4 << 20  # a layout is written in pieces of this many bytes, each between runs
 
 
 INDEX = "index.jsonl"
@@ -97,6 +101,14 @@ class FlashStore:
             threading.Thread(target=fn, daemon=True, name=name).start()
         self.reads = self.read_bytes = 0
         self._mapped: dict = {}     # sha -> read-only memory map of a finished blob (map)
+        self.layout_dir = self.root / "layouts"
+        self.layout_dir.mkdir(exist_ok=True)
+        for tmp in self.layout_dir.glob("*.tmp"):  # a layout being written when an agent stopped: made again on use
+            tmp.unlink(missing_ok=True)
+        self._layout_q: queue.Queue = queue.Queue()
+        self._idle = threading.Condition()  # _runs: runs in flight (running()); _closing: write now, whatever runs
+        self._runs, self._closing = 0, False
+        threading.Thread(target=self._layout_worker, daemon=True, name="layout-writer").start()
 
     # ---- what is here -------------------------------------------------------------------------
     def has(self, sha: str) -> bool:
@@ -265,6 +277,16 @@ class FlashStore:
         """Finish every queued chunk write (and its sidecar) before the process exits: the worker threads are
         daemons, so an agent told to stop right after a put_blob would otherwise lose the last chunks."""
         self._drain()  # the queues are FIFO: a marker behind every chunk of every upload
+        with self._idle:
+            self._closing = True
+            self._idle.notify_all()
+        self.flush_layouts()
+
+    def flush_layouts(self, timeout: float | None = None) -> bool:
+        """Wait until every layout queued so far is in flash (True), or timeout seconds (False)."""
+        ev = threading.Event()
+        self._layout_q.put((None, ev))
+        return ev.wait(timeout)
 
     def put_chunk(self, sha: str, dtype: str, shape: list, nbytes: int, index: int, n_chunks: int,
                   chunk_bytes: int, chunk_crc32: int, data, on_done=None):
@@ -420,6 +442,71 @@ class FlashStore:
             return self.get(sha, on_read)
         return self.read_rows(sha, np.arange(shape[0]), lane=lane, on_read=on_read)
 
+    def layout(self, sha: str, tag: str, shape: tuple, dtype, make, empty=np.empty, on_read=None) -> np.ndarray:
+        """Blob sha in the layout `tag` that a kernel reads (shape, dtype): read from flash if an earlier run made it
+        (one sequential read, reported like get's), else make(out) fills a new array from the blob, and a background
+        thread writes it to flash (a temporary file, fsync, rename: a visible layout is whole) for the next agent
+        process on this store. A phone's runtime keeps its prepared graphs the same way (QNN's context binaries);
+        preparing them is most of a new process's first run otherwise. empty(shape, dtype) allocates the array."""
+        if not self.has(sha):
+            raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
+        if not tag.isalnum():
+            raise StoreError("bad_layout", f"a layout tag is letters and digits, got {tag[:20]!r}")
+        path = self.layout_dir / f"{sha}.{tag}"
+        out = empty(tuple(shape), dtype)
+        t0 = now_us()
+        if _read_whole(path, out.reshape(-1).view(np.uint8)):
+            t1 = now_us()
+            with self._lock:
+                self.reads += 1
+                self.read_bytes += out.nbytes
+            report = on_read or self.on_read
+            if report:
+                report({"name": f"read {sha[:8]}.{tag}", "kind": "flash_read", "lane": "io", "start_us": t0,
+                        "end_us": t1, "bytes_in": out.nbytes, "bytes_out": 0, "flops": 0, "emulated": False,
+                        "blob": sha, "layout": tag})
+            return out
+        make(out)
+        self._layout_q.put((path, out))
+        return out
+
+    def _layout_worker(self) -> None:
+        while True:
+            path, arr = self._layout_q.get()
+            try:
+                if path is not None and not path.exists():
+                    tmp = path.with_name(path.name + ".tmp")
+                    raw = memoryview(arr.reshape(-1).view(np.uint8))
+                    with open(tmp, "wb") as f:
+                        for i in range(0, len(raw), LAYOUT_PIECE):
+                            self._wait_idle()  # a layout write beside a first run cost it ~25% (64 tokens)
+                            f.write(raw[i:i + LAYOUT_PIECE])
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, path)
+            except OSError as e:  # a layout is a cache: a full disk costs the next process its preparation, no more
+                print(f"edgeprobe-agent: keeping layout {path.name} failed: {e}", file=sys.stderr, flush=True)
+            finally:
+                if path is None:
+                    arr.set()
+                self._layout_q.task_done()
+
+    @contextlib.contextmanager
+    def running(self):
+        """Around a run: layouts are written to flash between runs, not beside one."""
+        with self._idle:
+            self._runs += 1
+        try:
+            yield
+        finally:
+            with self._idle:
+                self._runs -= 1
+                self._idle.notify_all()
+
+    def _wait_idle(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._runs == 0 or self._closing)
+
     def _meta_of(self, sha: str) -> dict | None:
         """{"dtype", "shape"} of a finished blob: from the index, or the sidecar an older agent wrote; None if neither."""
         with self._lock:
@@ -480,6 +567,23 @@ def _lock_store(root: Path, wait_s: float):
     f.write(str(os.getpid()))
     f.flush()
     return f
+
+
+def _read_whole(path: Path, buf: np.ndarray) -> bool:
+    """Fill uint8 buf with the file's bytes if it exists and has exactly buf's size; False otherwise."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            if os.fstat(f.fileno()).st_size != buf.nbytes:
+                return False
+            view, got = memoryview(buf), 0
+            while got < buf.nbytes:
+                n = f.readinto(view[got:])
+                if not n:
+                    return False
+                got += n
+            return True
+    except FileNotFoundError:
+        return False
 
 
 def _file_sha256(path: Path) -> str:

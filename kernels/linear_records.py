@@ -44,27 +44,37 @@ def run_float(rec, get, counters):
     return lambda x, counters=counters: x_wt(x, w)
 
 
-def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False):
+def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False, layout=None):
     """cols (a, b): only output channels a..b-1 (one side of a row-cut split, HeteroLLM §4.1). keep_f32: keep
     the int8 weight's float32 copy for the exact BLAS path (the agent, which runs one weight every step), unless
-    this CPU runs int8 GEMMs itself (int8_gemm.GEMM_INT8: AVX2), which read an int8 row-major copy instead."""
-    wt, sa = get(rec["wt"]), rec["scale_a"]
-    if cols is not None:
-        wt = np.ascontiguousarray(wt[:, cols[0]:cols[1]])
-    wf = int8_gemm.as_f32(wt) if keep_f32 and not int8_gemm.GEMM_INT8 else None
+    this CPU runs int8 GEMMs itself (int8_gemm.GEMM_INT8: AVX2), which read an int8 row-major copy instead.
+    layout(sha) -> that row-major int8[N, K] copy of the whole weight (the agent keeps it in flash: FlashStore.layout);
+    without it, or with cols, the copy is made here from the record's k-major int8[K, N] `wt`, which is then
+    only read where a path needs it (the row-dot kernels alone never keep it)."""
+    sa = rec["scale_a"]
     scale = w8a8_scale(rec, get, cols)
+    k_major = []
+
+    def wt():
+        if not k_major:
+            w = get(rec["wt"])
+            k_major.append(np.ascontiguousarray(w[:, cols[0]:cols[1]]) if cols is not None else w)
+        return k_major[0]
+
+    wf = int8_gemm.as_f32(wt()) if keep_f32 and not int8_gemm.GEMM_INT8 else None
     rows_major = []  # (int8[N, K], float32[N] scales), made at the first call that needs them (two lanes racing make equal copies)
 
     def linear(x, counters=counters):
         small = x.shape[0] <= GEMV_M
         if (small and int8_gemm.numba is not None) or int8_gemm.GEMM_INT8:  # without numba the BLAS paths below: no transposed copy
             if not rows_major:
-                rows_major.append((int8_gemm.rows_major(wt), np.array(np.broadcast_to(scale, wt.shape[1]), np.float32)))
+                w = layout(rec["wt"]) if layout is not None and cols is None else int8_gemm.rows_major(wt())
+                rows_major.append((w, np.array(np.broadcast_to(scale, w.shape[0]), np.float32)))
             return (linear_w8a8_gemv if small else int8_gemm.linear_w8a8_gemm)(x, sa, *rows_major[0])
         if wf is not None:  # BLAS on the float32 codes: exact int32 sums (K-blocks of <= EXACT_K)
             c = gemm_codes_f32(quantize_per_tensor_f32(x, sa), wf)
         else:
-            c = gemm_s8s32(quantize_per_tensor(x, sa), wt).astype(np.float32)
+            c = gemm_s8s32(quantize_per_tensor(x, sa), wt()).astype(np.float32)
         c *= scale  # exact int32 sums on every path: the same bits
         return c
     return linear
@@ -81,9 +91,10 @@ def w8a8_scale(rec, get, cols=None):
     return np.float32(rec["scale_a"]) * sw
 
 
-def run_shadow(rec, get, counters, keep_f32: bool = False):
-    """mllm-NPU eq. 1: the int8 GEMM plus the float shadow GEMM of the outliers (x - clip(x)). keep_f32: as run_w8a8."""
-    base, delta = run_w8a8(rec, get, counters, keep_f32=keep_f32), shadow_delta(rec, get, counters)
+def run_shadow(rec, get, counters, keep_f32: bool = False, layout=None):
+    """mllm-NPU eq. 1: the int8 GEMM plus the float shadow GEMM of the outliers (x - clip(x)). keep_f32, layout: as
+    run_w8a8."""
+    base, delta = run_w8a8(rec, get, counters, keep_f32=keep_f32, layout=layout), shadow_delta(rec, get, counters)
     if not rec["shadow"]:
         return base  # pruned layer: outliers are clipped, no CPU work
     return lambda x, counters=counters: base(x) + delta(x, counters)

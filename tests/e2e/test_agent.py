@@ -295,6 +295,63 @@ def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
     assert e.value.code == "bad_sha"
 
 
+def test_a_layout_is_made_once_kept_whole_in_flash_and_read_by_the_next_store(tmp_path):
+    from edgeprobe_agent.store import FlashStore, StoreError
+
+    wt = np.arange(-60, 60, dtype=np.int8).reshape(8, 15)  # a k-major int8[K, N] weight
+    raw = wt.tobytes()
+    sha = hashlib.sha256(raw).hexdigest()
+    made, reads = [], []
+    st = FlashStore(tmp_path / "f", on_read=reads.append)
+    assert st.put_chunk(sha, "int8", [8, 15], len(raw), 0, 1, 1 << 20, zlib.crc32(raw), raw)
+
+    def make(out):
+        made.append(1)
+        out[...] = st.map(sha).T
+    a = st.layout(sha, "rows", (15, 8), np.int8, make)
+    assert np.array_equal(a, wt.T) and made == [1] and not reads  # made from the mapped blob: no read of it
+    assert st.flush_layouts(10)
+    assert (tmp_path / "f" / "layouts" / f"{sha}.rows").read_bytes() == wt.T.tobytes()
+    with pytest.raises(StoreError) as e:
+        st.layout("0" * 64, "rows", (15, 8), np.int8, make)
+    assert e.value.code == "missing_blob"
+    with pytest.raises(StoreError) as e:
+        st.layout(sha, "../x", (15, 8), np.int8, make)
+    assert e.value.code == "bad_layout"
+    st.close()
+    st._lock_file.close()
+
+    (tmp_path / "f" / "layouts" / "junk.rows.tmp").write_bytes(b"cut mid-write")
+    st2 = FlashStore(tmp_path / "f", on_read=reads.append)  # the next agent process on this store
+    assert not list((tmp_path / "f" / "layouts").glob("*.tmp"))
+    b = st2.layout(sha, "rows", (15, 8), np.int8, make)
+    assert np.array_equal(b, wt.T) and made == [1]  # read, not made again, and traced as a flash read
+    assert [(r["kind"], r["layout"], r["bytes_in"]) for r in reads] == [("flash_read", "rows", wt.nbytes)]
+    (tmp_path / "f" / "layouts" / f"{sha}.rows").write_bytes(b"short")  # not whole: made again, never read as is
+    c = st2.layout(sha, "rows", (15, 8), np.int8, make)
+    assert np.array_equal(c, wt.T) and made == [1, 1]
+    assert st2.flush_layouts(10) is True
+    st2.close()
+
+
+def test_a_new_agent_reads_the_int8_layouts_an_earlier_run_kept_and_gives_the_same_bits(qm, heldout_ids, tmp_path):
+    from edgeprobe_kernels import int8_gemm
+
+    toks = heldout_ids[:12]
+    with Device.local(store=tmp_path / "flash") as dev:
+        first = dev.prefill(qm, toks, progress=False)
+    kept = list((tmp_path / "flash" / "layouts").glob("*.rows"))
+    with Device.local(store=tmp_path / "flash") as dev:
+        again = dev.prefill(qm, toks, progress=False)
+    assert np.array_equal(first.logits, again.logits)
+    wts = {r["wt"] for r in qm.manifest["linears"].values() if isinstance(r, dict) and "wt" in r}
+    reads = [e for e in again.trace.events if e["kind"] == "flash_read"]
+    if int8_gemm.GEMM_INT8:  # the int8 GEMMs read the kept row-major copies, never the k-major blobs
+        assert len(kept) == len(wts) and {e["blob"] for e in reads if e.get("layout") == "rows"} == wts
+        assert not {e["blob"] for e in reads if not e.get("layout")} & wts
+        assert not {e["blob"] for e in first.trace.events if e["kind"] == "flash_read"} & wts
+
+
 def test_a_run_longer_than_the_heartbeat_timeout_completes(dev):
     from edgeprobe_agent.protocol import HEARTBEAT_TIMEOUT_S
 

@@ -19,24 +19,39 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
 os.environ.setdefault("NUMBA_THREADING_LAYER", "omp")
 
 
-def _one_malloc_arena() -> bool:
-    """glibc only (not a phone's bionic): every thread allocates from the main malloc arena. By default each thread
-    gets an arena of its own, in 64 MB heaps that glibc deletes when they empty; a run's lane threads are new each
-    run, so their ops' arrays landed on fresh pages: 190 page faults in each [64, 1536] SwiGLU of a 64-token prefill,
-    which then took 790 us against 390 us with one arena (attention 790 -> 640 us, RoPE 210 -> 130 us). An op
-    allocates a few arrays, so one arena's lock is not contended. MALLOC_ARENA_MAX set by the user wins."""
+# mallopt's parameters (malloc.h) and what the agent sets them to, unless the user's environment names them
+MALLOC_SETTINGS = (
+    (-8, "MALLOC_ARENA_MAX", 1),                 # M_ARENA_MAX
+    (-3, "MALLOC_MMAP_THRESHOLD_", 64 << 20),    # M_MMAP_THRESHOLD
+    (-1, "MALLOC_TRIM_THRESHOLD_", 256 << 20),   # M_TRIM_THRESHOLD
+    (-2, "MALLOC_TOP_PAD_", 64 << 20),           # M_TOP_PAD
+)
+
+
+def _malloc_settings() -> list[str]:
+    """glibc only (not a phone's bionic); returns the settings made. One arena: by default each thread gets an arena
+    of its own, in 64 MB heaps that glibc deletes when they empty; a run's lane threads are new each run, so their
+    ops' arrays landed on fresh pages: 190 page faults in each [64, 1536] SwiGLU of a 64-token prefill, which then
+    took 790 us against 390 us with one arena (attention 790 -> 640 us, RoPE 210 -> 130 us); an op allocates a few
+    arrays, so one arena's lock is not contended. And arrays below 64 MB come from that arena's heap, which keeps up
+    to 256 MB free: a prefill's activations (0.6 MB each at 256 tokens, 50 MB of logits) were mmapped and unmapped
+    one by one, ~25,000 page faults per warm 256-token prefill, ~0 now (warm w8a8-shadow 256 tokens ~12% faster, A/B
+    by the same settings in the environment); the agent keeps its peak working set, as llama.cpp keeps its compute
+    buffers. A setting named in the environment (or any GLIBC_TUNABLES) is the user's."""
     import ctypes
     import platform
 
-    if "MALLOC_ARENA_MAX" in os.environ or platform.libc_ver()[0] != "glibc":
-        return False
+    if platform.libc_ver()[0] != "glibc" or "GLIBC_TUNABLES" in os.environ:
+        return []
     try:
-        return ctypes.CDLL(None).mallopt(-8, 1) == 1  # M_ARENA_MAX (malloc.h); before any thread allocates
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
-        return False
+        return []
+    return [env for param, env, value in MALLOC_SETTINGS
+            if env not in os.environ and mallopt(param, value) == 1]  # before any other thread allocates
 
 
-_one_malloc_arena()
+MALLOC = _malloc_settings()
 
 import argparse  # noqa: E402
 import signal  # noqa: E402
@@ -102,6 +117,7 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"edgeprobe-agent: error: {e}", file=sys.stderr)
         return 2
+    agent.malloc = {env: value for _, env, value in MALLOC_SETTINGS if env in MALLOC}  # hello reports them
     signal.signal(signal.SIGTERM, lambda *a: setattr(agent, "_stop", True))
     # kernels loaded before the agent says it listens (~0.45 s here): on a thread beside the first run they slowed
     # it by 0.3 s (800 ms against 500 ms for a 64-token prefill), and a run is what the agent is measured on

@@ -241,6 +241,7 @@ class Agent:
         self.kernels = {l: lane_kernels(l, self.npu_backend if l == "npu" else "opencl" if l == "gpu" else None)
                         for l in self.lanes}
         self.store = FlashStore(store_dir, memory_budget)
+        self.malloc: dict = {}  # the malloc settings the launcher made (__main__._malloc_settings): hello says them
         self.ctx = zmq.Context()  # the agent's own: term() at exit waits for its last replies to leave
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -407,7 +408,7 @@ class Agent:
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
                 "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),
                 "numpy": np.__version__, "numba": numba_version(), "numba_threading": numba_threading(),
-                "store": self.store.stats()}
+                "store": self.store.stats(), "malloc": self.malloc}
 
     def do_heartbeat(self, ident, rid, h, arrays):
         return {"clock_us": now_us()}

@@ -48,6 +48,7 @@ class Plan:
     waits: dict = field(default_factory=dict)   # name -> parents on other lanes (the only ones to wait for)
     signals: set = field(default_factory=set)   # ops another lane waits for (the only ones that need an Event)
     steps: dict = field(default_factory=dict)   # name -> what running it needs, parsed once (see __post_init__)
+    readers: dict = field(default_factory=dict)  # name -> how many input references of other ops read its output
 
     def __post_init__(self):
         lane = {n: self.ops[n]["lane"] for n in self.order}
@@ -59,6 +60,10 @@ class Plan:
         # per op, parsed once: a decode step runs ~33 ops, each costing tens of us of Python beside its kernel
         # (kind, its function, attrs, inputs as (source, key) pairs, the input it gathers rows from, its trace
         # event's fixed fields)
+        for n in self.order:
+            for r in self.ops[n].get("inputs", []):
+                if "op" in r:
+                    self.readers[r["op"]] = self.readers.get(r["op"], 0) + 1
         for n in self.order:
             op = self.ops[n]
             self.steps[n] = (op["kind"], OPS[op["kind"]], op.get("attrs", {}),
@@ -185,6 +190,10 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
     cancel = cancel or threading.Event()
     done = {n: threading.Event() for n in plan.signals}  # one per cross-lane hand-off, not per op
     results: dict = {}
+    # an output no later op reads is dropped (under lock): a 256-token prefill kept all 528 outputs, ~400 MB, to
+    # the end of the run, faulting in fresh heap pages for every op of a new agent's first run (a phone has less)
+    unread = dict(plan.readers)
+    keep = set(plan.outputs)
     events: list = []
     failure: list = []
     lock = threading.Lock()
@@ -234,6 +243,11 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                 with lock:
                     results[name] = out
                     events.append(ev)
+                    for src, key in refs:
+                        if src == "op":
+                            unread[key] -= 1
+                            if not unread[key] and key not in keep:
+                                del results[key]
                 if name in done:
                     done[name].set()
                 if on_op:

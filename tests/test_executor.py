@@ -40,3 +40,25 @@ def test_op_failure_is_reported_not_raised_from_a_thread():
     with pytest.raises(PlanError, match="a plan is a map") as e:
         validate([], has_blob=lambda s: False)
     assert e.value.code == "bad_plan"
+
+
+def test_an_output_no_later_op_reads_is_dropped_during_the_run():
+    import tracemalloc
+
+    # a 200-op chain of 1 MB adds on two lanes, with a side branch every 50 ops read at the end: kept all, it
+    # held 200 MB until the run ended (a 256-token prefill held ~400 MB: every op faulted in fresh pages)
+    ops, prev = [], {"input": "x"}
+    for i in range(200):
+        ops.append({"name": f"a{i}", "kind": "add", "lane": ("cpu", "npu")[i % 2], "inputs": [prev, {"input": "x"}]})
+        prev = {"op": f"a{i}"}
+    ops.append({"name": "side", "kind": "add", "lane": "cpu", "inputs": [{"op": "a49"}, {"op": "a149"}, {"op": "a199"}]})
+    plan = validate({"ops": ops, "outputs": ["side", "a99"]}, has_blob=lambda s: False)
+    x = np.ones((512, 512), np.float32)
+    tracemalloc.start()
+    try:
+        out, events = execute(plan, {"x": x}, Context(get=None))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(out["a99"], np.full_like(x, 101)) and np.array_equal(out["side"], np.full_like(x, 51 + 151 + 201))
+    assert len(events) == 201 and peak < 12 * x.nbytes  # the outputs and the ops in flight, not the whole chain

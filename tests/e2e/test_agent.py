@@ -2,6 +2,7 @@
 message, a connection or the agent itself can go wrong."""
 import hashlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -370,12 +371,16 @@ def test_a_new_agent_reads_the_int8_layouts_an_earlier_run_kept_and_gives_the_sa
 def test_a_run_longer_than_the_heartbeat_timeout_completes(dev):
     from edgeprobe_agent.protocol import HEARTBEAT_TIMEOUT_S
 
-    x = np.ones((1024, 1024), np.float32)  # each add ~1 ms: a chain long enough to outlive the timeout
-    n = 1200
-    plan = {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
-                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}] + [{"input": "x"}] * 8}
-                    for i in range(n)]}
-    pid = dev.put_plan(plan)
+    x = np.ones((1024, 1024), np.float32)
+
+    def chain(n):
+        return {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
+                         "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}] + [{"input": "x"}] * 8}
+                        for i in range(n)]}
+    t0 = time.monotonic()  # a short chain first: the long one is sized to last twice the timeout on this machine
+    dev.run(dev.put_plan(chain(100)), {"x": x})
+    n = min(50_000, max(200, math.ceil(100 * 2 * HEARTBEAT_TIMEOUT_S / (time.monotonic() - t0))))
+    pid = dev.put_plan(chain(n))
     events = []
     t0 = time.monotonic()
     r = dev.run(pid, {"x": x}, on_progress=events.append)

@@ -57,6 +57,7 @@ ERRORS = {
     "write_failed": "writing a blob to flash failed",
     "store_busy": "another agent holds the store",
     "bad_rows": "rows outside a blob",
+    "bad_layout": "a kernel layout of a blob asked for under a malformed tag",
     # plans and runs
     "bad_plan": "a plan is malformed",
     "unknown_ref": "a plan names an op that is not in it",

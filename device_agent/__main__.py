@@ -28,8 +28,8 @@ MALLOC_SETTINGS = (
 )
 
 
-def _malloc_settings() -> list[str]:
-    """glibc only (not a phone's bionic); returns the settings made. One arena: by default each thread gets an arena
+def _malloc_settings() -> dict:
+    """glibc only (not a phone's bionic); returns the settings made, {environment name: value}. One arena: by default each thread gets an arena
     of its own, in 64 MB heaps that glibc deletes when they empty; a run's lane threads are new each run, so their
     ops' arrays landed on fresh pages: 190 page faults in each [64, 1536] SwiGLU of a 64-token prefill, which then
     took 790 us against 390 us with one arena (attention 790 -> 640 us, RoPE 210 -> 130 us); an op allocates a few
@@ -42,13 +42,13 @@ def _malloc_settings() -> list[str]:
     import platform
 
     if platform.libc_ver()[0] != "glibc" or "GLIBC_TUNABLES" in os.environ:
-        return []
+        return {}
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
-        return []
-    return [env for param, env, value in MALLOC_SETTINGS
-            if env not in os.environ and mallopt(param, value) == 1]  # before any other thread allocates
+        return {}
+    return {env: value for param, env, value in MALLOC_SETTINGS
+            if env not in os.environ and mallopt(param, value) == 1}  # before any other thread allocates
 
 
 MALLOC = _malloc_settings()
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"edgeprobe-agent: error: {e}", file=sys.stderr)
         return 2
-    agent.malloc = {env: value for _, env, value in MALLOC_SETTINGS if env in MALLOC}  # hello reports them
+    agent.malloc = dict(MALLOC)  # hello reports them
     signal.signal(signal.SIGTERM, lambda *a: setattr(agent, "_stop", True))
     # kernels loaded before the agent says it listens (~0.45 s here): on a thread beside the first run they slowed
     # it by 0.3 s (800 ms against 500 ms for a 64-token prefill), and a run is what the agent is measured on

@@ -61,11 +61,10 @@ class Plan:
         # (kind, its function, attrs, inputs as (source, key) pairs, the input it gathers rows from, its trace
         # event's fixed fields)
         for n in self.order:
-            for r in self.ops[n].get("inputs", []):
+            op = self.ops[n]
+            for r in op.get("inputs", []):
                 if "op" in r:
                     self.readers[r["op"]] = self.readers.get(r["op"], 0) + 1
-        for n in self.order:
-            op = self.ops[n]
             self.steps[n] = (op["kind"], OPS[op["kind"]], op.get("attrs", {}),
                              [next(iter(r.items())) for r in op.get("inputs", [])], GATHERS_ROWS.get(op["kind"]),
                              {"name": n, "kind": op["kind"], "lane": lane[n], "layer": op.get("layer", -1),

@@ -118,11 +118,10 @@ def _runner(ctx, rec, part, cols=None):
     get = ctx.get
     if kind in SHADOW_KINDS and ctx.map_blob is not None:  # cold shadow rows stay in flash: mapped, ~1% touched
         get = lambda sha: ctx.map_blob(sha) if sha == rec.get("cold") else ctx.get(sha)
-    layout = _rows_layout(ctx)
     if part == "int8" or (kind == "w8a8" and part == "all"):  # the emulated NPU keeps float32 copies
-        build = lambda: run_w8a8(rec, get, None, cols, keep_f32=True, layout=layout)
+        build = lambda: run_w8a8(rec, get, None, cols, keep_f32=True, layout=_rows_layout(ctx))
     elif part == "all" and kind in SHADOW_KINDS:  # a whole shadow linear (a pruned layer's is its int8 GEMM alone)
-        build = lambda: run_shadow(rec, get, None, keep_f32=True, layout=layout)
+        build = lambda: run_shadow(rec, get, None, keep_f32=True, layout=_rows_layout(ctx))
     elif part == "shadow":
         build = lambda: shadow_delta(rec, get, None)
     elif kind in runners:
@@ -143,7 +142,7 @@ def _rows_layout(ctx):
         wt = ctx.map_blob(sha)
         if wt.ndim != 2 or wt.dtype != np.int8:
             raise OpError("bad_input", f"a W8A8 weight is int8[K, N], blob {str(sha)[:12]} is {wt.dtype}{list(wt.shape)}")
-        return ctx.layout(sha, "rows", wt.shape[::-1], np.int8, lambda out: int8_gemm.transpose_into(ctx.map_blob(sha), out),
+        return ctx.layout(sha, "rows", wt.shape[::-1], np.int8, lambda out: int8_gemm.transpose_into(wt, out),
                           empty=ARENA.empty if into is None else (lambda shape, dtype: into))
     return rows
 

@@ -358,18 +358,13 @@ class FlashStore:
         t1 = now_us()
         a = np.frombuffer(raw, dtype=meta["dtype"]).reshape(meta["shape"])
         with self._lock:
-            self.reads += 1
-            self.read_bytes += a.nbytes
             if self.memory_budget is None or a.nbytes <= self.memory_budget:
                 self._resident[sha] = a
                 self._resident_bytes += a.nbytes
                 while self.memory_budget is not None and self._resident_bytes > self.memory_budget:
                     _, old = self._resident.popitem(last=False)
                     self._resident_bytes -= old.nbytes
-        report = on_read or self.on_read
-        if report:
-            report({"name": f"read {sha[:8]}", "kind": "flash_read", "lane": "io", "start_us": t0, "end_us": t1,
-                    "bytes_in": a.nbytes, "bytes_out": 0, "flops": 0, "emulated": False, "blob": sha})
+        self._traced(on_read, f"read {sha[:8]}", sha, t0, t1, a.nbytes)
         return a
 
     def read_rows(self, sha: str, rows, cold: bool = True, lane: str = "io", on_read=None) -> np.ndarray:
@@ -403,15 +398,8 @@ class FlashStore:
                     os.posix_fadvise(fd, first * row_bytes, n * row_bytes, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        t1 = now_us()
-        with self._lock:
-            self.reads += 1
-            self.read_bytes += len(rows) * row_bytes
-        report = on_read or self.on_read
-        if report:
-            report({"name": f"read {sha[:8]} rows", "kind": "flash_read", "lane": lane, "start_us": t0,
-                    "end_us": t1, "bytes_in": len(rows) * row_bytes, "bytes_out": 0, "flops": 0,
-                    "emulated": False, "blob": sha, "runs": len(breaks) + 1})
+        self._traced(on_read, f"read {sha[:8]} rows", sha, t0, now_us(), len(rows) * row_bytes, lane,
+                     runs=len(breaks) + 1)
         return out
 
     def map(self, sha: str) -> np.ndarray:
@@ -456,19 +444,21 @@ class FlashStore:
         out = empty(tuple(shape), dtype)
         t0 = now_us()
         if _read_whole(path, out.reshape(-1).view(np.uint8)):
-            t1 = now_us()
-            with self._lock:
-                self.reads += 1
-                self.read_bytes += out.nbytes
-            report = on_read or self.on_read
-            if report:
-                report({"name": f"read {sha[:8]}.{tag}", "kind": "flash_read", "lane": "io", "start_us": t0,
-                        "end_us": t1, "bytes_in": out.nbytes, "bytes_out": 0, "flops": 0, "emulated": False,
-                        "blob": sha, "layout": tag})
+            self._traced(on_read, f"read {sha[:8]}.{tag}", sha, t0, now_us(), out.nbytes, layout=tag)
             return out
         make(out)
         self._layout_q.put((path, out))
         return out
+
+    def _traced(self, on_read, name: str, sha: str, t0: float, t1: float, nbytes: int, lane: str = "io", **extra) -> None:
+        """Count a read from flash and report it as a flash_read event to on_read, else to the store's on_read."""
+        with self._lock:
+            self.reads += 1
+            self.read_bytes += nbytes
+        report = on_read or self.on_read
+        if report:
+            report({"name": name, "kind": "flash_read", "lane": lane, "start_us": t0, "end_us": t1, "bytes_in": nbytes,
+                    "bytes_out": 0, "flops": 0, "emulated": False, "blob": sha, **extra})
 
     def _layout_worker(self) -> None:
         while True:
@@ -489,7 +479,6 @@ class FlashStore:
             finally:
                 if path is None:
                     arr.set()
-                self._layout_q.task_done()
 
     @contextlib.contextmanager
     def running(self):

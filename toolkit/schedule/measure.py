@@ -4,8 +4,8 @@
 long, so attention sees a grid of key lengths), groups the trace's op events by subgraph and keeps the busy
 time of every subgraph — one sample per (lane, stage, tokens, keys). From those samples:
     real       the measured median of the exact (lane, stage, tokens, keys) when it was measured;
-    predicted  a least-squares fit per (lane, stage): t = a + b * FLOPs (a: the stage's fixed cost — norms,
-               RoPE, residuals, launch; 1/b its effective rate), for any shape.
+    predicted  a least-squares fit per (lane, stage) through each shape's median: t = a + b * FLOPs (a: the
+               stage's fixed cost — norms, RoPE, residuals, launch; 1/b its effective rate), for any shape.
 Both answer `time_us(subgraph)` like a named DeviceProfile, so every scheduler runs on them unchanged; they
 say `modelled: False`. `fit_error` reports the predicted mode's error on chunk lengths left out of its fit.
 
@@ -27,15 +27,22 @@ from .graph import ScheduleError, Subgraph
 
 
 def _fit(xs, ys) -> tuple[float, float]:
-    """Least squares t = a + b * x with a, b >= 0 (a constant when the slope would be negative)."""
-    x, y = np.asarray(xs, float), np.asarray(ys, float)
-    if len(x) >= 2 and np.ptp(x) > 0:
-        b, a = np.polyfit(x, y, 1)
+    """Least squares t = a + b * x with a, b >= 0 (a constant when the slope would be negative), through the
+    median time at each distinct x, weighted by its sample count: one op preempted for 1-4 ms (the OS or another
+    lane holding the core or the GIL) among fifteen 100 us samples of one shape would otherwise move the line."""
+    groups: dict = {}
+    for x_, y_ in zip(xs, ys):
+        groups.setdefault(float(x_), []).append(float(y_))
+    x = np.array(sorted(groups))
+    y = np.array([np.median(groups[v]) for v in x])
+    w = np.array([len(groups[v]) for v in x], float)
+    if len(x) >= 2:
+        b, a = np.polyfit(x, y, 1, w=np.sqrt(w))  # polyfit's weights multiply the residuals
         if b > 0 and a >= 0:
             return float(a), float(b)
         if b > 0:  # negative intercept: through the origin instead
-            return 0.0, float((x @ y) / (x @ x))
-    return float(np.mean(y)), 0.0
+            return 0.0, float((w * x) @ y / ((w * x) @ x))
+    return float(np.average(y, weights=w)), 0.0
 
 
 @dataclass

@@ -280,9 +280,10 @@ def prefill_hetero(dev: Client, qm, tokens, profile, strategy: str = "solver", p
     return res
 
 
-def measure_profile(dev: Client, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, progress: bool = True):
+def measure_profile(dev: Client, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, progress: bool = True,
+                    rounds: int = 2):
     """Subgraph times of `qm` measured on this agent over a grid of chunk lengths: a MeasuredProfile
     (HeteroLLM's "predicted" mode; `.with_mode("real")` for the measured table). See schedule.measure."""
     from .schedule.measure import measure_profile as measure
 
-    return measure(dev, qm, tokens, chunks, n_chunks, progress)
+    return measure(dev, qm, tokens, chunks, n_chunks, progress, rounds)

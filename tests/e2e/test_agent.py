@@ -425,6 +425,10 @@ def test_measured_profile_real_and_predicted_modes(dev, qm, heldout_ids, tmp_pat
     prof = dev.measure_profile(qm, heldout_ids, chunks=(16, 64), n_chunks=2, progress=False)
     assert set(prof.fits) >= {"npu/qkv", "npu/ffn", "cpu/attn"} and not prof.modelled
     assert all(a >= 0 and b >= 0 for a, b in prof.fits.values()) and prof.sync_us >= 0
+    # two rounds over the lengths by default: every ffn subgraph of both chunks of both 64-token runs is a sample
+    assert sum(s["stage"] == "ffn" and s["chunk"] == 64 for s in prof.samples) == 2 * 2 * qm.model.config.n_layers
+    with pytest.raises(ScheduleError, match="at least one round"):
+        dev.measure_profile(qm, heldout_ids, chunks=(16,), n_chunks=1, rounds=0, progress=False)
     g = chunk_graph(qm.model.config, 128, 64, shadow=prof.meta["shadow_layers"])
     real = prof.with_mode("real")
     s0 = next(s for s in prof.samples if s["stage"] == "ffn" and s["chunk"] == 64)

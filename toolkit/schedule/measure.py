@@ -165,9 +165,11 @@ def cross_lane_sync_us(res) -> float:
     return float(np.median(gaps)) if gaps else 0.0
 
 
-def measure_profile(dev, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, progress: bool = True) -> MeasuredProfile:
-    """Run in-order chunked prefills of `n_chunks` chunks at each chunk length on the agent `dev` and build
-    a MeasuredProfile (predicted mode; `.with_mode("real")` for table lookups). tokens: int ids (real text,
+def measure_profile(dev, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, progress: bool = True,
+                    rounds: int = 2) -> MeasuredProfile:
+    """Run in-order chunked prefills of `n_chunks` chunks at each chunk length on the agent `dev`, `rounds` times
+    over the lengths (interleaved, so a slow minute of a shared machine does not land on one length alone), and
+    build a MeasuredProfile (predicted mode; `.with_mode("real")` for table lookups). tokens: int ids (real text,
     so shadow outliers are as in use), at least max(chunks) * n_chunks of them."""
     tokens = np.asarray(tokens, np.int32)
     need = max(chunks) * n_chunks
@@ -177,16 +179,19 @@ def measure_profile(dev, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, p
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover
         tqdm = None
-    it = list(chunks)
+    if rounds < 1:
+        raise ScheduleError(f"measuring needs at least one round over the chunk lengths, got rounds={rounds}")
+    it = list(chunks) * rounds
     bar = tqdm(it, desc="measuring subgraphs on the agent", disable=not progress) if tqdm else it
     samples, syncs = [], []
-    dev.prefill_chunked(qm, tokens[:min(chunks) * n_chunks], min(chunks), "in-order", progress=progress)  # warm: JIT, reads
+    # warm: JIT, and every token measured below once, so the cold shadow rows its outliers need are read already
+    dev.prefill_chunked(qm, tokens[:need], min(chunks), "in-order", progress=progress)
     for c in bar:
         res = dev.prefill_chunked(qm, tokens[:c * n_chunks], c, "in-order", progress=False)
         samples += samples_from_run(res, c)
         syncs.append(cross_lane_sync_us(res))
     src = (f"measured on agent {dev.url} ({dev.info.get('cpu', '?')}; lanes {', '.join(dev.info.get('lanes', []))}; "
-           f"npu emulated), {qm.scheme}, chunks {list(chunks)} x {n_chunks}")
+           f"npu emulated), {qm.scheme}, chunks {list(chunks)} x {n_chunks}, {rounds} rounds")
     from ..plan import shadow_layers
 
     meta = {"model": qm.manifest.get("model"), "scheme": qm.scheme, "shadow_layers": shadow_layers(qm.manifest)}

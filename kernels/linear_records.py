@@ -16,7 +16,7 @@ from .f16_gemm import gemm_f16w_seq
 from .int8_gemm import GEMV_M, gemm_codes_f32, gemm_s8s32, linear_w8a8_gemv, quantize_per_tensor, quantize_per_tensor_f32
 from .intn import dequantize_channels
 from .lut import lut16_dequant
-from .shadow import extract_outliers, shadow_delta_few, shadow_gemm
+from .shadow import extract_outliers, shadow_delta_onepass, shadow_gemm
 from .tiles import dequantize_tiles
 
 
@@ -169,9 +169,9 @@ def shadow_delta(rec, get, counters):
 
     def delta(x, counters=counters):
         counters["shadow_values"] = counters.get("shadow_values", 0) + x.size  # of which `outliers` went to float
-        few = shadow_delta_few(x, clip, slot, hot, cold, N)
-        if few is not None:  # decode rows: one numba pass, the same bits and counts
-            y, n_out, n_cold = few
+        one = shadow_delta_onepass(x, clip, slot, hot, cold, N)
+        if one is not None:  # one numba pass, the same bits and counts
+            y, n_out, n_cold = one
             if n_out:
                 counters["outliers"] = counters.get("outliers", 0) + n_out
                 counters["cold_rows_read"] = counters.get("cold_rows_read", 0) + n_cold

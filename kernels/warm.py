@@ -50,7 +50,7 @@ def _warm() -> list[str]:
     from .f16_gemm import gemm_f16w_seq
     from .int8_gemm import GEMM_INT8, as_f32, linear_w8a8_gemm, linear_w8a8_gemv, linear_w8a8_gemv_group, rows_major
     from .q8_0 import matmul_q8_0
-    from .shadow import shadow_delta_few, shadow_gemm
+    from .shadow import shadow_delta_onepass, shadow_gemm
 
     x = np.ones((1, 64), np.float32)
     done = []
@@ -77,8 +77,8 @@ def _warm() -> list[str]:
                     _ro(np.ones((2, 8), np.float32)), cold, np.zeros((1, 8), np.float32))
     done.append("shadow_gemm")
     for cold in (_ro(np.ones((62, 8), np.float32)), np.ones((62, 8), np.float32)):
-        shadow_delta_few(x, 0.5, _ro(slot), _ro(np.ones((2, 8), np.float32)), cold, 8)
-    done.append("shadow_delta_few")
+        shadow_delta_onepass(x, 0.5, _ro(slot), _ro(np.ones((2, 8), np.float32)), cold, 8)
+    done.append("shadow_delta_onepass")
     gemm_f16w_seq(x, np.ones((64, 8), np.float32))
     done.append("gemm_f16w_seq")
     from .llama_ops import apply_rope, attention, rms_norm

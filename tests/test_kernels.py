@@ -100,9 +100,9 @@ def test_shadow_gemm():
     np.testing.assert_allclose(y1, (x - np.clip(x, -2.5, 2.5)) @ w.T, atol=1e-5)
 
 
-@pytest.mark.parametrize("M", [1, 3])
-def test_decode_rows_shadow_delta_is_the_numpy_paths_bits_and_counts(M):
-    """shadow_delta_few (one numba pass for decode rows) against extract_outliers + shadow_gemm: values exactly at
+@pytest.mark.parametrize("M", [1, 3, 16, 70])
+def test_the_one_pass_shadow_delta_is_the_numpy_paths_bits_and_counts(M):
+    """shadow_delta_onepass (one numba pass, decode rows and prefill chunks) against extract_outliers + shadow_gemm: values exactly at
     and one ulp past a clip that float32 cannot hold, and a cold channel that two rows both read (counted once)."""
     from edgeprobe_kernels.linear_records import shadow_delta
 

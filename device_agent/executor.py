@@ -59,16 +59,17 @@ class Plan:
         self.signals = {p for n in self.order for p in self.waits[n]}
         # per op, parsed once: a decode step runs ~33 ops, each costing tens of us of Python beside its kernel
         # (kind, its function, attrs, inputs as (source, key) pairs, the input it gathers rows from, its trace
-        # event's fixed fields)
+        # event's fixed fields, the other lanes' ops it waits for, the op outputs it reads)
         for n in self.order:
             op = self.ops[n]
             for r in op.get("inputs", []):
                 if "op" in r:
                     self.readers[r["op"]] = self.readers.get(r["op"], 0) + 1
-            self.steps[n] = (op["kind"], OPS[op["kind"]], op.get("attrs", {}),
-                             [next(iter(r.items())) for r in op.get("inputs", [])], GATHERS_ROWS.get(op["kind"]),
+            refs = [next(iter(r.items())) for r in op.get("inputs", [])]
+            self.steps[n] = (op["kind"], OPS[op["kind"]], op.get("attrs", {}), refs, GATHERS_ROWS.get(op["kind"]),
                              {"name": n, "kind": op["kind"], "lane": lane[n], "layer": op.get("layer", -1),
-                              "chunk": op.get("chunk", 0), "deps": self.deps[n], "group": op.get("group", n)})
+                              "chunk": op.get("chunk", 0), "deps": self.deps[n], "group": op.get("group", n)},
+                             self.waits[n], [key for src, key in refs if src == "op"])
 
 
 def validate(plan, has_blob, lanes=LANES) -> Plan:
@@ -209,12 +210,15 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
         lane_ctx = replace(ctx, lane=lane, counters=lane_counters[lane])  # shares the runner cache
         backend = {"backend": ctx.kernels[lane]} if lane in ctx.kernels else {}
         emulated = ctx.emulated.get(lane, False)
+        steps, enter, leave = plan.steps, CORES_IN_USE.enter, CORES_IN_USE.leave
         try:
             if len(busy) > 1:
                 CORES_IN_USE.lanes_started()  # see threads.Cores.lanes_started: no lane's team spins on the other's core
             for name in names:
-                kind, fn, attrs, refs, gathered, fixed = plan.steps[name]
-                for p in plan.waits[name]:
+                # the Python between two ops is per-token time a decode step pays ~33 times (22 us an op here
+                # with the caches swept by the weights): locals, no per-op lookups the plan made once
+                kind, fn, attrs, refs, gathered, fixed, waits, reads = steps[name]
+                for p in waits:
                     while not done[p].wait(0.05):
                         if cancel.is_set() or failure:
                             raise Cancelled()
@@ -222,8 +226,8 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                     raise Cancelled()
                 args = [results[key] if src == "op" else resolve(src, key, i == gathered)
                         for i, (src, key) in enumerate(refs)]
-                lane_ctx.event = {}
-                threads = CORES_IN_USE.enter()
+                event = lane_ctx.event = {}
+                threads = enter()
                 t0 = now_us()
                 try:
                     out = fn(args, attrs, lane_ctx)
@@ -233,20 +237,25 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                     raise OpError("op_failed", f"op {name!r} ({kind}) failed: {type(e).__name__}: {e}") from None
                 finally:
                     t1 = now_us()
-                    CORES_IN_USE.leave()
-                ev = {**fixed, "start_us": t0, "end_us": t1,
-                      "bytes_in": int(sum(a.nbytes for a in args if isinstance(a, np.ndarray))),
-                      "bytes_out": int(out.nbytes), "flops": int(flops(kind, args, out, attrs, lane_ctx)),
-                      "emulated": lane_ctx.event.pop("emulated", emulated), "shape": list(out.shape), **backend,
-                      **({"threads": threads} if threads else {}), **lane_ctx.event}
+                    leave()
+                nbytes = 0
+                for a in args:
+                    if isinstance(a, np.ndarray):
+                        nbytes += a.nbytes
+                ev = {**fixed, "start_us": t0, "end_us": t1, "bytes_in": nbytes, "bytes_out": out.nbytes,
+                      "flops": int(flops(kind, args, out, attrs, lane_ctx)), "emulated": emulated,
+                      "shape": list(out.shape), **backend}
+                if threads:
+                    ev["threads"] = threads
+                if event:
+                    ev.update(event)  # the op's own fields (emulated among them) win
                 with lock:
                     results[name] = out
                     events.append(ev)
-                    for src, key in refs:
-                        if src == "op":
-                            unread[key] -= 1
-                            if not unread[key] and key not in keep:
-                                del results[key]
+                    for key in reads:
+                        unread[key] -= 1
+                        if not unread[key] and key not in keep:
+                            del results[key]
                 if name in done:
                     done[name].set()
                 if on_op:

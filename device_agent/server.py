@@ -635,7 +635,9 @@ class Agent:
             tokens = np.argmax(logits, axis=-1).astype(np.int32)  # the host's greedy sample(): the first maximum
             new = flash.events()[seen:]
             seen += len(new)
-            events += [{**e, "step": i} for e in evs + new]
+            for e in evs + new:  # this run's own event dicts: tagged in place, ~2,200 of them in a 64-step loop
+                e["step"] = i
+            events += evs + new
             kept.append(logits)
             for k, v in step_ctx.counters.items():
                 ctx.counters[k] = ctx.counters.get(k, 0) + v

@@ -41,6 +41,7 @@ class Cores:
         self._blas = 1
         self._lock = threading.Lock()
         self._set_blas = self._set_numba = None
+        self._numba_n = threading.local()  # the count last set on each thread (numba's is per thread)
 
     def enable(self) -> None:
         """In the agent process (which starts BLAS with one thread): give lone ops every core from now on. Not
@@ -84,6 +85,7 @@ class Cores:
             from edgeprobe_kernels.warm import build_team
 
             build_team(self.cores)
+            self._numba_n.k = None  # build_team sets this thread's count itself
 
     def enter(self) -> int | None:
         """An op starts on the calling lane thread: its thread count (all cores if it computes alone); None
@@ -96,8 +98,9 @@ class Cores:
             if self._set_blas is not None and k != self._blas:
                 self._set_blas(k)  # process-wide: an op already running keeps the threads it started with
                 self._blas = k
-        if self._set_numba is not None:
-            self._set_numba(k)  # numba's count is per calling thread
+        if self._set_numba is not None and getattr(self._numba_n, "k", None) != k:
+            self._set_numba(k)  # numba's count is per calling thread; setting it costs ~5 us an op, most ops keep it
+            self._numba_n.k = k
         return k
 
     def leave(self) -> None:

@@ -24,6 +24,16 @@ EVENT_ARGS = ("layer", "chunk", "bytes_in", "bytes_out", "flops", "emulated", "b
               "hvx_insns", "scalar_packets", "dsp_cycles_estimate", "dsp_us_estimate", "dsp_clock_hz")
 
 
+def span_of(events: list) -> tuple[float, list]:
+    """(makespan ms of the events, the events it spans): flash reads ("io") count only in a trace of nothing else."""
+    ev = [e for e in events if e["lane"] != "io"] or events
+    return max(max(e["end_us"] for e in ev) - min(e["start_us"] for e in ev), 1e-9) / 1e3, ev
+
+
+def flash_read_bytes(events: list) -> int:
+    return int(sum(e.get("bytes_in", 0) for e in events if e["kind"] == "flash_read"))
+
+
 @dataclass
 class Trace:
     events: list
@@ -49,11 +59,10 @@ class Trace:
     def metrics(self) -> dict:
         """makespan_ms; per lane: busy % of the makespan, ops, bubbles (idle gaps between its first and
         last op, count and total ms), emulated or not."""
-        ev = [e for e in self.events if e["lane"] != "io"] or self.events
-        if not ev:
+        if not self.events:
             return {"makespan_ms": 0.0, "lanes": {}}
-        t0, t1 = min(e["start_us"] for e in ev), max(e["end_us"] for e in ev)
-        span = max(t1 - t0, 1e-9)
+        span_ms, ev = span_of(self.events)
+        span = span_ms * 1e3
         lanes = {}
         for lane in self.lanes:
             iv = sorted((e["start_us"], e["end_us"]) for e in self.events if e["lane"] == lane)
@@ -68,9 +77,8 @@ class Trace:
             lanes[lane] = {"busy_pct": 100.0 * busy / span, "ops": len(iv), "busy_ms": busy / 1e3,
                            "bubbles": gaps, "bubble_ms": gap_us / 1e3,
                            "emulated": any(e.get("emulated") for e in self.events if e["lane"] == lane)}
-        return {"makespan_ms": span / 1e3, "lanes": lanes,
-                "flops": int(sum(e.get("flops", 0) for e in ev)),
-                "flash_read_bytes": int(sum(e.get("bytes_in", 0) for e in self.events if e["kind"] == "flash_read"))}
+        return {"makespan_ms": span_ms, "lanes": lanes, "flops": int(sum(e.get("flops", 0) for e in ev)),
+                "flash_read_bytes": flash_read_bytes(self.events)}
 
     def to_dataframe(self):
         try:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .client import AgentLostError, Client, DeviceError, RunResult
 from .sampling import sample
-from .trace import Trace
+from .trace import Trace, flash_read_bytes, span_of
 
 
 @dataclass
@@ -94,10 +94,7 @@ class DecodeSession:
         i = len(self.step_ms)
         r = self.dev.run(self._plan(1, self.batch), {"tokens": tokens}, title=f"decode step {i}", session=self.name,
                          advance=1, phase="decode")
-        met = r.trace.metrics()
-        self.step_ms.append(met["makespan_ms"])
-        self.step_counters.append({**r.counters, "flash_read_bytes": met["flash_read_bytes"]})
-        self.events += [{**e, "group": f"step{i}"} for e in r.trace.events]
+        self._record(r.trace.events, i, r.counters)
         self.length += 1
         return r.logits.reshape(self.batch, -1)
 
@@ -119,12 +116,19 @@ class DecodeSession:
         for e in r.trace.events:
             by_step[e.get("step", n - 1)].append(e)  # reads still in flight at the loop's end: the last step's
         for i, evs in by_step.items():  # as step() records one step
-            met = Trace(evs, {}).metrics()
-            self.step_ms.append(met["makespan_ms"])
-            self.step_counters.append({**r.step_counters[i], "flash_read_bytes": met["flash_read_bytes"]})
-            self.events += [{**e, "group": f"step{i0 + i}"} for e in evs]
+            self._record(evs, i0 + i, r.step_counters[i])
         self.length += n
         return r.outputs["fed"], list(r.logits) if keep == "all" else [r.logits]
+
+    def _record(self, events: list, i: int, counters: dict) -> None:
+        """Keep step i's events (their group becomes "step{i}"; the run's own event dicts, changed in place: a
+        decode loop's per-token time outside the ops counts this), its makespan and counters."""
+        ms, _ = span_of(events) if events else (0.0, events)
+        self.step_ms.append(ms)
+        self.step_counters.append({**counters, "flash_read_bytes": flash_read_bytes(events)})
+        for e in events:
+            e["group"] = f"step{i}"
+        self.events += events
 
     def close(self) -> None:
         try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .ops import GATHERS_ROWS, OPS, OpError, RunnerCache, check_fused, flops
+from .ops import GATHERS_ROWS, OPS, OpError, RunnerCache, check_fused, flops, runs_beside
 from .protocol import AgentError
 from .store import now_us
 from .threads import CORES_IN_USE
@@ -59,7 +59,8 @@ class Plan:
         self.signals = {p for n in self.order for p in self.waits[n]}
         # per op, parsed once: a decode step runs ~33 ops, each costing tens of us of Python beside its kernel
         # (kind, its function, attrs, inputs as (source, key) pairs, the input it gathers rows from, its trace
-        # event's fixed fields, the other lanes' ops it waits for, the op outputs it reads)
+        # event's fixed fields, the other lanes' ops it waits for, the op outputs it reads, whether it runs beside
+        # another lane's op without taking its cores)
         for n in self.order:
             op = self.ops[n]
             for r in op.get("inputs", []):
@@ -69,7 +70,8 @@ class Plan:
             self.steps[n] = (op["kind"], OPS[op["kind"]], op.get("attrs", {}), refs, GATHERS_ROWS.get(op["kind"]),
                              {"name": n, "kind": op["kind"], "lane": lane[n], "layer": op.get("layer", -1),
                               "chunk": op.get("chunk", 0), "deps": self.deps[n], "group": op.get("group", n)},
-                             self.waits[n], [key for src, key in refs if src == "op"])
+                             self.waits[n], [key for src, key in refs if src == "op"],
+                             runs_beside(op["kind"], op.get("attrs", {})))
 
 
 def validate(plan, has_blob, lanes=LANES) -> Plan:
@@ -217,7 +219,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
             for name in names:
                 # the Python between two ops is per-token time a decode step pays ~33 times (22 us an op here
                 # with the caches swept by the weights): locals, no per-op lookups the plan made once
-                kind, fn, attrs, refs, gathered, fixed, waits, reads = steps[name]
+                kind, fn, attrs, refs, gathered, fixed, waits, reads, side = steps[name]
                 for p in waits:
                     while not done[p].wait(0.05):
                         if cancel.is_set() or failure:
@@ -227,7 +229,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                 args = [results[key] if src == "op" else resolve(src, key, i == gathered)
                         for i, (src, key) in enumerate(refs)]
                 event = lane_ctx.event = {}
-                threads = enter()
+                threads = enter(side)
                 t0 = now_us()
                 try:
                     out = fn(args, attrs, lane_ctx)
@@ -237,7 +239,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                     raise OpError("op_failed", f"op {name!r} ({kind}) failed: {type(e).__name__}: {e}") from None
                 finally:
                     t1 = now_us()
-                    leave()
+                    leave(side)
                 nbytes = 0
                 for a in args:
                     if isinstance(a, np.ndarray):

@@ -528,6 +528,12 @@ def _moe_ffn(inp, attrs, ctx):
     return op_moe_ffn(inp, attrs, ctx)
 
 
+def runs_beside(kind: str, attrs: dict) -> bool:
+    """An op that runs beside another lane's long op without taking its cores (threads.Cores.enter): mllm-NPU's
+    shadow delta (§3.3) on the CPU, a few percent of the work of the int8 GEMM it runs beside on the NPU."""
+    return kind == "linear" and attrs.get("part") == "shadow"
+
+
 # op kind -> the input it gathers a few rows from: a blob there is mapped, not read whole (an embedding table is
 # 113 MB float32 for SmolLM2, as large as the rest of the int8 model; a run reads only its tokens' rows' pages)
 GATHERS_ROWS = {"embed": 1}

@@ -62,3 +62,23 @@ def test_an_output_no_later_op_reads_is_dropped_during_the_run():
         tracemalloc.stop()
     assert np.array_equal(out["a99"], np.full_like(x, 101)) and np.array_equal(out["side"], np.full_like(x, 51 + 151 + 201))
     assert len(events) == 201 and peak < 12 * x.nbytes  # the outputs and the ops in flight, not the whole chain
+
+
+def test_a_shadow_delta_beside_its_int8_gemm_leaves_the_gemm_every_core():
+    from edgeprobe_agent.ops import runs_beside
+    from edgeprobe_agent.threads import Cores
+
+    # mllm-NPU's shadow delta is a side op: one thread, and the npu GEMM starting while it runs still gets both
+    # cores (it got one when the delta had started first: 940 us against 220 us for a 64-row GEMM)
+    assert runs_beside("linear", {"part": "shadow"}) and not runs_beside("linear", {"part": "int8"})
+    assert not runs_beside("attention", {})
+    c = Cores(cores=2)
+    c.enabled = True  # the counting alone: no BLAS or numba setters in this process
+    assert c.enter(side=True) == 1
+    assert c.enter() == 2  # the GEMM beside the delta
+    assert c.enter() == 1  # another full op on a third lane: the cores are taken
+    c.leave()
+    c.leave()
+    c.leave(side=True)
+    assert c.enter() == 2  # all left: an op alone gets every core again
+    c.leave()

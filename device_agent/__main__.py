@@ -29,8 +29,8 @@ MALLOC_SETTINGS = (
 
 
 def _malloc_settings() -> dict:
-    """glibc only (not a phone's bionic); returns the settings made, {environment name: value}. One arena: by default each thread gets an arena
-    of its own, in 64 MB heaps that glibc deletes when they empty; a run's lane threads are new each run, so their
+    """glibc only (not a phone's bionic); returns the settings made, {environment name: value}. One arena: by
+    default each thread gets an arena of its own, in 64 MB heaps that glibc deletes when they empty; a run's lane threads are new each run, so their
     ops' arrays landed on fresh pages: 190 page faults in each [64, 1536] SwiGLU of a 64-token prefill, which then
     took 790 us against 390 us with one arena (attention 790 -> 640 us, RoPE 210 -> 130 us); an op allocates a few
     arrays, so one arena's lock is not contended. And arrays below 64 MB come from that arena's heap, which keeps up

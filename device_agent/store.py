@@ -450,7 +450,8 @@ class FlashStore:
         self._layout_q.put((path, out))
         return out
 
-    def _traced(self, on_read, name: str, sha: str, t0: float, t1: float, nbytes: int, lane: str = "io", **extra) -> None:
+    def _traced(self, on_read, name: str, sha: str, t0: float, t1: float, nbytes: int, lane: str = "io",
+                **extra) -> None:
         """Count a read from flash and report it as a flash_read event to on_read, else to the store's on_read."""
         with self._lock:
             self.reads += 1

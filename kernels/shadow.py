@@ -75,7 +75,6 @@ if numba is not None:
         return n_out, n_cold
 
 
-
 def shadow_delta_onepass(x: np.ndarray, clip: float, slot: np.ndarray, hot: np.ndarray, cold: np.ndarray, N: int):
     """(x - clip(x)) @ W^T for x float32[M, K] -> (y float32[M, N], outliers, distinct cold channels read): the
     bits of extract_outliers + shadow_gemm in one scan, without numpy's temporaries (nonzero, gathers, astype,
@@ -84,5 +83,5 @@ def shadow_delta_onepass(x: np.ndarray, clip: float, slot: np.ndarray, hot: np.n
         return None
     y = np.zeros((x.shape[0], N), np.float32)
     n_out, n_cold = _shadow_onepass_nb(np.ascontiguousarray(x), np.float32(clip), slot, hot, cold, y,
-                                   np.zeros(x.shape[1], np.uint8))
+                                       np.zeros(x.shape[1], np.uint8))
     return y, n_out, n_cold

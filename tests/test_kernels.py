@@ -102,8 +102,9 @@ def test_shadow_gemm():
 
 @pytest.mark.parametrize("M", [1, 3, 16, 70])
 def test_the_one_pass_shadow_delta_is_the_numpy_paths_bits_and_counts(M):
-    """shadow_delta_onepass (one numba pass, decode rows and prefill chunks) against extract_outliers + shadow_gemm: values exactly at
-    and one ulp past a clip that float32 cannot hold, and a cold channel that two rows both read (counted once)."""
+    """shadow_delta_onepass (one numba pass, decode rows and prefill chunks) against extract_outliers + shadow_gemm:
+    values exactly at and one ulp past a clip that float32 cannot hold, and a cold channel that two rows both read
+    (counted once)."""
     from edgeprobe_kernels.linear_records import shadow_delta
 
     K, N, clip = 48, 30, 2.2  # float32(2.2) > 2.2: x == float32(clip) is an outlier only if compared in float64

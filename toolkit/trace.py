@@ -25,9 +25,9 @@ EVENT_ARGS = ("layer", "chunk", "bytes_in", "bytes_out", "flops", "emulated", "b
 
 
 def span_of(events: list) -> tuple[float, list]:
-    """(makespan ms of the events, the events it spans): flash reads ("io") count only in a trace of nothing else."""
+    """(makespan us of the events, the events it spans): flash reads ("io") count only in a trace of nothing else."""
     ev = [e for e in events if e["lane"] != "io"] or events
-    return max(max(e["end_us"] for e in ev) - min(e["start_us"] for e in ev), 1e-9) / 1e3, ev
+    return max(max(e["end_us"] for e in ev) - min(e["start_us"] for e in ev), 1e-9), ev
 
 
 def flash_read_bytes(events: list) -> int:
@@ -61,8 +61,7 @@ class Trace:
         last op, count and total ms), emulated or not."""
         if not self.events:
             return {"makespan_ms": 0.0, "lanes": {}}
-        span_ms, ev = span_of(self.events)
-        span = span_ms * 1e3
+        span, ev = span_of(self.events)
         lanes = {}
         for lane in self.lanes:
             iv = sorted((e["start_us"], e["end_us"]) for e in self.events if e["lane"] == lane)
@@ -77,7 +76,7 @@ class Trace:
             lanes[lane] = {"busy_pct": 100.0 * busy / span, "ops": len(iv), "busy_ms": busy / 1e3,
                            "bubbles": gaps, "bubble_ms": gap_us / 1e3,
                            "emulated": any(e.get("emulated") for e in self.events if e["lane"] == lane)}
-        return {"makespan_ms": span_ms, "lanes": lanes, "flops": int(sum(e.get("flops", 0) for e in ev)),
+        return {"makespan_ms": span / 1e3, "lanes": lanes, "flops": int(sum(e.get("flops", 0) for e in ev)),
                 "flash_read_bytes": flash_read_bytes(self.events)}
 
     def to_dataframe(self):

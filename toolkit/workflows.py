@@ -123,8 +123,7 @@ class DecodeSession:
     def _record(self, events: list, i: int, counters: dict) -> None:
         """Keep step i's events (their group becomes "step{i}"; the run's own event dicts, changed in place: a
         decode loop's per-token time outside the ops counts this), its makespan and counters."""
-        ms, _ = span_of(events) if events else (0.0, events)
-        self.step_ms.append(ms)
+        self.step_ms.append(span_of(events)[0] / 1e3 if events else 0.0)
         self.step_counters.append({**counters, "flash_read_bytes": flash_read_bytes(events)})
         for e in events:
             e["group"] = f"step{i}"

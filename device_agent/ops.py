@@ -144,7 +144,7 @@ def _rows_layout(ctx):
             raise OpError("bad_input",
                           f"a W8A8 weight is int8[K, N], blob {str(sha)[:12]} is {wt.dtype}{list(wt.shape)}")
         return ctx.layout(sha, "rows", wt.shape[::-1], np.int8, lambda out: int8_gemm.transpose_into(wt, out),
-                          empty=ARENA.empty if into is None else (lambda shape, dtype: into))
+                          empty=ARENA.empty, into=into)
     return rows
 
 

@@ -38,7 +38,8 @@ import numpy as np
 from .protocol import AgentError, crc32
 
 _HEX = set("0123456789abcdef")
-LAYOUT_PIECE = 4 << 20  # a layout is written in pieces of this many bytes, each between runs
+LAYOUT_PIECE = 4 << 20
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14: page a mapping in without writing to it  # a layout is written in pieces of this many bytes, each between runs
 
 
 INDEX = "index.jsonl"
@@ -343,7 +344,9 @@ class FlashStore:
 
     # ---- reads --------------------------------------------------------------------------------
     def get(self, sha: str, on_read=None) -> np.ndarray:
-        """The blob as a read-only array; from memory if resident, else read from flash (an event to on_read)."""
+        """The blob as a read-only array; from memory if resident, else read from flash (an event to on_read): mapped
+        and paged in at once (MAP_POPULATE), which shares the OS's page cache instead of copying it into fresh memory
+        (a 28 MB head blob: ~15 ms copied, a third of that mapped; llama.cpp maps its weights the same way)."""
         with self._lock:
             a = self._resident.get(sha)
             if a is not None:
@@ -353,8 +356,10 @@ class FlashStore:
             raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
         meta = self._meta_of(sha)
         t0 = now_us()
-        with open(self.blob_dir / sha, "rb") as f:
-            raw = f.read()
+        raw = _map_whole(self.blob_dir / sha)
+        if raw is None:  # an empty blob (nothing to map)
+            with open(self.blob_dir / sha, "rb") as f:
+                raw = f.read()
         t1 = now_us()
         a = np.frombuffer(raw, dtype=meta["dtype"]).reshape(meta["shape"])
         with self._lock:
@@ -430,22 +435,34 @@ class FlashStore:
             return self.get(sha, on_read)
         return self.read_rows(sha, np.arange(shape[0]), lane=lane, on_read=on_read)
 
-    def layout(self, sha: str, tag: str, shape: tuple, dtype, make, empty=np.empty, on_read=None) -> np.ndarray:
-        """Blob sha in the layout `tag` that a kernel reads (shape, dtype): read from flash if an earlier run made it
-        (one sequential read, reported like get's), else make(out) fills a new array from the blob, and a background
-        thread writes it to flash (a temporary file, fsync, rename: a visible layout is whole) for the next agent
-        process on this store. A phone's runtime keeps its prepared graphs the same way (QNN's context binaries);
-        preparing them is most of a new process's first run otherwise. empty(shape, dtype) allocates the array."""
+    def layout(self, sha: str, tag: str, shape: tuple, dtype, make, empty=np.empty, on_read=None,
+               into: np.ndarray | None = None) -> np.ndarray:
+        """Blob sha in the layout `tag` that a kernel reads (shape, dtype): mapped from flash if an earlier run made it
+        (paged in at once and reported like get's reads; copy-on-write, so the array is writable as a made one is),
+        else make(out) fills a new array from the blob, and a background thread writes it to flash (a temporary file,
+        fsync, rename: a visible layout is whole, and one mapped is never written over) for the next agent process
+        on this store. A phone's runtime keeps its prepared graphs the same way (QNN's context binaries); preparing
+        them is most of a new process's first run otherwise. empty(shape, dtype) allocates a made array; into: fill
+        this array instead (read or made)."""
         if not self.has(sha):
             raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
         if not tag.isalnum():
             raise StoreError("bad_layout", f"a layout tag is letters and digits, got {tag[:20]!r}")
         path = self.layout_dir / f"{sha}.{tag}"
-        out = empty(tuple(shape), dtype)
+        dtype = np.dtype(dtype)
         t0 = now_us()
-        if _read_whole(path, out.reshape(-1).view(np.uint8)):
-            self._traced(on_read, f"read {sha[:8]}.{tag}", sha, t0, now_us(), out.nbytes, layout=tag)
-            return out
+        if into is None:
+            raw = _map_whole(path, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, private=True)
+            if raw is not None:
+                out = np.frombuffer(raw, dtype).reshape(shape)
+                self._traced(on_read, f"read {sha[:8]}.{tag}", sha, t0, now_us(), out.nbytes, layout=tag)
+                return out
+            out = empty(tuple(shape), dtype)
+        else:
+            out = into
+            if _read_whole(path, out.reshape(-1).view(np.uint8)):
+                self._traced(on_read, f"read {sha[:8]}.{tag}", sha, t0, now_us(), out.nbytes, layout=tag)
+                return out
         make(out)
         self._layout_q.put((path, out))
         return out
@@ -557,6 +574,30 @@ def _lock_store(root: Path, wait_s: float):
     f.write(str(os.getpid()))
     f.flush()
     return f
+
+
+def _map_whole(path: Path, nbytes: int | None = None, private: bool = False) -> mmap.mmap | None:
+    """The file mapped whole and paged in now (no zero-filled pages and no copy: ~4x faster than reading 100 MB of
+    layouts into new memory here), or None if it is missing, empty or not nbytes long. Read-only and shared, or
+    private: writable copy-on-write, so a kernel that writes never reaches the file, and numba sees the same
+    writable arrays as the copies it was warmed on."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0 or (nbytes is not None and size != nbytes):
+                return None
+            if not private:
+                return mmap.mmap(f.fileno(), size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                 prot=mmap.PROT_READ)
+            # MAP_POPULATE would fault a writable private mapping for writing: a copy of every page
+            mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except FileNotFoundError:
+        return None
+    try:
+        mm.madvise(MADV_POPULATE_READ)
+    except (OSError, AttributeError):  # before Linux 5.14: one read per page instead
+        np.frombuffer(mm, np.uint8)[::mmap.PAGESIZE].max()
+    return mm
 
 
 def _read_whole(path: Path, buf: np.ndarray) -> bool:

@@ -304,6 +304,7 @@ def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
     st.get(shas[3])
     assert len(reads) == 4  # resident: no read
     assert np.array_equal(st.get(shas[0]), blobs[0]) and len(reads) == 5  # evicted: read from flash again
+    assert not st.get(shas[0]).flags.writeable  # mapped from the blob's file: never written through
     assert all(e["kind"] == "flash_read" and e["bytes_in"] == 1000 and e["end_us"] >= e["start_us"] for e in reads)
     assert not list((tmp_path / "f" / "blobs").glob(".*tmp"))
     with pytest.raises(StoreError, match="not a lowercase hex sha256") as e:  # a path, never opened
@@ -343,6 +344,10 @@ def test_a_layout_is_made_once_kept_whole_in_flash_and_read_by_the_next_store(tm
     b = st2.layout(sha, "rows", (15, 8), np.int8, make)
     assert np.array_equal(b, wt.T) and made == [1]  # read, not made again, and traced as a flash read
     assert [(r["kind"], r["layout"], r["bytes_in"]) for r in reads] == [("flash_read", "rows", wt.nbytes)]
+    b[0, 0] += 1  # mapped copy-on-write: a kernel may write its array, the layout in flash stays as made
+    assert b.flags.writeable and (tmp_path / "f" / "layouts" / f"{sha}.rows").read_bytes() == wt.T.tobytes()
+    into = np.zeros((15, 8), np.int8)
+    assert st2.layout(sha, "rows", (15, 8), np.int8, make, into=into) is into and np.array_equal(into, wt.T)
     (tmp_path / "f" / "layouts" / f"{sha}.rows").write_bytes(b"short")  # not whole: made again, never read as is
     c = st2.layout(sha, "rows", (15, 8), np.int8, make)
     assert np.array_equal(c, wt.T) and made == [1, 1]

@@ -186,8 +186,11 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
             on_op=None) -> tuple[dict, list]:
     """Run `plan` with one thread per lane. Returns ({output name: array}, trace events).
 
-    on_op(event) is called after each op (progress). Raises AgentError (OpError, StoreError, ...) / Cancelled.
-    Each lane counts into its own dict (one owner per dict); they are added into ctx.counters after the join.
+    on_op(event) is called after each op (progress), under the run's lock: one call at a time. Raises AgentError
+    (OpError, StoreError, ...) / Cancelled. Each lane counts into its own dict (one owner per dict); they are added
+    into ctx.counters after the join. A plan on one lane (a decode step) takes its cores once for the whole pass
+    (threads.Cores.enter), not per op: its ops run back to back on one thread, and a decode step paid ~4 us an op
+    for the count's lock and numba's per-thread setting, with the caches swept by the weights.
     """
     cancel = cancel or threading.Event()
     done = {n: threading.Event() for n in plan.signals}  # one per cross-lane hand-off, not per op
@@ -208,13 +211,16 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
             raise OpError("missing_input", f"the plan reads run input {str(key)[:40]!r}, which the run did not send")
         return inputs[key]
 
-    def lane_worker(lane, names):
+    def lane_worker(lane, names, solo=False):
         lane_ctx = replace(ctx, lane=lane, counters=lane_counters[lane])  # shares the runner cache
         backend = {"backend": ctx.kernels[lane]} if lane in ctx.kernels else {}
         emulated = ctx.emulated.get(lane, False)
         steps, enter, leave = plan.steps, CORES_IN_USE.enter, CORES_IN_USE.leave
+        if solo:  # the pass's one count of cores (see the docstring): its ops' enter / leave do nothing
+            solo_threads = enter()
+            enter, leave = (lambda side: solo_threads), (lambda side: None)
         try:
-            if len(busy) > 1:
+            if not solo:
                 CORES_IN_USE.lanes_started()  # see threads.Cores.lanes_started: no lane's team spins on the other's core
             for name in names:
                 # the Python between two ops is per-token time a decode step pays ~33 times (22 us an op here
@@ -258,17 +264,20 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                         unread[key] -= 1
                         if not unread[key] and key not in keep:
                             del results[key]
+                    if on_op:
+                        on_op(ev)
                 if name in done:
                     done[name].set()
-                if on_op:
-                    on_op(ev)
         except BaseException as e:
             with lock:
                 failure.append(e)
+        finally:
+            if solo:
+                CORES_IN_USE.leave()
 
     busy = [(lane, names) for lane, names in plan.lane_order.items() if names]
     if len(busy) == 1:  # one lane (a decode step): run it on this thread, no thread to start and join
-        lane_worker(*busy[0])
+        lane_worker(*busy[0], solo=True)
     else:
         threads = [threading.Thread(target=lane_worker, args=(lane, names), name=f"lane-{lane}", daemon=True)
                    for lane, names in busy]

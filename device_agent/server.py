@@ -651,18 +651,17 @@ class Agent:
         header, arrays = error_reply(run.rid, "internal", "the run ended without a result"), ()
         total = len(plan.order) * run.steps
         # progress every 0.2 s of a long run; none for a short one (a decode step), whose final reply says it all
-        state = {"done": 0, "last": time.monotonic()}
-        lock = threading.Lock()  # on_op runs on every lane thread
+        state = {"done": 0, "last": time.monotonic()}  # touched by on_op alone, which execute calls under its lock
 
         def on_op(ev):
-            with lock:
-                state["done"] += 1
-                t = time.monotonic()
-                if t - state["last"] <= 0.2:
-                    return
+            state["done"] += 1
+            if state["done"] & 7:  # the clock every 8th op: a decode step's 33 ops paid ~3 us each for it
+                return
+            t = time.monotonic()
+            if t - state["last"] > 0.2:
                 state["last"] = t
-                msg = {"id": run.rid, "final": False, "event": "progress", "done": state["done"], "total": total}
-            self.outbox.put(("send", run.ident, pack(msg)))
+                self.outbox.put(("send", run.ident, pack({"id": run.rid, "final": False, "event": "progress",
+                                                          "done": state["done"], "total": total})))
         try:
             flash = _FlashLog()
             ctx = Context(get=partial(self.store.get, on_read=flash.add), counters={}, runners=self.runners,

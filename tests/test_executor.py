@@ -82,3 +82,30 @@ def test_a_shadow_delta_beside_its_int8_gemm_leaves_the_gemm_every_core():
     c.leave(side=True)
     assert c.enter() == 2  # all left: an op alone gets every core again
     c.leave()
+
+
+def test_a_plan_on_one_lane_takes_the_cores_once_and_gives_them_back(monkeypatch):
+    from edgeprobe_agent import executor
+    from edgeprobe_agent.threads import Cores
+
+    c = Cores(cores=2)
+    c.enabled = True  # the counting alone
+    calls = []
+    enter, leave = c.enter, c.leave
+    monkeypatch.setattr(c, "enter", lambda side=False: calls.append("enter") or enter(side))
+    monkeypatch.setattr(c, "leave", lambda side=False: calls.append("leave") or leave(side))
+    monkeypatch.setattr(executor, "CORES_IN_USE", c)
+    cpu_only = {"ops": [op for op in _plan()["ops"] if op["name"].startswith("cpu")], "outputs": ["cpu2"]}
+    plan = validate(cpu_only, has_blob=lambda s: False)
+    out, events = execute(plan, {"x": np.ones((4, 4), np.float32)}, Context(get=None))
+    assert calls == ["enter", "leave"] and [e["threads"] for e in events] == [2, 2, 2]  # a decode step's ops alone
+    assert np.array_equal(out["cpu2"], np.full((4, 4), 4, np.float32))
+    with pytest.raises(OpError):  # a failing op still gives the cores back
+        execute(validate({"ops": [{"name": "e", "kind": "embed", "lane": "cpu", "inputs": [{"input": "t"}, {"input": "w"}]}]},
+                         has_blob=lambda s: False), {"t": np.array([5], np.int32), "w": np.ones((3, 2), np.float32)},
+                Context(get=None))
+    assert calls[-2:] == ["enter", "leave"] and c.enter() == 2  # nothing left counted busy
+    c.leave()
+    calls.clear()
+    execute(validate(_plan(), has_blob=lambda s: False), {"x": np.ones((4, 4), np.float32)}, Context(get=None))
+    assert calls.count("enter") == 7 == calls.count("leave")  # two lanes: each op counts itself

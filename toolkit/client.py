@@ -226,7 +226,7 @@ class Client:
                 last_ping = now
                 self.send("heartbeat")
             if self.sock.poll(int(HEARTBEAT_S * 1000)):
-                header, arrays = unpack(self.sock.recv_multipart())
+                header, arrays = unpack(self.sock.recv_multipart(copy=False))
                 last = time.monotonic()
                 if header.get("id") == NO_ID and header.get("final") and not header.get("ok"):
                     err = header.get("error", {})

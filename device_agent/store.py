@@ -20,6 +20,7 @@ own), else to the store's `on_read` (EdgeMoE experts and cold shadow rows use th
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import math
@@ -593,11 +594,26 @@ def _map_whole(path: Path, nbytes: int | None = None, private: bool = False) -> 
             mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except FileNotFoundError:
         return None
-    try:
-        mm.madvise(MADV_POPULATE_READ)
-    except (OSError, AttributeError):  # before Linux 5.14: one read per page instead
+    if not _populate(mm):  # before Linux 5.14: one read per page instead
         np.frombuffer(mm, np.uint8)[::mmap.PAGESIZE].max()
     return mm
+
+
+def _populate(mm: mmap.mmap) -> bool:
+    """Page a writable private mapping in without writing to it (MADV_POPULATE_READ), through ctypes, which lets go
+    of the GIL for the call (mmap.madvise holds it: the other lanes' Python waited out each layout's paging)."""
+    global _LIBC
+    try:
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL(None, use_errno=True)
+            _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        return _LIBC.madvise(addr, len(mm), MADV_POPULATE_READ) == 0
+    except (OSError, AttributeError, TypeError):
+        return False
+
+
+_LIBC = None
 
 
 def _read_whole(path: Path, buf: np.ndarray) -> bool:

@@ -257,9 +257,16 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                     ev["threads"] = threads
                 if event:
                     ev.update(event)  # the op's own fields (emulated among them) win
+                    subs = ev.pop("sub_events", None)
+                    if subs:  # a fused op of fused layers: their events in place of its own (ops.op_fused)
+                        ev = [{**ev, **e} for e in subs]
                 with lock:
                     results[name] = out
-                    events.append(ev)
+                    if type(ev) is list:
+                        events.extend(ev)
+                        ev = ev[-1]
+                    else:
+                        events.append(ev)
                     for key in reads:
                         unread[key] -= 1
                         if not unread[key] and key not in keep:

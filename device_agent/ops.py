@@ -459,8 +459,12 @@ def op_fused(inp, attrs, ctx):
     op's input i) | {"op": an earlier sub-op}], "attrs"}]; the value is the last sub-op's. The op's trace event
     gets the summed flops, and parts_us: each sub-op kind's time inside it. The sub-ops are parsed once per
     plan (validated plans never change) and a plain linear's runner is looked up once per lane: a decode step
-    runs ~400 sub-ops, and their Python around the kernels ran from caches the weights had just swept."""
+    runs ~400 sub-ops, and their Python around the kernels ran from caches the weights had just swept.
+    A sub-op may itself be a fused op (one level; it may add "layer" and "deps" for its event): a decode step's
+    layers in one op. Each keeps its own trace event, timed here (ctx.event["sub_events"], which the executor
+    emits in place of this op's), and the step pays one dispatch between ops instead of one per layer."""
     local, parts, total = {}, {}, 0
+    nested = []
     hvx = ctx.lane == "npu" and ctx.backends.get("npu") == "hvx"
     runners = ctx.runners
     t = perf_counter_ns()
@@ -480,7 +484,10 @@ def op_fused(inp, attrs, ctx):
         for sub, rr, plain in subs:
             args = [inp[i] if src == "arg" else local[i] for src, i in rr]
             kind, a = sub["kind"], sub.get("attrs", {})
-            if plain and ctx.lane != "gpu" and not hvx and isinstance(args[0], np.ndarray) and args[0].ndim == 2:
+            if kind == "fused":
+                out = _nested_fused(sub, args, ctx, nested)
+                total += nested[-1].get("flops", 0)
+            elif plain and ctx.lane != "gpu" and not hvx and isinstance(args[0], np.ndarray) and args[0].ndim == 2:
                 fn = runners.per_object(sub, ctx.lane, lambda s: _runner(ctx, s["attrs"]["rec"], "all"))
                 out = fn(args[0], counters=ctx.counters)
                 total += 2 * args[0].shape[0] * args[0].shape[1] * out.shape[1]
@@ -493,27 +500,55 @@ def op_fused(inp, attrs, ctx):
             t = t1
     if ctx.event is not None:
         ctx.event.update({"flops": int(total), "parts_us": parts, "fused_ops": len(attrs["ops"])})
+        if nested:
+            ctx.event["sub_events"] = nested
     return out
 
 
-def check_fused(name: str, attrs: dict, n_inputs: int) -> None:
-    """Refuse a malformed fused op before the plan runs (called by the executor's validate)."""
+def _nested_fused(sub: dict, args: list, ctx, events: list):
+    """A fused sub-op of a fused op (a layer of a decode step): run, and its trace event appended to events."""
+    outer, ctx.event = ctx.event, {}
+    t0 = perf_counter_ns()
+    try:
+        out = op_fused(args, sub["attrs"], ctx)
+    finally:
+        t1 = perf_counter_ns()
+        own, ctx.event = ctx.event, outer
+    nbytes = 0
+    for a in args:
+        if isinstance(a, np.ndarray):
+            nbytes += a.nbytes
+    events.append({"name": sub["name"], "kind": "fused", "layer": sub.get("layer", -1), "deps": sub.get("deps", []),
+                   "group": sub["name"], "start_us": t0 / 1000.0, "end_us": t1 / 1000.0, "bytes_in": nbytes,
+                   "bytes_out": out.nbytes, "shape": list(out.shape), **own})
+    return out
+
+
+def check_fused(name: str, attrs: dict, n_inputs: int, nested: bool = False) -> None:
+    """Refuse a malformed fused op before the plan runs (called by the executor's validate). A sub-op may be a
+    fused op itself, one level deep."""
     subs = attrs.get("ops")
     if not isinstance(subs, list) or not subs:
         raise OpError("bad_attrs", f"fused op {name!r} needs a non-empty list attrs.ops")
     seen = set()
     for i, sub in enumerate(subs):
         if not isinstance(sub, dict) or not isinstance(sub.get("name"), str) or sub.get("kind") not in OPS \
-                or sub["kind"] == "fused" or not isinstance(sub.get("inputs", []), list) \
+                or (sub["kind"] == "fused" and nested) or not isinstance(sub.get("inputs", []), list) \
                 or not isinstance(sub.get("attrs", {}), dict):
-            raise OpError("bad_attrs", f"fused op {name!r}: sub-op #{i} needs a name, a kind this agent runs (not "
-                                       "fused), a list of inputs and a map of attrs")
+            raise OpError("bad_attrs", f"fused op {name!r}: sub-op #{i} needs a name, a kind this agent runs (a "
+                                       "fused op only one level deep), a list of inputs and a map of attrs")
         for r in sub.get("inputs", []):
             ok = isinstance(r, dict) and len(r) == 1 and (
                 ("arg" in r and isinstance(r["arg"], int) and 0 <= r["arg"] < n_inputs) or r.get("op") in seen)
             if not ok:
                 raise OpError("bad_attrs", f"fused op {name!r}: sub-op {sub['name']!r} input {str(r)[:40]} must be "
                                            f"{{'arg': i < {n_inputs}}} or {{'op': an earlier sub-op}}")
+        if sub["kind"] == "fused":
+            if not isinstance(sub.get("layer", -1), int) or not isinstance(sub.get("deps", []), list) \
+                    or not all(isinstance(d, str) for d in sub.get("deps", [])):
+                raise OpError("bad_attrs", f"fused op {name!r}: fused sub-op {sub['name']!r} has an int layer and a "
+                                           "list of names as deps, if any")
+            check_fused(f"{name}/{sub['name']}", sub.get("attrs", {}), len(sub.get("inputs", [])), nested=True)
         seen.add(sub["name"])
 
 

@@ -138,7 +138,11 @@ def test_a_fused_decode_step_computes_what_its_ops_compute(scheme, monkeypatch):
     cfg = qm.manifest["config"]
     prompt = np.arange(7, dtype=np.int32) % cfg["vocab_size"]
     fused = prefill_plan(qm.manifest, 1, session=True)
-    assert [o["kind"] for o in fused["ops"]].count("fused") == cfg["n_layers"]
+    # the layers, each a fused op, in one fused op blk.0-2 (before it: embed, and ops of layer 0 that are not fused)
+    (step,) = [o for o in fused["ops"] if o["kind"] == "fused"]
+    assert step["name"] == f"blk.0-{cfg['n_layers'] - 1}" and [o["name"] for o in fused["ops"]][-2:] == ["output_norm", "lm_head"]
+    layers = step["attrs"]["ops"]
+    assert [(s["name"], s["kind"], s["layer"]) for s in layers] == [(f"blk.{i}", "fused", i) for i in range(cfg["n_layers"])]
     assert {o["lane"] for o in fused["ops"]} == {"cpu"}  # mllm-NPU decodes on its CPU backend
     unfused = {**fused, "ops": [s for o in fused["ops"] for s in _unfuse(o)], "outputs": ["lm_head"]}
     outs = []
@@ -147,9 +151,17 @@ def test_a_fused_decode_step_computes_what_its_ops_compute(scheme, monkeypatch):
         run_plan(prefill_plan(qm.manifest, len(prompt), session=True), qm.store.get, {"tokens": prompt}, sess, len(prompt))
         o, events, _ = run_plan(plan, qm.store.get, {"tokens": np.array([5], np.int32)}, sess, 1)
         outs.append(next(iter(o.values())))
-        if plan is fused:
-            layer = [e for e in events if e["kind"] == "fused"][0]
-            assert layer["flops"] > 0 and {"linear", "attention", "rms_norm"} <= set(layer["parts_us"])
+        if plan is fused:  # each layer's own event, timed inside the one op, as if dispatched alone
+            by = {e["name"]: e for e in events}
+            assert len(by) == len(events) == len(fused["ops"]) - 1 + cfg["n_layers"] and step["name"] not in by
+            for i in range(cfg["n_layers"]):
+                e = by[f"blk.{i}"]
+                assert e["kind"] == "fused" and e["layer"] == i and e["lane"] == "cpu" and e["shape"] == [1, cfg["hidden"]]
+                first = sorted({r["op"] for r in step["inputs"] if "op" in r} | set(step["deps"]))  # what blk.0 reads
+                assert e["deps"] == ([f"blk.{i - 1}"] if i else first)
+                assert all(by[d]["end_us"] <= e["start_us"] for d in e["deps"]) and e["end_us"] > e["start_us"]
+                assert e["flops"] > 0 and {"linear", "attention", "rms_norm"} <= set(e["parts_us"])
+            assert by["output_norm"]["start_us"] >= by[f"blk.{cfg['n_layers'] - 1}"]["end_us"]
     assert np.array_equal(outs[0], outs[1])
     assert len(grouped) == 2 * cfg["n_layers"]  # q, k, v and gate, up of each layer: one call each
 
@@ -180,14 +192,19 @@ def _unfuse(op):
     for i, s in enumerate(subs):
         ins = [op["inputs"][r["arg"]] if "arg" in r else r for r in s["inputs"]]
         name = op["name"] if i == len(subs) - 1 else s["name"]
-        out.append({"name": name, "kind": s["kind"], "lane": op["lane"], "inputs": ins, "attrs": s["attrs"],
-                    "layer": op["layer"]})
+        out += _unfuse({"name": name, "kind": s["kind"], "lane": op["lane"], "inputs": ins, "attrs": s["attrs"],
+                        "layer": s.get("layer", op["layer"])})  # a layer of the step's fused op: its ops too
     return out
 
 
 @pytest.mark.parametrize("attrs,match", [
     ({}, "non-empty list"),
-    ({"ops": [{"name": "a", "kind": "fused", "inputs": []}]}, "not fused"),
+    ({"ops": [{"name": "a", "kind": "fused", "inputs": []}]}, "non-empty list"),  # a layer with no ops
+    ({"ops": [{"name": "a", "kind": "fused", "inputs": [], "attrs": {"ops": [
+        {"name": "b", "kind": "fused", "inputs": [], "attrs": {"ops": [{"name": "c", "kind": "add", "inputs": []}]}}]}}]},
+     "one level deep"),
+    ({"ops": [{"name": "a", "kind": "fused", "inputs": [], "layer": "x", "attrs": {"ops": [
+        {"name": "c", "kind": "add", "inputs": []}]}}]}, "int layer"),
     ({"ops": [{"name": "a", "kind": "add", "inputs": [{"arg": 5}]}]}, "arg"),
     ({"ops": [{"name": "a", "kind": "add", "inputs": [{"op": "later"}]}, {"name": "later", "kind": "add", "inputs": []}]},
      "earlier sub-op"),

@@ -11,7 +11,7 @@ import numpy as np
 from edgeprobe_kernels.linear_records import SHADOW_KINDS, weight_blobs
 
 from .graph import NPU_KINDS, Weights, model_ops, order_by_schedule, place_by_kind, place_by_stage
-from .graph.place import fuse_layers
+from .graph.place import fuse_layers, fuse_step
 
 __all__ = ["prefill_plan", "chunked_prefill_plan", "shadow_layers", "attach_expert_streaming", "NPU_KINDS"]
 
@@ -31,7 +31,7 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
     decode = kind == "decode" and split is None
     plan = place_by_kind(ops, float_lane, {"kind": kind, "tokens": n_tokens, "batch": batch, "scheme": manifest["scheme"]},
                          decode=decode)
-    return fuse_layers(plan) if decode else plan  # a decode step: each layer one op on the cpu lane
+    return fuse_step(fuse_layers(plan)) if decode else plan  # a decode step: its layers one op on the cpu lane
 
 
 def chunked_prefill_plan(manifest: dict, sched) -> dict:

@@ -175,6 +175,7 @@ class Context:
     read_rows: object = None         # (sha, rows, lane=) -> rows of a blob read from flash, not kept resident
     read_blob: object = None         # sha -> a whole blob read from flash, not kept resident
     map_blob: object = None          # sha -> the blob memory-mapped: rows paged in from flash when touched
+    blob_meta: object = None         # sha -> {"dtype", "shape"} of a blob, nothing read (FlashStore.meta)
     layout: object = None            # (sha, tag, shape, dtype, make, empty=, into=) -> the blob in a kernel's layout (FlashStore.layout)
     backends: dict = field(default_factory=dict)  # lane -> kernel backend chosen for it ("npu": "numba" | "hvx")
     kernels: dict = field(default_factory=dict)   # lane -> what computes there (backends.lane_kernels): events' "backend"

@@ -461,8 +461,8 @@ def op_fused(inp, attrs, ctx):
     gets the summed flops, and parts_us: each sub-op kind's time inside it. The sub-ops are parsed once per
     plan (validated plans never change) and a plain linear's runner is looked up once per lane: a decode step
     runs ~400 sub-ops, and their Python around the kernels ran from caches the weights had just swept.
-    A sub-op may itself be a fused op (one level; it may add "layer" and "deps" for its event): a decode step's
-    layers in one op. Each keeps its own trace event, timed here (ctx.event["sub_events"], which the executor
+    Its sub-ops may all be fused ops themselves (one level; each may add "layer" and "deps" for its event): a
+    decode step's layers in one op. Each keeps its own trace event, timed here (ctx.event["sub_events"], which the executor
     emits in place of this op's), and the step pays one dispatch between ops instead of one per layer."""
     local, parts, total = {}, {}, 0
     nested = []
@@ -544,6 +544,9 @@ def check_fused(name: str, attrs: dict, n_inputs: int, nested: bool = False) -> 
             if not ok:
                 raise OpError("bad_attrs", f"fused op {name!r}: sub-op {sub['name']!r} input {str(r)[:40]} must be "
                                            f"{{'arg': i < {n_inputs}}} or {{'op': an earlier sub-op}}")
+        if (sub["kind"] == "fused") != (subs[0].get("kind") == "fused"):
+            raise OpError("bad_attrs", f"fused op {name!r}: its sub-ops are all fused ops (layers, each with its own "
+                                       "event) or none of them")
         if sub["kind"] == "fused":
             if not isinstance(sub.get("layer", -1), int) or not isinstance(sub.get("deps", []), list) \
                     or not all(isinstance(d, str) for d in sub.get("deps", [])):

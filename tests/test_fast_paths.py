@@ -205,6 +205,8 @@ def _unfuse(op):
      "one level deep"),
     ({"ops": [{"name": "a", "kind": "fused", "inputs": [], "layer": "x", "attrs": {"ops": [
         {"name": "c", "kind": "add", "inputs": []}]}}]}, "int layer"),
+    ({"ops": [{"name": "a", "kind": "fused", "inputs": [], "attrs": {"ops": [{"name": "c", "kind": "add", "inputs": []}]}},
+              {"name": "d", "kind": "add", "inputs": []}]}, "all fused ops"),
     ({"ops": [{"name": "a", "kind": "add", "inputs": [{"arg": 5}]}]}, "arg"),
     ({"ops": [{"name": "a", "kind": "add", "inputs": [{"op": "later"}]}, {"name": "later", "kind": "add", "inputs": []}]},
      "earlier sub-op"),

@@ -247,25 +247,30 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                 finally:
                     t1 = now_us()
                     leave(side)
-                nbytes = 0
-                for a in args:
-                    if isinstance(a, np.ndarray):
-                        nbytes += a.nbytes
-                ev = {**fixed, "start_us": t0, "end_us": t1, "bytes_in": nbytes, "bytes_out": out.nbytes,
-                      "flops": int(flops(kind, args, out, attrs, lane_ctx)), "emulated": emulated,
-                      "shape": list(out.shape), **backend}
-                if threads:
-                    ev["threads"] = threads
-                if event:
-                    ev.update(event)  # the op's own fields (emulated among them) win
-                    subs = ev.pop("sub_events", None)
-                    if subs:  # a fused op of fused layers: their events in place of its own (ops.op_fused)
-                        ev = [{**ev, **e} for e in subs]
+                subs = event.pop("sub_events", None) if event else None
+                if subs:  # a fused op of fused layers: their events (ops.op_fused) in place of its own
+                    common = {"lane": fixed["lane"], "chunk": fixed["chunk"], "emulated": emulated, **backend}
+                    if threads:
+                        common["threads"] = threads
+                    for e in subs:
+                        e.update(common)
+                    ev = subs[-1]
+                else:
+                    nbytes = 0
+                    for a in args:
+                        if isinstance(a, np.ndarray):
+                            nbytes += a.nbytes
+                    ev = {**fixed, "start_us": t0, "end_us": t1, "bytes_in": nbytes, "bytes_out": out.nbytes,
+                          "flops": int(flops(kind, args, out, attrs, lane_ctx)), "emulated": emulated,
+                          "shape": list(out.shape), **backend}
+                    if threads:
+                        ev["threads"] = threads
+                    if event:
+                        ev.update(event)  # the op's own fields (emulated among them) win
                 with lock:
                     results[name] = out
-                    if type(ev) is list:
-                        events.extend(ev)
-                        ev = ev[-1]
+                    if subs:
+                        events.extend(subs)
                     else:
                         events.append(ev)
                     for key in reads:

@@ -217,6 +217,19 @@ class _Run:
     loop: bool = False       # a greedy decode loop (the request named steps): its reply adds fed and step_counters
 
 
+def _per_run(get):
+    """get(sha) remembered for one run, for a store without a memory budget (whose resident blobs never leave):
+    a decode loop's steps ask for their ~60 norm weights each, through the store's lock and LRU order (~1.5 us
+    each with the caches swept by the weights). Lanes share it: dict reads and setdefault are atomic, and two
+    lanes asking at once get the store's one array."""
+    seen: dict = {}
+
+    def cached(sha):
+        a = seen.get(sha)
+        return a if a is not None else seen.setdefault(sha, get(sha))
+    return cached
+
+
 def _content_id(value) -> str:
     """16 hex digits of the sha256 of a model's manifest or a plan as msgpack (a plan of 64 tokens: 215 kB, 0.8 ms;
     sorted JSON took 4.2). The same message gives the same id; one sent with its keys in another order, another."""
@@ -670,10 +683,12 @@ class Agent:
                                                           "done": state["done"], "total": total})))
         try:
             flash = _FlashLog()
-            ctx = Context(get=partial(self.store.get, on_read=flash.add), counters={}, runners=self.runners,
-                          session=run.session, read_rows=partial(self.store.read_rows, on_read=flash.add),
-                          read_blob=partial(self.store.read_cold, on_read=flash.add), map_blob=self.store.map, blob_meta=self.store.meta,
-                          layout=partial(self.store.layout, on_read=flash.add),
+            get = partial(self.store.get, on_read=flash.add)
+            ctx = Context(get=get if self.store.memory_budget is not None else _per_run(get), counters={},
+                          runners=self.runners, session=run.session,
+                          read_rows=partial(self.store.read_rows, on_read=flash.add),
+                          read_blob=partial(self.store.read_cold, on_read=flash.add), map_blob=self.store.map,
+                          blob_meta=self.store.meta, layout=partial(self.store.layout, on_read=flash.add),
                           backends={"npu": self.npu_backend}, kernels=self.kernels, emulated=self.emulated)
             t0 = now_us()
             try:

@@ -82,13 +82,7 @@ def fuse_layers(plan: dict, lanes=("cpu",)) -> dict:
     ops = plan["ops"]
     if plan.get("lane_order"):
         raise GraphError("fuse_layers fuses plans that run in program order (placed by kind)")
-    readers: dict = {}
-    for op in ops:
-        for r in op.get("inputs", []):
-            if "op" in r:
-                readers.setdefault(r["op"], set()).add(op["name"])
-        for d in op.get("deps", []):
-            readers.setdefault(d, set()).add(op["name"])
+    readers = _readers(ops)
     runs, cur = [], []
     for op in ops:
         key = (op["lane"], op.get("layer", -1))
@@ -107,31 +101,9 @@ def fuse_layers(plan: dict, lanes=("cpu",)) -> dict:
         if len(run) < 2 or leaving != [run[-1]["name"]]:
             out.extend(run)
             continue
-        args, subs, deps = [], [], set()
-        index = {}
-        for o in run:
-            refs = []
-            for r in o.get("inputs", []):
-                if r.get("op") in names:
-                    refs.append(r)
-                else:
-                    key = tuple(r.items())[0]
-                    if key not in index:
-                        index[key] = len(args)
-                        args.append(dict(r))
-                    refs.append({"arg": index[key]})
-            subs.append({"name": o["name"], "kind": o["kind"], "inputs": refs, "attrs": o.get("attrs", {})})
-            deps |= set(o.get("deps", [])) - names
-        name = f"blk.{run[0]['layer']}"
-        renamed[run[-1]["name"]] = name
-        out.append({"name": name, "kind": "fused", "lane": run[0]["lane"], "inputs": args, "deps": sorted(deps),
-                    "attrs": {"ops": subs}, "layer": run[0]["layer"], "chunk": run[0].get("chunk", 0)})
-    for op in out:  # readers of a fused run's last op read the fused op
-        op["inputs"] = [{"op": renamed[r["op"]]} if r.get("op") in renamed else r for r in op.get("inputs", [])]
-        if op.get("deps"):
-            op["deps"] = [renamed.get(d, d) for d in op["deps"]]
-    outputs = [renamed.get(n, n) for n in plan["outputs"]]
-    return {**plan, "ops": out, "outputs": outputs, "meta": {**plan.get("meta", {}), "fused": True}}
+        out.append(_fuse_run(run, f"blk.{run[0]['layer']}"))
+        renamed[run[-1]["name"]] = out[-1]["name"]
+    return _renamed(plan, out, renamed, {**plan.get("meta", {}), "fused": True})
 
 
 def fuse_step(plan: dict) -> dict:
@@ -140,13 +112,7 @@ def fuse_step(plan: dict) -> dict:
     it instead of one per layer (~14 us of Python each on 2 cores with the caches swept by the weights), and each
     layer keeps its trace event, timed inside, with the deps the executor would have given it."""
     ops = plan["ops"]
-    readers: dict = {}
-    for op in ops:
-        for r in op.get("inputs", []):
-            if "op" in r:
-                readers.setdefault(r["op"], set()).add(op["name"])
-        for d in op.get("deps", []):
-            readers.setdefault(d, set()).add(op["name"])
+    readers = _readers(ops)
     runs, cur = [], []
     for op in ops:
         if op["kind"] == "fused" and cur and cur[-1]["kind"] == "fused" and op["lane"] == cur[-1]["lane"] \
@@ -161,30 +127,56 @@ def fuse_step(plan: dict) -> dict:
         if len(run) < 2:
             out.extend(run)
             continue
-        names = {o["name"] for o in run}
-        args, index, subs, deps = [], {}, [], set()
-        for o in run:
-            refs = []
-            for r in o.get("inputs", []):
-                if r.get("op") in names:
-                    refs.append(r)
-                else:
-                    key = tuple(r.items())[0]
-                    if key not in index:
-                        index[key] = len(args)
-                        args.append(dict(r))
-                    refs.append({"arg": index[key]})
-            parents = {r["op"] for r in o.get("inputs", []) if "op" in r} | set(o.get("deps", []))
-            subs.append({"name": o["name"], "kind": "fused", "inputs": refs, "attrs": o["attrs"],
-                         "layer": o.get("layer", -1), "deps": sorted(parents)})
-            deps |= set(o.get("deps", [])) - names
-        name = f"blk.{run[0].get('layer', 0)}-{run[-1].get('layer', 0)}"
-        renamed[run[-1]["name"]] = name
-        out.append({"name": name, "kind": "fused", "lane": run[0]["lane"], "inputs": args, "deps": sorted(deps),
-                    "attrs": {"ops": subs}, "layer": run[0].get("layer", -1), "chunk": run[0].get("chunk", 0)})
-    for op in out:  # readers of a run's last layer read the op of the run
+        out.append(_fuse_run(run, f"blk.{run[0].get('layer', 0)}-{run[-1].get('layer', 0)}", _layer_event))
+        renamed[run[-1]["name"]] = out[-1]["name"]
+    return _renamed(plan, out, renamed, plan.get("meta", {}))
+
+
+def _layer_event(op: dict) -> dict:
+    """What a fused layer's own event says beside its name: its layer, and the deps the executor gives an op."""
+    return {"layer": op.get("layer", -1),
+            "deps": sorted({r["op"] for r in op.get("inputs", []) if "op" in r} | set(op.get("deps", [])))}
+
+
+def _readers(ops: list) -> dict:
+    """op name -> the names of the ops that read its output or wait for it."""
+    readers: dict = {}
+    for op in ops:
+        for r in op.get("inputs", []):
+            if "op" in r:
+                readers.setdefault(r["op"], set()).add(op["name"])
+        for d in op.get("deps", []):
+            readers.setdefault(d, set()).add(op["name"])
+    return readers
+
+
+def _fuse_run(run: list, name: str, more=lambda op: {}) -> dict:
+    """The fused op `name` computing `run` (consecutive ops of one lane) back to back: its inputs are what the run
+    reads from outside (each once), its sub-ops the run's ops reading them as {"arg": i}; more(op): fields added
+    to op's sub-op."""
+    names = {o["name"] for o in run}
+    args, index, subs, deps = [], {}, [], set()
+    for o in run:
+        refs = []
+        for r in o.get("inputs", []):
+            if r.get("op") in names:
+                refs.append(r)
+            else:
+                key = tuple(r.items())[0]
+                if key not in index:
+                    index[key] = len(args)
+                    args.append(dict(r))
+                refs.append({"arg": index[key]})
+        subs.append({"name": o["name"], "kind": o["kind"], "inputs": refs, "attrs": o.get("attrs", {}), **more(o)})
+        deps |= set(o.get("deps", [])) - names
+    return {"name": name, "kind": "fused", "lane": run[0]["lane"], "inputs": args, "deps": sorted(deps),
+            "attrs": {"ops": subs}, "layer": run[0].get("layer", -1), "chunk": run[0].get("chunk", 0)}
+
+
+def _renamed(plan: dict, out: list, renamed: dict, meta: dict) -> dict:
+    """The plan of ops `out`, where readers of a fused run's last op read the fused op (renamed: last -> fused)."""
+    for op in out:
         op["inputs"] = [{"op": renamed[r["op"]]} if r.get("op") in renamed else r for r in op.get("inputs", [])]
         if op.get("deps"):
             op["deps"] = [renamed.get(d, d) for d in op["deps"]]
-    return {**plan, "ops": out, "outputs": [renamed.get(n, n) for n in plan["outputs"]]}
-
+    return {**plan, "ops": out, "outputs": [renamed.get(n, n) for n in plan["outputs"]], "meta": meta}

@@ -17,9 +17,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
-from .ops import GATHERS_ROWS, OPS, OpError, RunnerCache, check_fused, flops, runs_beside
+from .ops import GATHERS_ROWS, OPS, OpError, RunnerCache, bytes_in, check_fused, flops, runs_beside
 from .protocol import AgentError
 from .store import now_us
 from .threads import CORES_IN_USE
@@ -176,7 +174,8 @@ class Context:
     read_blob: object = None         # sha -> a whole blob read from flash, not kept resident
     map_blob: object = None          # sha -> the blob memory-mapped: rows paged in from flash when touched
     blob_meta: object = None         # sha -> {"dtype", "shape"} of a blob, nothing read (FlashStore.meta)
-    layout: object = None            # (sha, tag, shape, dtype, make, empty=, into=) -> the blob in a kernel's layout (FlashStore.layout)
+    layout: object = None            # (sha, tag, shape, dtype, make, empty=, into=) -> the blob in a kernel's
+                                     # layout (FlashStore.layout)
     backends: dict = field(default_factory=dict)  # lane -> kernel backend chosen for it ("npu": "numba" | "hvx")
     kernels: dict = field(default_factory=dict)   # lane -> what computes there (backends.lane_kernels): events' "backend"
     emulated: dict = field(default_factory=lambda: dict(EMULATED_LANES))  # lane -> what its events' time is, by default
@@ -256,11 +255,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                         e.update(common)
                     ev = subs[-1]
                 else:
-                    nbytes = 0
-                    for a in args:
-                        if isinstance(a, np.ndarray):
-                            nbytes += a.nbytes
-                    ev = {**fixed, "start_us": t0, "end_us": t1, "bytes_in": nbytes, "bytes_out": out.nbytes,
+                    ev = {**fixed, "start_us": t0, "end_us": t1, "bytes_in": bytes_in(args), "bytes_out": out.nbytes,
                           "flops": int(flops(kind, args, out, attrs, lane_ctx)), "emulated": emulated,
                           "shape": list(out.shape), **backend}
                     if threads:

@@ -140,8 +140,8 @@ def _rows_layout(ctx):
 
     def rows(sha, into=None):
         # the blob's shape from the store's index: mapped only to make the layout (210 maps, ~10 ms of a first run)
-        m = ctx.blob_meta(sha) if ctx.blob_meta is not None else None
-        dtype, shape = (m["dtype"], m["shape"]) if m else (ctx.map_blob(sha).dtype, ctx.map_blob(sha).shape)
+        m = ctx.blob_meta(sha) if ctx.blob_meta is not None else ctx.map_blob(sha)
+        dtype, shape = (m["dtype"], m["shape"]) if isinstance(m, dict) else (m.dtype, m.shape)
         if len(shape) != 2 or np.dtype(dtype) != np.int8:
             raise OpError("bad_input", f"a W8A8 weight is int8[K, N], blob {str(sha)[:12]} is {dtype}{list(shape)}")
         return ctx.layout(sha, "rows", tuple(shape[::-1]), np.int8,
@@ -462,8 +462,8 @@ def op_fused(inp, attrs, ctx):
     plan (validated plans never change) and a plain linear's runner is looked up once per lane: a decode step
     runs ~400 sub-ops, and their Python around the kernels ran from caches the weights had just swept.
     Its sub-ops may all be fused ops themselves (one level; each may add "layer" and "deps" for its event): a
-    decode step's layers in one op. Each keeps its own trace event, timed here (ctx.event["sub_events"], which the executor
-    emits in place of this op's), and the step pays one dispatch between ops instead of one per layer."""
+    decode step's layers in one op. Each keeps its own trace event, timed here (ctx.event["sub_events"], which the
+    executor emits in place of this op's), and the step pays one dispatch between ops instead of one per layer."""
     local, parts, total = {}, {}, 0
     nested = []
     hvx = ctx.lane == "npu" and ctx.backends.get("npu") == "hvx"
@@ -515,19 +515,24 @@ def _nested_fused(sub: dict, args: list, ctx, events: list):
     finally:
         t1 = perf_counter_ns()
         own, ctx.event = ctx.event, outer
-    nbytes = 0
-    for a in args:
-        if isinstance(a, np.ndarray):
-            nbytes += a.nbytes
     events.append({"name": sub["name"], "kind": "fused", "layer": sub.get("layer", -1), "deps": sub.get("deps", []),
-                   "group": sub["name"], "start_us": t0 / 1000.0, "end_us": t1 / 1000.0, "bytes_in": nbytes,
+                   "group": sub["name"], "start_us": t0 / 1000.0, "end_us": t1 / 1000.0, "bytes_in": bytes_in(args),
                    "bytes_out": out.nbytes, "shape": list(out.shape), **own})
     return out
 
 
+def bytes_in(args: list) -> int:
+    """The bytes of an op's array inputs (its trace event's bytes_in)."""
+    n = 0
+    for a in args:
+        if isinstance(a, np.ndarray):
+            n += a.nbytes
+    return n
+
+
 def check_fused(name: str, attrs: dict, n_inputs: int, nested: bool = False) -> None:
-    """Refuse a malformed fused op before the plan runs (called by the executor's validate). A sub-op may be a
-    fused op itself, one level deep."""
+    """Refuse a malformed fused op before the plan runs (called by the executor's validate). Its sub-ops may all
+    be fused ops themselves, one level deep."""
     subs = attrs.get("ops")
     if not isinstance(subs, list) or not subs:
         raise OpError("bad_attrs", f"fused op {name!r} needs a non-empty list attrs.ops")

@@ -39,8 +39,8 @@ import numpy as np
 from .protocol import AgentError, crc32
 
 _HEX = set("0123456789abcdef")
-LAYOUT_PIECE = 4 << 20
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14: page a mapping in without writing to it  # a layout is written in pieces of this many bytes, each between runs
+LAYOUT_PIECE = 4 << 20  # a layout is written in pieces of this many bytes, each between runs
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14: page a mapping in without writing to it
 
 
 INDEX = "index.jsonl"

@@ -17,7 +17,7 @@ from .int8_gemm import GEMV_M, gemm_codes_f32, gemm_s8s32, linear_w8a8_gemv, qua
 from .intn import dequantize_channels
 from .lut import lut16_dequant
 from .shadow import extract_outliers, shadow_delta_onepass, shadow_gemm
-from .tiles import dequantize_tiles
+from .tiles import dequantize_tiles_t
 
 
 SMALL_M = 32
@@ -140,7 +140,7 @@ def run_q4_0(rec, get, counters):
 
 def run_q4_0_tile(rec, get, counters):
     N, K = rec["shape"]
-    w = dequantize_tiles(get(rec["blocks"]), N, K).astype(np.float32)
+    w = dequantize_tiles_t(get(rec["blocks"]), N, K).T  # float32[N, K] view of the k-major weight
     return lambda x, counters=counters: x_wt(x.astype(np.float16).astype(np.float32), w)
 
 
@@ -148,7 +148,7 @@ def run_q4_0_tile_seq(rec, get, counters):
     """q4_0-tile as the npu lane computes it: float32 sums over k in order (kernels/f16_gemm.py), the same
     bits as the hvx backend's DSP kernel; 1.5-4x slower than BLAS, so host simulations keep run_q4_0_tile."""
     N, K = rec["shape"]
-    wt = np.ascontiguousarray(dequantize_tiles(get(rec["blocks"]), N, K).T, np.float32)  # k-major, f16 values
+    wt = dequantize_tiles_t(get(rec["blocks"]), N, K)  # k-major, f16 values
     return lambda x, counters=counters: gemm_f16w_seq(x, wt)
 
 

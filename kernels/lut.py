@@ -48,10 +48,42 @@ if numba is not None:
             for e in range(q.shape[1]):
                 out_bits[g, e] = lut[q[g, e]]
 
+    from llvmlite import ir as _ir
+    from numba import extending as _extending
+    from numba.core import types as _types
+
+    @_extending.intrinsic
+    def _f32_bits(typingctx, v):
+        """float32 -> its uint32 bit pattern, one LLVM bitcast (an np.array(...).view per call cost ~20 ns)."""
+        if v != _types.float32:
+            return None
+        return _types.uint32(_types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], _ir.IntType(32))
+
+    @_extending.intrinsic
+    def _bits_f32(typingctx, b):
+        """uint32 bit pattern -> float32, one LLVM bitcast."""
+        if b != _types.uint32:
+            return None
+        return _types.float32(_types.uint32), lambda context, builder, sig, args: builder.bitcast(args[0], _ir.FloatType())
+
+    @numba.njit(inline="always")
+    def _group_lut(d, f16_of, lut):
+        # lut[i] = (i - 8) * d rounded to FP16, as float32; where every product is a normal FP16 (|d| in
+        # [2^-14, 4096]) the rounding is one add and mask on the float32 bits (round to nearest even at bit 13)
+        a = abs(d)
+        if a >= np.float32(6.103515625e-05) and a <= np.float32(4096.0):
+            for i in range(16):
+                b = _f32_bits(np.float32((i - 8) * d))
+                b = (b + np.uint32(0x0FFF) + ((b >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+                lut[i] = _bits_f32(np.uint32(b))
+        else:
+            for i in range(16):
+                lut[i] = f16_of[_f32_to_f16_bits(np.float32((i - 8) * d))]
+
     @numba.njit(inline="always")
     def _f32_to_f16_bits(v):
         # round-to-nearest-even float32 -> float16 bit pattern (normal, subnormal, overflow to inf)
-        b = np.array([v], np.float32).view(np.uint32)[0]
+        b = _f32_bits(np.float32(v))
         sign = (b >> 16) & 0x8000
         exp = np.int32((b >> 23) & 0xFF) - 127 + 15
         mant = b & 0x7FFFFF

@@ -18,7 +18,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .lut import GROUP, lut16_dequant, q4_quantize_groups
+from .lut import GROUP, _f16_values, lut16_dequant, q4_quantize_groups
+
+try:
+    import numba
+except ImportError:
+    numba = None
 
 TILE = 32
 SUPER = 8 * GROUP  # values per super-block
@@ -80,3 +85,41 @@ def dequantize_tiles(blocks: np.ndarray, N: int, K: int) -> np.ndarray:
     """Super-blocks -> W float16[N, K] through the vlut16 kernel, then back from the tile order."""
     q, d = unpack_superblocks(blocks)
     return from_tiles(lut16_dequant(q, d).reshape(-1), N, K)
+
+
+if numba is not None:
+    from .lut import _group_lut
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def _tiles_kmajor_nb(blocks, KT, K, N, f16_of, out):
+        # one task per 32x32 tile (4 super-blocks); each group's 16 FP16 values built as lut16_dequant builds them
+        for t in numba.prange(blocks.shape[0] // 4):
+            k0, n0 = (t % KT) * TILE, (t // KT) * TILE
+            lut = np.empty(16, np.float32)
+            for sb in range(4):
+                b = blocks[4 * t + sb]
+                for g in range(8):
+                    d = f16_of[np.int64(b[2 * g]) | (np.int64(b[2 * g + 1]) << 8)]
+                    _group_lut(d, f16_of, lut)
+                    for j in range(GROUP):
+                        v = g * GROUP + j
+                        code = (np.int64(b[16 + v]) & 0x0F) if v < 128 else (np.int64(b[16 + v - 128]) >> 4)
+                        e = sb * SUPER + v  # stream order inside the tile: (r2, c, p) -> tile[2 r2 + p, c]
+                        k, n = k0 + (e >> 6) * 2 + (e & 1), n0 + ((e & 63) >> 1)
+                        if k < K and n < N:
+                            out[k, n] = lut[code]
+
+
+def dequantize_tiles_t(blocks: np.ndarray, N: int, K: int) -> np.ndarray:
+    """Super-blocks uint8[S, 144] -> W^T float32[K, N] holding float16 values, in one pass: the k-major weight
+    the npu lane's W4A16 GEMM reads. Bit-identical to dequantize_tiles(blocks, N, K).T, ~5x faster (no
+    float16 intermediate, no tile transposes: a first run prepares 210 of these)."""
+    KT, NT = padded(K) // TILE, padded(N) // TILE
+    if blocks.ndim != 2 or blocks.shape != (KT * NT * 4, SUPER_BYTES):
+        raise ValueError(f"a [{N}, {K}] weight is {KT * NT * 4} super-blocks of {SUPER_BYTES} bytes, "
+                         f"got an array of shape {blocks.shape}")
+    if numba is None:
+        return np.ascontiguousarray(dequantize_tiles(blocks, N, K).T, np.float32)
+    out = np.empty((K, N), np.float32)
+    _tiles_kmajor_nb(np.ascontiguousarray(blocks, np.uint8), KT, K, N, _f16_values(), out)
+    return out

@@ -7,8 +7,8 @@ from edgeprobe_kernels.flash_attention import flash_attention_f16, flash_attenti
 from edgeprobe_kernels.int8_gemm import EXACT_K, gemm_s8s32, gemm_s8s32_numba, gemm_s8s32_ref, quantize_per_tensor
 from edgeprobe_kernels.lut import exp_lut, exp_lut_max_error, lut16_dequant, lut16_dequant_ref, q4_quantize_groups
 from edgeprobe_kernels.shadow import extract_outliers, shadow_gemm, shadow_gemm_ref
-from edgeprobe_kernels.tiles import (SUPER_BYTES, dequantize_tiles, from_tiles, pack_superblocks, quantize_tiles,
-                                     to_tiles, unpack_superblocks)
+from edgeprobe_kernels.tiles import (SUPER_BYTES, dequantize_tiles, dequantize_tiles_t, from_tiles, pack_superblocks,
+                                     quantize_tiles, to_tiles, unpack_superblocks)
 
 rng = np.random.default_rng(0)
 
@@ -70,6 +70,31 @@ def test_tile_layout_round_trip_and_byte_layout(N, K):
     err = np.abs(to_tiles(wq) - to_tiles(w)).reshape(-1, 32).max(axis=1)
     assert np.all(err <= np.abs(d.astype(np.float32)) * 1.001 + 1e-3)
 
+
+
+@pytest.mark.parametrize("N,K", [(32, 32), (50, 70), (192, 576)])
+def test_kmajor_dequantization_equals_the_tile_path_bit_for_bit(N, K):
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    blocks = quantize_tiles(w)
+    wt = dequantize_tiles_t(blocks, N, K)
+    assert wt.shape == (K, N) and wt.dtype == np.float32
+    np.testing.assert_array_equal(wt.view(np.uint32), np.ascontiguousarray(dequantize_tiles(blocks, N, K).T,
+                                                                             np.float32).view(np.uint32))
+    with pytest.raises(ValueError, match="super-blocks"):
+        dequantize_tiles_t(blocks[:-1], N, K)
+
+
+def test_kmajor_dequantization_rounds_every_fp16_scale_as_the_table_does():
+    # tiny (subnormal products), huge (overflow to inf) and ordinary scales: the fast rounding and the slow one
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    scales = bits[np.isfinite(bits.view(np.float16))]
+    scales = np.resize(scales, -(-len(scales) // 32) * 32).view(np.float16)
+    q = np.tile(np.arange(32, dtype=np.uint8) % 16, (len(scales), 1))  # every code in every group
+    blocks = pack_superblocks(q, scales)
+    N, K = 32, len(scales)  # 32 groups (one tile column of 32 k) per 32 values of n: K = number of groups
+    wt = dequantize_tiles_t(blocks, N, K)
+    ref = np.ascontiguousarray(dequantize_tiles(blocks, N, K).T, np.float32)
+    np.testing.assert_array_equal(wt.view(np.uint32), ref.view(np.uint32))
 
 def test_tile_order_is_hmx_order():
     w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)  # W[n, k] = 64 n + k

@@ -76,3 +76,17 @@ def test_chunk_crc32_is_zlibs_whichever_implementation_computes_it():
     for n in (0, 1, 4095, 1 << 20):  # a phone's agent checks with zlib what the host computed with ISA-L
         a = rng.integers(0, 256, n, dtype=np.uint8)
         assert protocol.crc32(a) == protocol.crc32(memoryview(a)) == zlib.crc32(a.tobytes())
+
+
+def test_the_clients_plain_values_reach_the_agent_as_sent():
+    # a manifest or plan as a notebook builds it: numpy scalars and arrays, tuples, sets, non-string keys
+    from edgeprobe.client import _plain
+
+    value = {"ops": [{"shape": (np.int64(64), 576), "scale": np.float32(0.5), "ids": np.arange(3, dtype=np.int32),
+                      "tags": {"b"}, "name": np.str_("blk.0"), "ok": np.bool_(True), "none": None}],
+             3: {"nested": [(1, 2.5), [np.float16(1.5)]]}, "raw": b"\x00\x01"}
+    plain = _plain(value)
+    got = msgpack.unpackb(msgpack.packb(plain, use_bin_type=True), raw=False, strict_map_key=True)
+    assert got == {"ops": [{"shape": [64, 576], "scale": 0.5, "ids": [0, 1, 2], "tags": ["b"], "name": "blk.0",
+                            "ok": True, "none": None}], "3": {"nested": [[1, 2.5], [1.5]]}, "raw": b"\x00\x01"}
+    assert type(got["ops"][0]["shape"][0]) is int and type(got["ops"][0]["ok"]) is bool

@@ -57,14 +57,14 @@ if numba is not None:
         """float32 -> its uint32 bit pattern, one LLVM bitcast (an np.array(...).view per call cost ~20 ns)."""
         if v != _types.float32:
             return None
-        return _types.uint32(_types.float32), lambda context, builder, sig, args: builder.bitcast(args[0], _ir.IntType(32))
+        return _types.uint32(_types.float32), lambda ctx, builder, sig, args: builder.bitcast(args[0], _ir.IntType(32))
 
     @_extending.intrinsic
     def _bits_f32(typingctx, b):
         """uint32 bit pattern -> float32, one LLVM bitcast."""
         if b != _types.uint32:
             return None
-        return _types.float32(_types.uint32), lambda context, builder, sig, args: builder.bitcast(args[0], _ir.FloatType())
+        return _types.float32(_types.uint32), lambda ctx, builder, sig, args: builder.bitcast(args[0], _ir.FloatType())
 
     @numba.njit(inline="always")
     def _group_lut(d, f16_of, lut):

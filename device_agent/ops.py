@@ -135,13 +135,13 @@ def _rows_layout(ctx):
     """sha -> the row-major int8[N, K] copy of a W8A8 weight whose blob is k-major int8[K, N], kept in the store's
     flash (FlashStore.layout: read from there, else transposed from the mapped blob, which is never kept resident);
     None where the run has no store (a host running plans in-process). into: fill this array instead of a new one."""
-    if ctx.layout is None or ctx.map_blob is None:
+    if ctx.layout is None or ctx.map_blob is None or ctx.blob_meta is None:
         return None
 
     def rows(sha, into=None):
         # the blob's shape from the store's index: mapped only to make the layout (210 maps, ~10 ms of a first run)
-        m = ctx.blob_meta(sha) if ctx.blob_meta is not None else ctx.map_blob(sha)
-        dtype, shape = (m["dtype"], m["shape"]) if isinstance(m, dict) else (m.dtype, m.shape)
+        m = ctx.blob_meta(sha)
+        dtype, shape = m["dtype"], m["shape"]
         if len(shape) != 2 or np.dtype(dtype) != np.int8:
             raise OpError("bad_input", f"a W8A8 weight is int8[K, N], blob {str(sha)[:12]} is {dtype}{list(shape)}")
         return ctx.layout(sha, "rows", tuple(shape[::-1]), np.int8,

@@ -115,14 +115,19 @@ class FlashStore:
 
     # ---- what is here -------------------------------------------------------------------------
     def has(self, sha: str) -> bool:
-        # a string path, not a Path: a model's load and its first plan ask this ~700 times (Path: ~15 us each)
-        return os.path.exists(os.path.join(self._blob_dir_s, check_sha(sha))) and self._meta_of(sha) is not None
+        return self._present(sha) is not None
 
     def meta(self, sha: str) -> dict:
         """{"dtype", "shape"} of a finished blob, without reading or mapping it."""
-        if not self.has(sha):
+        m = self._present(sha)
+        if m is None:
             raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
-        return self._meta_of(sha)
+        return m
+
+    def _present(self, sha: str) -> dict | None:
+        """A finished blob's {"dtype", "shape"} if its file is here, else None."""
+        # a string path, not a Path: a model's load and its first plan ask this ~700 times (Path: ~15 us each)
+        return self._meta_of(sha) if os.path.exists(os.path.join(self._blob_dir_s, check_sha(sha))) else None
 
     def partial_chunks(self, sha: str) -> list[int]:
         """Chunks of an unfinished upload already written to flash (what a resumed upload may skip)."""
@@ -361,9 +366,7 @@ class FlashStore:
             if a is not None:
                 self._resident.move_to_end(sha)
                 return a
-        if not self.has(sha):
-            raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
-        meta = self._meta_of(sha)
+        meta = self.meta(sha)
         t0 = now_us()
         raw = _map_whole(self.blob_dir / sha)
         if raw is None:  # an empty blob (nothing to map)
@@ -386,9 +389,7 @@ class FlashStore:
         consecutive rows, never kept resident. cold: afterwards drop those pages from the OS page cache
         (posix_fadvise DONTNEED), so reading them again goes to the device, as on a phone whose DRAM cannot
         hold the weights. Traced as flash_read events on `lane`."""
-        if not self.has(sha):
-            raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
-        meta = self._meta_of(sha)
+        meta = self.meta(sha)
         shape, dt = meta["shape"], np.dtype(meta["dtype"])
         row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dt.itemsize
         rows = np.asarray(rows, np.int64)
@@ -423,9 +424,7 @@ class FlashStore:
             a = self._mapped.get(sha)
         if a is not None:
             return a
-        if not self.has(sha):
-            raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
-        meta = self._meta_of(sha)
+        meta = self.meta(sha)
         n = int(np.prod(meta["shape"], dtype=np.int64)) * np.dtype(meta["dtype"]).itemsize
         if n == 0:
             return self.get(sha)
@@ -437,9 +436,7 @@ class FlashStore:
 
     def read_cold(self, sha: str, lane: str = "io", on_read=None) -> np.ndarray:
         """A whole blob read from flash without keeping it resident, pages dropped after (see read_rows)."""
-        if not self.has(sha):
-            raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
-        shape = self._meta_of(sha)["shape"]
+        shape = self.meta(sha)["shape"]
         if not shape:
             return self.get(sha, on_read)
         return self.read_rows(sha, np.arange(shape[0]), lane=lane, on_read=on_read)

@@ -215,8 +215,20 @@ class Client:
         of ours, and would never answer it under its id)."""
         return self.wait_any({rid}, on_event, timeout_s)[1:]
 
-    def wait_any(self, rids, on_event=None, timeout_s: float | None = None) -> tuple[int, dict, list]:
-        """(rid, header, arrays) of the first final reply to any request in `rids`, as wait() for one."""
+    def wait_all(self, rids, timeout_s: float | None = None) -> dict:
+        """{rid: (header, arrays) or the DeviceError it was answered with} once every request in `rids` has its final
+        reply (requests sent together, whose replies come in any order: wait() would drop the others' replies)."""
+        out, left = {}, set(rids)
+        while left:
+            rid, header, arrays = self.wait_any(left, timeout_s=timeout_s, errors=True)
+            out[rid] = header if isinstance(header, DeviceError) else (header, arrays)
+            left.discard(rid)
+        return out
+
+    def wait_any(self, rids, on_event=None, timeout_s: float | None = None,
+                 errors: bool = False) -> tuple[int, dict, list]:
+        """(rid, header, arrays) of the first final reply to any request in `rids`, as wait() for one; with errors=True
+        an error reply under one of them comes back as (rid, DeviceError, []) instead of raising."""
         timeout = timeout_s or self.timeout_s
         last = time.monotonic()
         last_ping = last
@@ -241,7 +253,10 @@ class Client:
                     continue
                 if not header.get("ok"):
                     err = header.get("error", {})
-                    raise DeviceError(err.get("code", "?"), err.get("message", "the agent reported an error"))
+                    e = DeviceError(err.get("code", "?"), err.get("message", "the agent reported an error"))
+                    if errors:
+                        return rid, e, []
+                    raise e
                 return rid, header, arrays
             now = time.monotonic()
             if self.process is not None and self.process.poll() is not None:
@@ -277,9 +292,10 @@ class Client:
 
     # ---- upload ---------------------------------------------------------------------------------
     def upload(self, qm, progress: bool = True, chunk_bytes: int = CHUNK_BYTES, window: int = 256,
-               window_bytes: int = 64 << 20) -> int:
+               window_bytes: int = 64 << 20, has: dict | None = None) -> int:
         """Send every blob of `qm` (a QuantizedModel) that the agent lacks; chunks it already holds from an
-        interrupted upload are skipped. Returns the bytes sent.
+        interrupted upload are skipped. Returns the bytes sent. has: the agent's has_blobs reply for qm's blobs,
+        if the caller asked already (plan_for).
 
         Up to `window` chunks and `window_bytes` bytes are in flight (the agent holds them until written and
         hashed); each reply frees its own slot, so a blob being committed does not hold up the chunks behind it."""
@@ -288,7 +304,7 @@ class Client:
         if self._known_model(qm) is not None:
             return 0  # loaded on this connection, so every blob was there (the agent keeps them)
         blobs = qm.manifest["blobs"]
-        head, _ = self.request("has_blobs", ids=list(blobs))
+        head = has if has is not None else self.request("has_blobs", ids=list(blobs))[0]
         have, partial = set(head["have"]), head["partial"]
         todo = []
         for sha, meta in blobs.items():
@@ -322,7 +338,9 @@ class Client:
         known = self._known_model(qm)
         if known is not None:
             return known["model_id"]
-        model_id = self.request("load_model", manifest=_plain(qm.manifest))[0]["model_id"]
+        return self._remember(qm, self.request("load_model", manifest=_plain(qm.manifest))[0]["model_id"])
+
+    def _remember(self, qm, model_id: str) -> str:
         self._known = {k: v for k, v in self._known.items() if v["ref"]() is not None}  # not the manifests of dropped models
         self._known[id(qm)] = {"ref": weakref.ref(qm), "manifest": qm.manifest, "model_id": model_id, "plans": {}}
         return model_id
@@ -330,11 +348,29 @@ class Client:
     def put_plan(self, plan: dict) -> str:
         return self.request("put_plan", plan=_plain(plan))[0]["plan_id"]
 
-    def plan_for(self, qm, key, build) -> str:
-        """The plan id of build() (a plan of qm, whose blobs are uploaded, named by the hashable `key`), loading qm
-        and putting the plan only the first time on this connection: a warm prefill then sends only its tokens
-        (the upload check, load_model and put_plan round trips are 5-20 ms each, a tenth of a 64-token prefill)."""
-        self.load_model(qm)
+    def plan_for(self, qm, key, build, progress: bool = True) -> str:
+        """The plan id of build() (a plan of qm, named by the hashable `key`), uploading what the agent lacks, loading
+        qm and putting the plan only the first time on this connection: a warm prefill then sends only its tokens
+        (the upload check, load_model and put_plan round trips are 5-20 ms each, a tenth of a 64-token prefill).
+        The first time, has_blobs and load_model go out together and put_plan as soon as the plan is built, so the
+        agent answers the first two while this host builds the plan, and the three replies come back in about one
+        round trip (over an SSH tunnel to a phone, each saved round trip is a few ms). If a blob was missing, the
+        optimistic load_model and put_plan were refused (missing_blob): upload, then both again."""
+        if self._known_model(qm) is None:
+            blobs = list(qm.manifest["blobs"])
+            sent = [self.send("has_blobs", ids=blobs), self.send("load_model", manifest=_plain(qm.manifest))]
+            plan = build()
+            sent.append(self.send("put_plan", plan=_plain(plan)))
+            got = self.wait_all(sent)
+            has, loaded, put = (got[r] for r in sent)
+            if isinstance(has, DeviceError):
+                raise has
+            if len(has[0]["have"]) < len(blobs):
+                self.upload(qm, progress=progress, has=has[0])
+            if isinstance(loaded, DeviceError):  # asked again: missing_blob is now mended, anything else raises
+                loaded = self.request("load_model", manifest=_plain(qm.manifest))
+            self._remember(qm, loaded[0]["model_id"])
+            self._known[id(qm)]["plans"][key] = put[0]["plan_id"] if not isinstance(put, DeviceError) else self.put_plan(plan)
         plans = self._known[id(qm)]["plans"]
         if key not in plans:
             plans[key] = self.put_plan(build())

@@ -158,8 +158,7 @@ _FORGOTTEN = {"unknown_plan", "unknown_model", "missing_blob"}
 def _run_plan(dev: Client, qm, key, build, inputs: dict, title: str, progress: bool) -> RunResult:
     """Upload what is missing, load qm, put build()'s plan (each once per connection: Client.plan_for) and run it."""
     for attempt in (0, 1):
-        dev.upload(qm, progress=progress)
-        plan_id = dev.plan_for(qm, key, build)
+        plan_id = dev.plan_for(qm, key, build, progress=progress)  # uploads what is missing
         try:
             return dev.run(plan_id, inputs, title=title)
         except DeviceError as e:

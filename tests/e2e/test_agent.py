@@ -373,6 +373,36 @@ def test_a_new_agent_reads_the_int8_layouts_an_earlier_run_kept_and_gives_the_sa
         assert not {e["blob"] for e in first.trace.events if e["kind"] == "flash_read"} & wts
 
 
+def test_a_first_prefill_sends_its_three_setup_requests_together_and_mends_a_missing_blob(qm, heldout_ids, tmp_path):
+    toks = heldout_ids[:8]
+
+    def logged(dev):
+        log, send, wait_any = [], dev.send, dev.wait_any
+        dev.send = lambda op, *a, **k: (log.append(op), send(op, *a, **k))[1]
+        dev.wait_any = lambda *a, **k: (log.append("(wait)"), wait_any(*a, **k))[1]
+        return log
+
+    with Device.local(store=tmp_path / "flash") as dev:  # a new store: every blob is missing
+        log = logged(dev)
+        first = dev.prefill(qm, toks, progress=False)
+        stats = dev.stats()
+    # has_blobs, load_model and put_plan leave before any reply is read; the two sent before the blobs were there
+    # are refused (missing_blob), the blobs go up, and both are asked again
+    assert log[:4] == ["has_blobs", "load_model", "put_plan", "(wait)"]
+    sent = [op for op in log if op != "(wait)"]
+    assert sent.count("put_blob") >= len(qm.manifest["blobs"]) and sent.count("load_model") == 2
+    assert sent.count("put_plan") == 2 and sent.index("put_blob") < sent.index("load_model", 2)
+    assert stats["errors"] == 2 and stats["models"] == 1
+    with Device.local(store=tmp_path / "flash") as dev:  # the blobs are there: one go, nothing refused
+        log = logged(dev)
+        again = dev.prefill(qm, toks, progress=False)
+        dev.prefill(qm, toks, progress=False)  # warm: only the run
+        stats = dev.stats()
+    sent = [op for op in log if op not in ("(wait)", "heartbeat")]
+    assert sent[:6] == ["has_blobs", "load_model", "put_plan", "run", "run", "stats"] and stats["errors"] == 0
+    assert np.array_equal(first.logits, again.logits)
+
+
 def test_a_run_longer_than_the_heartbeat_timeout_completes(dev):
     from edgeprobe_agent.protocol import HEARTBEAT_TIMEOUT_S
 

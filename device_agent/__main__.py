@@ -53,6 +53,36 @@ def _malloc_settings() -> dict:
 
 MALLOC = _malloc_settings()
 
+
+def _file_table(table: int = 4096, limit: int = 1 << 16) -> dict:
+    """Raise the soft limit on open files towards `limit` (as far as the hard limit allows) and size this process's
+    file table for `table` descriptors now, while it has one thread. Every memory-mapped blob and layout holds a
+    descriptor (Python's mmap keeps a dup of it): a model's first prefill maps ~200-380, so under the usual soft
+    limit of 1024 the fifth scheme loaded in one agent failed its run with EMFILE (Too many open files). And a
+    table grown later, with the lane, ZeroMQ and store threads sharing it, waits out an RCU grace period
+    (synchronize_rcu) at each doubling, on whichever lane opened the file. Returns {"limit", "table"} as made."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        inf = resource.RLIM_INFINITY
+        if soft != inf and soft < limit and (hard == inf or hard > soft):
+            soft = limit if hard == inf else min(limit, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        top = (table if soft == inf else min(table, soft)) - 1
+        fd = os.open(os.devnull, os.O_RDONLY)
+        try:
+            os.dup2(fd, top)  # the table grows to hold descriptor `top`, once; closing it keeps the size
+            os.close(top)
+        finally:
+            os.close(fd)
+        return {"limit": -1 if soft == inf else soft, "table": top + 1}
+    except (ImportError, OSError, ValueError):
+        return {}  # the limit stays as it was: more than ~1000 mappings then fail with a clear EMFILE
+
+
+FILES = _file_table()
+
 import argparse  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -117,7 +147,7 @@ def main(argv=None) -> int:
     except Exception as e:
         print(f"edgeprobe-agent: error: {e}", file=sys.stderr)
         return 2
-    agent.malloc = dict(MALLOC)  # hello reports them
+    agent.malloc, agent.files = dict(MALLOC), dict(FILES)  # hello reports them
     signal.signal(signal.SIGTERM, lambda *a: setattr(agent, "_stop", True))
     # kernels loaded before the agent says it listens (~0.45 s here): on a thread beside the first run they slowed
     # it by 0.3 s (800 ms against 500 ms for a 64-token prefill), and a run is what the agent is measured on

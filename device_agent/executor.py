@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field, replace
+from errno import EMFILE
 
 from .ops import GATHERS_ROWS, OPS, OpError, RunnerCache, bytes_in, check_fused, flops, runs_beside
 from .protocol import AgentError
@@ -242,7 +243,9 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                 except (AgentError, Cancelled):
                     raise
                 except Exception as e:  # a kernel failing on bad shapes must not kill the agent
-                    raise OpError("op_failed", f"op {name!r} ({kind}) failed: {type(e).__name__}: {e}") from None
+                    hint = ("; every mapped blob and layout holds a descriptor: raise the agent's hard limit on open "
+                            "files (ulimit -Hn) or restart it to drop earlier models") if getattr(e, "errno", 0) == EMFILE else ""
+                    raise OpError("op_failed", f"op {name!r} ({kind}) failed: {type(e).__name__}: {e}{hint}") from None
                 finally:
                     t1 = now_us()
                     leave(side)

@@ -261,6 +261,7 @@ class Agent:
                         for l in self.lanes}
         self.store = FlashStore(store_dir, memory_budget)
         self.malloc: dict = {}  # the malloc settings the launcher made (__main__._malloc_settings): hello says them
+        self.files: dict = {}   # the open-file limit and file table the launcher made (__main__._file_table): hello too
         self.ctx = zmq.Context()  # the agent's own: term() at exit waits for its last replies to leave
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -427,7 +428,7 @@ class Agent:
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
                 "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),
                 "numpy": np.__version__, "numba": numba_version(), "numba_threading": numba_threading(),
-                "store": self.store.stats(), "malloc": self.malloc}
+                "store": self.store.stats(), "malloc": self.malloc, "files": self.files}
 
     def do_heartbeat(self, ident, rid, h, arrays):
         return {"clock_us": now_us()}

@@ -42,6 +42,21 @@ def test_op_failure_is_reported_not_raised_from_a_thread():
     assert e.value.code == "bad_plan"
 
 
+def test_running_out_of_file_descriptors_says_what_to_raise(monkeypatch):
+    import errno
+
+    from edgeprobe_agent import ops
+
+    def add(args, attrs, ctx):  # as a blob's mapping fails once the agent holds its limit of descriptors
+        raise OSError(errno.EMFILE, "Too many open files")
+    monkeypatch.setitem(ops.OPS, "add", add)
+    plan = validate({"ops": [{"name": "a", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}, {"input": "x"}]}]},
+                    has_blob=lambda s: False)
+    with pytest.raises(OpError, match=r"Too many open files.*raise the agent's hard limit on open files") as e:
+        execute(plan, {"x": np.ones(2, np.float32)}, Context(get=None))
+    assert e.value.code == "op_failed"
+
+
 def test_an_output_no_later_op_reads_is_dropped_during_the_run():
     import tracemalloc
 

@@ -37,6 +37,28 @@ def test_hello_reports_the_device(dev):
     assert abs(dev.clock_offset_us) < 1e13
 
 
+def test_the_agent_raises_its_open_file_limit_for_its_mappings(tmp_path):
+    # each mapped blob or layout holds a descriptor (~380 after a w8a8-shadow prefill): under a soft limit of 1024
+    # the fifth scheme loaded in one agent failed its run with EMFILE
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4096:
+        pytest.fail(f"this machine's hard limit on open files is {hard}; the agent needs 4096 (raise it: ulimit -Hn)")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # the usual default, inherited by the agent
+    try:
+        dev = Device.local(store=tmp_path / "flash")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    with dev:
+        limits = open(f"/proc/{dev.process.pid}/limits").read()
+        status = open(f"/proc/{dev.process.pid}/status").read()
+        info = dev.info["files"]
+    agent_soft = int(next(l for l in limits.splitlines() if l.startswith("Max open files")).split()[3])
+    table = int(next(l for l in status.splitlines() if l.startswith("FDSize")).split()[1])
+    assert agent_soft == info["limit"] >= 4096 and table >= info["table"] == 4096
+
+
 def test_a_warm_prefill_reuses_the_agents_heap_instead_of_faulting_in_fresh_pages(dev, qm, heldout_ids):
     # glibc here: the agent's malloc keeps arrays below 64 MB in one arena's heap (edgeprobe_agent/__main__.py);
     # with glibc's defaults a warm 48-token prefill faulted ~13,600 pages, each activation mmapped and unmapped

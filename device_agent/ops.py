@@ -223,7 +223,7 @@ def _gpu_linear(rec, part, x, ctx, cols=None):
     from edgeprobe_kernels.int8_gemm import quantize_per_tensor
     from edgeprobe_kernels.linear_records import q4_0_dequant
     from edgeprobe_kernels.opencl_gemm import shared
-    from edgeprobe_kernels.tiles import dequantize_tiles
+    from edgeprobe_kernels.tiles import dequantize_tiles_t
 
     g, kind = shared(), rec.get("kind")
     N, K = rec["shape"]
@@ -243,7 +243,7 @@ def _gpu_linear(rec, part, x, ctx, cols=None):
         if kind == "q4_0":
             make = lambda: q4_0_dequant(ctx.get(key), N, rec["padded_k"])[:, :K]
         else:
-            make = lambda: dequantize_tiles(ctx.get(key), N, K)
+            make = lambda: dequantize_tiles_t(ctx.get(key), N, K).T  # the npu lane's one-pass dequantizer
         w16 = ctx.runners.get(("f16", key), lambda: np.ascontiguousarray(make(), dtype=np.float16))
         return g.gemm_f16w(x.astype(np.float16).astype(np.float32), w16, key=key)
     raise OpError("no_gpu_kernel", f"linear record kind {kind!r} (part {part}) has no OpenCL kernel; "

@@ -304,6 +304,19 @@ def test_gpu_lane_runs_w4a16_linears_in_opencl(dev, smollm, heldout_ids, indepen
     assert cos_ref >= 0.9999 and near < 0.02 and cos_flt > 0.85
     m = res.trace.metrics()
     assert m["lanes"]["gpu"]["ops"] == 7 * 30 and not m["lanes"]["gpu"]["emulated"]
+    # Q4_0 in the npu lane's tile order (q4_0-tile), its linears placed on the gpu lane by hand: dequantized there
+    # to the FP16 weights the npu lane reads
+    from edgeprobe.plan import prefill_plan
+
+    tiled = quantize(smollm, "q4_0-tile")
+    plan = prefill_plan(tiled.manifest, len(toks))
+    for op in plan["ops"]:
+        op["lane"] = "gpu" if op["lane"] == "npu" else op["lane"]
+    dev.upload(tiled, progress=False)
+    dev.load_model(tiled)
+    got_t = dev.run(dev.put_plan(plan), {"tokens": np.asarray(toks, np.int32)})
+    assert cosine(got_t.logits[0], tiled.forward(toks, logits="last")) >= 0.999
+    assert got_t.trace.metrics()["lanes"]["gpu"]["ops"] == 7 * 30
     df = res.trace.to_dataframe()
     assert set(df["lane"]) >= {"gpu", "cpu"} and (df["dur_ms"] >= 0).all()
 

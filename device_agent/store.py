@@ -6,8 +6,12 @@ Layout under the store root:
     blobs/<sha256>.json       {"dtype", "shape"} of a blob stored by an older agent (still read)
     partial/<sha256>.part     an upload in progress, preallocated to its full size
     partial/<sha256>.json     {"dtype", "shape", "nbytes", "n_chunks", "chunk_bytes", "have": [chunk indices]}
-    layouts/<sha256>.<tag>    a blob in the layout a kernel reads (e.g. "rows": an int8 weight transposed), made by
-                              the agent from the verified blob the first time a run needs it (see `layout`)
+    layouts/pack              blobs in the layouts kernels read (e.g. "rows": an int8 weight transposed), made by the
+                              agent from the verified blobs the first time a run needs them, appended one after
+                              another at page-aligned offsets (see `layout`)
+    layouts/pack.jsonl        one {"key": "<sha256>.<tag>", "offset", "nbytes"} line per layout in the pack, appended
+                              once its bytes are fsynced
+    layouts/<sha256>.<tag>    a layout an older agent kept in a file of its own (still read)
 Chunks are written into the .part file while a second thread extends the blob's sha256 (a resumed, out-of-order
 upload is re-hashed from the file); a blob gets its real name only once its sha256 matches and its bytes and its
 index line are fsynced, and its upload is acknowledged complete only once the name is fsynced too. Finished
@@ -44,6 +48,8 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14: page
 
 
 INDEX = "index.jsonl"
+PACK = "pack"       # the store's layouts, one file mapped once (see FlashStore.layout)
+PAGE = mmap.PAGESIZE
 
 
 class StoreError(AgentError):
@@ -108,6 +114,7 @@ class FlashStore:
         self.layout_dir.mkdir(exist_ok=True)
         for tmp in self.layout_dir.glob("*.tmp"):  # a layout being written when an agent stopped: made again on use
             tmp.unlink(missing_ok=True)
+        self._open_pack()
         self._layout_q: queue.Queue = queue.Queue()
         self._idle = threading.Condition()  # _runs: runs in flight (running()); _closing: write now, whatever runs
         self._runs, self._closing = 0, False
@@ -443,35 +450,65 @@ class FlashStore:
 
     def layout(self, sha: str, tag: str, shape: tuple, dtype, make, empty=np.empty, on_read=None,
                into: np.ndarray | None = None) -> np.ndarray:
-        """Blob sha in the layout `tag` that a kernel reads (shape, dtype): mapped from flash if an earlier run made it
-        (paged in at once and reported like get's reads; copy-on-write, so the array is writable as a made one is),
-        else make(out) fills a new array from the blob, and a background thread writes it to flash (a temporary file,
-        fsync, rename: a visible layout is whole, and one mapped is never written over) for the next agent process
-        on this store. A phone's runtime keeps its prepared graphs the same way (QNN's context binaries); preparing
+        """Blob sha in the layout `tag` that a kernel reads (shape, dtype): from the store's pack of layouts if an
+        earlier run made it (the pack mapped once, this layout's pages paged in now and reported like get's reads;
+        copy-on-write, so the array is writable as a made one is), else from a file of its own an older agent kept,
+        else make(out) fills a new array from the blob, and a background thread appends it to the pack between runs
+        (fsynced before it is listed: a listed layout is whole, and nothing listed is written over) for the next
+        agent process on this store. A phone's runtime keeps its prepared graphs the same way (QNN's context binaries); preparing
         them is most of a new process's first run otherwise. empty(shape, dtype) allocates a made array; into: fill
         this array instead (read or made)."""
         if not self.has(sha):
             raise StoreError("missing_blob", f"blob {str(sha)[:12]} is not in the store; upload it first")
         if not tag.isalnum():
             raise StoreError("bad_layout", f"a layout tag is letters and digits, got {tag[:20]!r}")
-        path = self.layout_dir / f"{sha}.{tag}"
-        dtype = np.dtype(dtype)
+        key, dtype = f"{sha}.{tag}", np.dtype(dtype)
+        path = self.layout_dir / key
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         t0 = now_us()
+        raw = self._packed(key, nbytes)
+        if raw is not None:
+            if into is None:
+                out = raw.view(dtype).reshape(shape)
+            else:
+                out = into
+                out.reshape(-1).view(np.uint8)[:] = raw
+            self._traced(on_read, f"read {sha[:8]}.{tag}", sha, t0, now_us(), nbytes, layout=tag)
+            return out
+        # a layout an older agent kept in a file of its own: read, and appended to the pack for the next process
         if into is None:
-            raw = _map_whole(path, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, private=True)
-            if raw is not None:
-                out = np.frombuffer(raw, dtype).reshape(shape)
-                self._traced(on_read, f"read {sha[:8]}.{tag}", sha, t0, now_us(), out.nbytes, layout=tag)
-                return out
-            out = empty(tuple(shape), dtype)
+            raw = _map_whole(path, nbytes, private=True)
+            out = np.frombuffer(raw, dtype).reshape(shape) if raw is not None else None
         else:
-            out = into
-            if _read_whole(path, out.reshape(-1).view(np.uint8)):
-                self._traced(on_read, f"read {sha[:8]}.{tag}", sha, t0, now_us(), out.nbytes, layout=tag)
-                return out
+            out = into if _read_whole(path, into.reshape(-1).view(np.uint8)) else None
+        if out is not None:
+            self._traced(on_read, f"read {sha[:8]}.{tag}", sha, t0, now_us(), out.nbytes, layout=tag)
+            self._layout_q.put((key, out))
+            return out
+        out = empty(tuple(shape), dtype) if into is None else into
         make(out)
-        self._layout_q.put((path, out))
+        self._layout_q.put((key, out))
         return out
+
+    def _packed(self, key: str, nbytes: int) -> np.ndarray | None:
+        """The pack's bytes of layout `key` (uint8[nbytes], writable copy-on-write, paged in now), or None if the
+        pack does not list it at that size. The pack is mapped once, not populated; each layout pages in its own
+        range: 210 layouts in one mapping instead of 210 files opened and mapped (~35 ms of them beside a first
+        run's other mappings, ~10 ms paging in)."""
+        with self._lock:
+            ent = self._pack_index.get(key)
+            if ent is None or ent[1] != nbytes:
+                return None
+            off, n = ent
+            mm = self._pack_map
+            if mm is None or off + n > len(mm):  # grown since mapped: map it again (views of the old map stay valid)
+                mm = self._pack_map = _map_whole(self.layout_dir / PACK, private=True, populate=False)
+            if mm is None or off + n > len(mm):
+                return None
+        raw = np.frombuffer(mm, np.uint8, count=n, offset=off)
+        if n and not _populate_at(raw.ctypes.data, n):
+            raw[::PAGE].max()  # before Linux 5.14: one read per page instead
+        return raw
 
     def _traced(self, on_read, name: str, sha: str, t0: float, t1: float, nbytes: int, lane: str = "io",
                 **extra) -> None:
@@ -485,23 +522,36 @@ class FlashStore:
                     "bytes_out": 0, "flops": 0, "emulated": False, "blob": sha, **extra})
 
     def _layout_worker(self) -> None:
+        """Appends each made layout to the pack at the next page-aligned offset, in pieces written between runs,
+        fsyncs it, and only then lists it in pack.jsonl (fsynced): a listed layout is whole, and bytes a crash cut
+        short are past the last listed one (cut off when the next store opens). Nothing listed is written over."""
         while True:
-            path, arr = self._layout_q.get()
+            key, arr = self._layout_q.get()
             try:
-                if path is not None and not path.exists():
-                    tmp = path.with_name(path.name + ".tmp")
+                if key is not None:
                     raw = memoryview(arr.reshape(-1).view(np.uint8))
-                    with open(tmp, "wb") as f:
+                    with self._lock:
+                        if self._pack_index.get(key, (0, -1))[1] == len(raw):
+                            continue  # listed already (made twice by two lanes, or asked for again)
+                    off = self._pack_end
+                    fd = os.open(self.layout_dir / PACK, os.O_WRONLY | os.O_CREAT, 0o644)
+                    try:
                         for i in range(0, len(raw), LAYOUT_PIECE):
                             self._wait_idle()  # a layout write beside a first run cost it ~25% (64 tokens)
-                            f.write(raw[i:i + LAYOUT_PIECE])
-                        f.flush()
-                        os.fsync(f.fileno())
-                    os.replace(tmp, path)
+                            os.pwrite(fd, raw[i:i + LAYOUT_PIECE], off + i)
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    self._pack_log.write(json.dumps({"key": key, "offset": off, "nbytes": len(raw)}) + "\n")
+                    self._pack_log.flush()
+                    os.fsync(self._pack_log.fileno())
+                    with self._lock:
+                        self._pack_index[key] = (off, len(raw))
+                    self._pack_end = -(-(off + len(raw)) // PAGE) * PAGE
             except OSError as e:  # a layout is a cache: a full disk costs the next process its preparation, no more
-                print(f"edgeprobe-agent: keeping layout {path.name} failed: {e}", file=sys.stderr, flush=True)
+                print(f"edgeprobe-agent: keeping layout {key} failed: {e}", file=sys.stderr, flush=True)
             finally:
-                if path is None:
+                if key is None:
                     arr.set()
 
     @contextlib.contextmanager
@@ -534,20 +584,34 @@ class FlashStore:
         return m
 
     def _open_index(self):
-        """Read blobs/index.jsonl (a torn last line, cut mid-append, was never acknowledged: skipped) and open it
-        for appending."""
-        path = self.blob_dir / INDEX
-        if path.exists():
-            for line in path.read_text().splitlines():
-                try:
-                    rec = json.loads(line)
-                    self._sidecars[check_sha(rec["sha"])] = {"dtype": rec["dtype"], "shape": rec["shape"]}
-                except (ValueError, KeyError, TypeError, StoreError):
-                    continue
-        f = open(path, "a")
-        if f.tell() and not path.read_bytes().endswith(b"\n"):
-            f.write("\n")  # a torn line ends here, so the next record starts on a line of its own
+        """Read blobs/index.jsonl and open it for appending."""
+        records, f = _open_jsonl(self.blob_dir / INDEX)
+        for rec in records:
+            try:
+                self._sidecars[check_sha(rec["sha"])] = {"dtype": rec["dtype"], "shape": rec["shape"]}
+            except (KeyError, TypeError, StoreError):
+                continue
         return f
+
+    def _open_pack(self) -> None:
+        """Read layouts/pack.jsonl (a later line for a key wins) and cut the pack after its last listed layout:
+        bytes past it are an append a crash cut short, never listed, never read. Layouts are appended from there."""
+        records, self._pack_log = _open_jsonl(self.layout_dir / f"{PACK}.jsonl")
+        self._pack_index: dict = {}   # "<sha>.<tag>" -> (offset, nbytes), under self._lock
+        end = 0
+        for rec in records:
+            try:
+                key, off, n = rec["key"], rec["offset"], rec["nbytes"]
+                if isinstance(key, str) and all(isinstance(v, int) and v >= 0 for v in (off, n)) and off % PAGE == 0:
+                    self._pack_index[key] = (off, n)
+                    end = max(end, off + n)
+            except (KeyError, TypeError):
+                continue
+        path = self.layout_dir / PACK
+        if path.exists() and path.stat().st_size > end:
+            os.truncate(path, end)
+        self._pack_end = -(-end // PAGE) * PAGE  # where the next layout goes (the layout writer's alone)
+        self._pack_map = None   # the pack mapped copy-on-write, remapped when it has grown (under self._lock)
 
     def stats(self) -> dict:
         blobs = [p for p in self.blob_dir.iterdir() if len(p.name) == 64]
@@ -582,7 +646,7 @@ def _lock_store(root: Path, wait_s: float):
     return f
 
 
-def _map_whole(path: Path, nbytes: int | None = None, private: bool = False) -> mmap.mmap | None:
+def _map_whole(path: Path, nbytes: int | None = None, private: bool = False, populate: bool = True) -> mmap.mmap | None:
     """The file mapped whole and paged in now (no zero-filled pages and no copy: ~4x faster than reading 100 MB of
     layouts into new memory here), or None if it is missing, empty or not nbytes long. Read-only and shared, or
     private: writable copy-on-write, so a kernel that writes never reaches the file, and numba sees the same
@@ -599,26 +663,44 @@ def _map_whole(path: Path, nbytes: int | None = None, private: bool = False) -> 
             mm = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     except FileNotFoundError:
         return None
-    if not _populate(mm):  # before Linux 5.14: one read per page instead
-        np.frombuffer(mm, np.uint8)[::mmap.PAGESIZE].max()
+    if populate and not _populate_at(ctypes.addressof(ctypes.c_char.from_buffer(mm)), len(mm)):
+        np.frombuffer(mm, np.uint8)[::PAGE].max()  # before Linux 5.14: one read per page instead
     return mm
 
 
-def _populate(mm: mmap.mmap) -> bool:
-    """Page a writable private mapping in without writing to it (MADV_POPULATE_READ), through ctypes, which lets go
-    of the GIL for the call (mmap.madvise holds it: the other lanes' Python waited out each layout's paging)."""
+def _populate_at(addr: int, length: int) -> bool:
+    """Page in `length` bytes of a writable private mapping from page-aligned `addr` without writing to them
+    (MADV_POPULATE_READ), through ctypes, which lets go of the GIL for the call (mmap.madvise holds it: the other
+    lanes' Python waited out each layout's paging)."""
     global _LIBC
     try:
         if _LIBC is None:
             _LIBC = ctypes.CDLL(None, use_errno=True)
             _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        addr = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        return _LIBC.madvise(addr, len(mm), MADV_POPULATE_READ) == 0
+        return _LIBC.madvise(addr, length, MADV_POPULATE_READ) == 0
     except (OSError, AttributeError, TypeError):
         return False
 
 
 _LIBC = None
+
+
+def _open_jsonl(path: Path) -> tuple[list, object]:
+    """The records of an append-only JSON-lines file (a torn last line, cut mid-append, was never acknowledged:
+    skipped) and the file opened for appending, so that the next record starts on a line of its own."""
+    records = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec, dict):
+                records.append(rec)
+    f = open(path, "a")
+    if f.tell() and not path.read_bytes().endswith(b"\n"):
+        f.write("\n")
+    return records, f
 
 
 def _read_whole(path: Path, buf: np.ndarray) -> bool:

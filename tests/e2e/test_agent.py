@@ -350,44 +350,81 @@ def test_memory_budget_evicts_and_every_flash_read_is_traced(tmp_path):
 def test_a_layout_is_made_once_kept_whole_in_flash_and_read_by_the_next_store(tmp_path):
     from edgeprobe_agent.store import FlashStore, StoreError
 
+    def put(st, a):
+        raw = a.tobytes()
+        sha = hashlib.sha256(raw).hexdigest()
+        assert st.put_chunk(sha, a.dtype.name, list(a.shape), len(raw), 0, 1, 1 << 20, zlib.crc32(raw), raw)
+        return sha
+
+    def listed():  # the lines the store reads (a torn one skipped)
+        out = []
+        for line in (layouts / "pack.jsonl").read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
     wt = np.arange(-60, 60, dtype=np.int8).reshape(8, 15)  # a k-major int8[K, N] weight
-    raw = wt.tobytes()
-    sha = hashlib.sha256(raw).hexdigest()
+    wt2 = np.arange(0, 6000, dtype=np.int64).astype(np.int8).reshape(40, 150)
+    layouts = tmp_path / "f" / "layouts"
     made, reads = [], []
     st = FlashStore(tmp_path / "f", on_read=reads.append)
-    assert st.put_chunk(sha, "int8", [8, 15], len(raw), 0, 1, 1 << 20, zlib.crc32(raw), raw)
+    sha, sha2 = put(st, wt), put(st, wt2)
 
-    def make(out):
-        made.append(1)
-        out[...] = st.map(sha).T
-    a = st.layout(sha, "rows", (15, 8), np.int8, make)
-    assert np.array_equal(a, wt.T) and made == [1] and not reads  # made from the mapped blob: no read of it
+    def maker(s):
+        def make(out):
+            made.append(s[:4])
+            out[...] = st.map(s).T
+        return make
+    a = st.layout(sha, "rows", (15, 8), np.int8, maker(sha))
+    b = st.layout(sha2, "rows", (150, 40), np.int8, maker(sha2))
+    assert np.array_equal(a, wt.T) and np.array_equal(b, wt2.T) and len(made) == 2 and not reads  # made, not read
     assert st.flush_layouts(10)
-    assert (tmp_path / "f" / "layouts" / f"{sha}.rows").read_bytes() == wt.T.tobytes()
+    pack = (layouts / "pack").read_bytes()
+    for rec, w in zip(listed(), (wt, wt2)):  # appended at page-aligned offsets, listed once whole
+        assert rec["offset"] % 4096 == 0 and pack[rec["offset"]:rec["offset"] + rec["nbytes"]] == w.T.tobytes()
+    assert [r["key"] for r in listed()] == [f"{sha}.rows", f"{sha2}.rows"]
     with pytest.raises(StoreError) as e:
-        st.layout("0" * 64, "rows", (15, 8), np.int8, make)
+        st.layout("0" * 64, "rows", (15, 8), np.int8, maker(sha))
     assert e.value.code == "missing_blob"
     with pytest.raises(StoreError) as e:
-        st.layout(sha, "../x", (15, 8), np.int8, make)
+        st.layout(sha, "../x", (15, 8), np.int8, maker(sha))
     assert e.value.code == "bad_layout"
     st.close()
     st._lock_file.close()
 
-    (tmp_path / "f" / "layouts" / "junk.rows.tmp").write_bytes(b"cut mid-write")
+    (layouts / "junk.rows.tmp").write_bytes(b"cut mid-write")
+    with open(layouts / "pack", "ab") as f:  # a crash mid-append: bytes past the last listed layout, a torn line
+        f.write(b"\x01" * 5000)
+    with open(layouts / "pack.jsonl", "a") as f:
+        f.write('{"key": "torn')
     st2 = FlashStore(tmp_path / "f", on_read=reads.append)  # the next agent process on this store
-    assert not list((tmp_path / "f" / "layouts").glob("*.tmp"))
-    b = st2.layout(sha, "rows", (15, 8), np.int8, make)
-    assert np.array_equal(b, wt.T) and made == [1]  # read, not made again, and traced as a flash read
-    assert [(r["kind"], r["layout"], r["bytes_in"]) for r in reads] == [("flash_read", "rows", wt.nbytes)]
-    b[0, 0] += 1  # mapped copy-on-write: a kernel may write its array, the layout in flash stays as made
-    assert b.flags.writeable and (tmp_path / "f" / "layouts" / f"{sha}.rows").read_bytes() == wt.T.tobytes()
+    assert not list(layouts.glob("*.tmp")) and (layouts / "pack").stat().st_size == len(pack)  # the tail cut off
+    c = st2.layout(sha2, "rows", (150, 40), np.int8, maker(sha2))
+    assert np.array_equal(c, wt2.T) and len(made) == 2  # read, not made again, and traced as a flash read
+    assert [(r["kind"], r["layout"], r["bytes_in"]) for r in reads] == [("flash_read", "rows", wt2.nbytes)]
+    c[0, 0] += 1  # mapped copy-on-write: a kernel may write its array, the pack in flash stays as made
+    assert c.flags.writeable and (layouts / "pack").read_bytes() == pack
     into = np.zeros((15, 8), np.int8)
-    assert st2.layout(sha, "rows", (15, 8), np.int8, make, into=into) is into and np.array_equal(into, wt.T)
-    (tmp_path / "f" / "layouts" / f"{sha}.rows").write_bytes(b"short")  # not whole: made again, never read as is
-    c = st2.layout(sha, "rows", (15, 8), np.int8, make)
-    assert np.array_equal(c, wt.T) and made == [1, 1]
-    assert st2.flush_layouts(10) is True
+    assert st2.layout(sha, "rows", (15, 8), np.int8, maker(sha), into=into) is into and np.array_equal(into, wt.T)
+    assert len(made) == 2
+    # a layout listed at another size is made again and appended after the cut tail, and its new line wins
+    wide = st2.layout(sha, "rows", (16, 8), np.int8, lambda out: (made.append("wide"), out.__setitem__(..., 7)))
+    assert made[-1] == "wide" and np.all(wide == 7)
+    assert st2.flush_layouts(10)
+    assert listed()[-1]["key"] == f"{sha}.rows" and listed()[-1]["offset"] >= len(pack)
     st2.close()
+    st2._lock_file.close()
+
+    (layouts / f"{sha2}.tmp").write_bytes(b"")
+    old = np.ascontiguousarray(wt.T)
+    (layouts / f"{sha}.old").write_bytes(old.tobytes())  # a layout an older agent kept in a file of its own
+    st3 = FlashStore(tmp_path / "f")
+    assert np.array_equal(st3.layout(sha, "old", (15, 8), np.int8, maker(sha)), old) and made[-1] == "wide"
+    assert np.all(st3.layout(sha, "rows", (16, 8), np.int8, maker(sha)) == 7) and made[-1] == "wide"
+    assert st3.flush_layouts(10) and listed()[-1]["key"] == f"{sha}.old"  # moved into the pack for the next process
+    st3.close()
 
 
 def test_a_new_agent_reads_the_int8_layouts_an_earlier_run_kept_and_gives_the_same_bits(qm, heldout_ids, tmp_path):
@@ -396,7 +433,8 @@ def test_a_new_agent_reads_the_int8_layouts_an_earlier_run_kept_and_gives_the_sa
     toks = heldout_ids[:12]
     with Device.local(store=tmp_path / "flash") as dev:
         first = dev.prefill(qm, toks, progress=False)
-    kept = list((tmp_path / "flash" / "layouts").glob("*.rows"))
+    kept = [json.loads(line)["key"] for line in (tmp_path / "flash" / "layouts" / "pack.jsonl").read_text().splitlines()
+            if json.loads(line)["key"].endswith(".rows")]
     with Device.local(store=tmp_path / "flash") as dev:
         again = dev.prefill(qm, toks, progress=False)
     assert np.array_equal(first.logits, again.logits)

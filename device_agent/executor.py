@@ -66,11 +66,28 @@ class Plan:
                 if "op" in r:
                     self.readers[r["op"]] = self.readers.get(r["op"], 0) + 1
             refs = [next(iter(r.items())) for r in op.get("inputs", [])]
-            self.steps[n] = (op["kind"], OPS[op["kind"]], op.get("attrs", {}), refs, GATHERS_ROWS.get(op["kind"]),
+            self.steps[n] = (op["kind"], OPS[op["kind"]], op.get("attrs", {}), refs, _gathered(op),
                              {"name": n, "kind": op["kind"], "lane": lane[n], "layer": op.get("layer", -1),
                               "chunk": op.get("chunk", 0), "deps": self.deps[n], "group": op.get("group", n)},
                              self.waits[n], [key for src, key in refs if src == "op"],
                              runs_beside(op["kind"], op.get("attrs", {})))
+
+
+def _gathered(op: dict) -> frozenset:
+    """The indices of op's inputs it gathers a few rows from (ops.GATHERS_ROWS), a fused op's through its sub-ops
+    (a decode step op's embedding table): a blob there is mapped, not read whole."""
+    if op["kind"] != "fused":
+        i = GATHERS_ROWS.get(op["kind"])
+        return frozenset() if i is None else frozenset([i])
+    out = set()
+    for sub in op.get("attrs", {}).get("ops", []):
+        if sub["kind"] == "fused":
+            continue  # a layer's ops read its own inputs, never a gathered table
+        i = GATHERS_ROWS.get(sub["kind"])
+        ins = sub.get("inputs", [])
+        if i is not None and i < len(ins) and "arg" in ins[i]:
+            out.add(ins[i]["arg"])
+    return frozenset(out)
 
 
 def validate(plan, has_blob, lanes=LANES) -> Plan:
@@ -233,7 +250,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                             raise Cancelled()
                 if cancel.is_set() or failure:
                     raise Cancelled()
-                args = [results[key] if src == "op" else resolve(src, key, i == gathered)
+                args = [results[key] if src == "op" else resolve(src, key, i in gathered)
                         for i, (src, key) in enumerate(refs)]
                 event = lane_ctx.event = {}
                 threads = enter(side)
@@ -255,7 +272,8 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                     if threads:
                         common["threads"] = threads
                     for e in subs:
-                        e.update(common)
+                        for k, v in common.items():
+                            e.setdefault(k, v)  # a sub-op's own fields win, as an op's do
                     ev = subs[-1]
                 else:
                     ev = {**fixed, "start_us": t0, "end_us": t1, "bytes_in": bytes_in(args), "bytes_out": out.nbytes,

@@ -442,16 +442,17 @@ def _plain_linear(sub: dict) -> bool:
         and not any(k in a for k in ("rows", "cols", "pad_to")) and len(sub.get("inputs", [])) == 1
 
 
-def _compile_fused(attrs: dict) -> list:
+def _compile_fused(attrs: dict) -> tuple[list, bool]:
     """attrs ops as steps: (a list of sibling linears or None, [(sub-op, its input refs as ("arg", i) | ("op", name),
-    whether it is a plain linear)])."""
+    whether it is a plain linear)]), and whether the op is a step op (has fused sub-ops: each sub-op its own event)."""
     steps = []
-    for step in _sibling_groups(attrs["ops"]):
+    step_op = any(s["kind"] == "fused" for s in attrs["ops"])
+    for step in ([s] for s in attrs["ops"]) if step_op else _sibling_groups(attrs["ops"]):
         subs = step if isinstance(step, list) else [step]
-        steps.append((step if isinstance(step, list) else None,
+        steps.append((step if isinstance(step, list) and not step_op else None,
                       [(sub, [("arg", r["arg"]) if "arg" in r else ("op", r["op"]) for r in sub["inputs"]], _plain_linear(sub))
                        for sub in subs]))
-    return steps
+    return steps, step_op
 
 
 def op_fused(inp, attrs, ctx):
@@ -461,15 +462,17 @@ def op_fused(inp, attrs, ctx):
     gets the summed flops, and parts_us: each sub-op kind's time inside it. The sub-ops are parsed once per
     plan (validated plans never change) and a plain linear's runner is looked up once per lane: a decode step
     runs ~400 sub-ops, and their Python around the kernels ran from caches the weights had just swept.
-    Its sub-ops may all be fused ops themselves (one level; each may add "layer" and "deps" for its event): a
-    decode step's layers in one op. Each keeps its own trace event, timed here (ctx.event["sub_events"], which the
-    executor emits in place of this op's), and the step pays one dispatch between ops instead of one per layer."""
+    A fused op with fused sub-ops (one level; "layer" and "deps" on each sub-op for its event) is a step op: a
+    whole decode step, embedding, layers, final norm and head, in one op. Each of its sub-ops keeps its own trace
+    event, timed here (ctx.event["sub_events"], which the executor emits in place of this op's), and the step
+    pays one dispatch between ops instead of one per layer and one each for the ops around them."""
     local, parts, total = {}, {}, 0
     nested = []
     hvx = ctx.lane == "npu" and ctx.backends.get("npu") == "hvx"
     runners = ctx.runners
+    steps, step_op = runners.per_object(attrs, "steps", _compile_fused)
     t = perf_counter_ns()
-    for group, subs in runners.per_object(attrs, "steps", _compile_fused):
+    for group, subs in steps:
         if group is not None:
             src, i = subs[0][1][0]
             x = inp[i] if src == "arg" else local[i]
@@ -485,8 +488,8 @@ def op_fused(inp, attrs, ctx):
         for sub, rr, plain in subs:
             args = [inp[i] if src == "arg" else local[i] for src, i in rr]
             kind, a = sub["kind"], sub.get("attrs", {})
-            if kind == "fused":
-                out = _nested_fused(sub, args, ctx, nested)
+            if step_op:
+                out = _own_event(sub, args, ctx, nested, plain and not hvx)
                 total += nested[-1].get("flops", 0)
             elif plain and ctx.lane != "gpu" and not hvx and isinstance(args[0], np.ndarray) and args[0].ndim == 2:
                 fn = runners.per_object(sub, ctx.lane, lambda s: _runner(ctx, s["attrs"]["rec"], "all"))
@@ -506,18 +509,30 @@ def op_fused(inp, attrs, ctx):
     return out
 
 
-def _nested_fused(sub: dict, args: list, ctx, events: list):
-    """A fused sub-op of a fused op (a layer of a decode step): run, and its trace event appended to events."""
+def _own_event(sub: dict, args: list, ctx, events: list, plain: bool):
+    """A sub-op of a step op (a fused layer, or an op around the layers: embed, final norm, head), run and timed,
+    its trace event appended to events with the fields the executor gives a dispatched op."""
     outer, ctx.event = ctx.event, {}
+    kind, a = sub["kind"], sub.get("attrs", {})
     t0 = perf_counter_ns()
     try:
-        out = op_fused(args, sub["attrs"], ctx)
+        if kind == "fused":
+            out = op_fused(args, a, ctx)
+        elif plain and ctx.lane != "gpu" and isinstance(args[0], np.ndarray) and args[0].ndim == 2:
+            out = ctx.runners.per_object(sub, ctx.lane, lambda s: _runner(ctx, s["attrs"]["rec"], "all"))(
+                args[0], counters=ctx.counters)
+        else:
+            out = OPS[kind](args, a, ctx)
     finally:
         t1 = perf_counter_ns()
         own, ctx.event = ctx.event, outer
-    events.append({"name": sub["name"], "kind": "fused", "layer": sub.get("layer", -1), "deps": sub.get("deps", []),
-                   "group": sub["name"], "start_us": t0 / 1000.0, "end_us": t1 / 1000.0, "bytes_in": bytes_in(args),
-                   "bytes_out": out.nbytes, "shape": list(out.shape), **own})
+    ev = {"name": sub["name"], "kind": kind, "layer": sub.get("layer", -1), "deps": sub.get("deps", []),
+          "group": sub["name"], "start_us": t0 / 1000.0, "end_us": t1 / 1000.0, "bytes_in": bytes_in(args),
+          "bytes_out": out.nbytes, "shape": list(out.shape)}
+    if kind != "fused":
+        ev["flops"] = int(flops(kind, args, out, a, ctx))
+    ev.update(own)  # the op's own fields win, as the executor merges them
+    events.append(ev)
     return out
 
 
@@ -531,12 +546,13 @@ def bytes_in(args: list) -> int:
 
 
 def check_fused(name: str, attrs: dict, n_inputs: int, nested: bool = False) -> None:
-    """Refuse a malformed fused op before the plan runs (called by the executor's validate). Its sub-ops may all
-    be fused ops themselves, one level deep."""
+    """Refuse a malformed fused op before the plan runs (called by the executor's validate). Its sub-ops may be
+    fused ops themselves, one level deep (a step op, op_fused)."""
     subs = attrs.get("ops")
     if not isinstance(subs, list) or not subs:
         raise OpError("bad_attrs", f"fused op {name!r} needs a non-empty list attrs.ops")
     seen = set()
+    step_op = any(isinstance(sub, dict) and sub.get("kind") == "fused" for sub in subs)
     for i, sub in enumerate(subs):
         if not isinstance(sub, dict) or not isinstance(sub.get("name"), str) or sub.get("kind") not in OPS \
                 or (sub["kind"] == "fused" and nested) or not isinstance(sub.get("inputs", []), list) \
@@ -549,14 +565,13 @@ def check_fused(name: str, attrs: dict, n_inputs: int, nested: bool = False) -> 
             if not ok:
                 raise OpError("bad_attrs", f"fused op {name!r}: sub-op {sub['name']!r} input {str(r)[:40]} must be "
                                            f"{{'arg': i < {n_inputs}}} or {{'op': an earlier sub-op}}")
-        if (sub["kind"] == "fused") != (subs[0].get("kind") == "fused"):
-            raise OpError("bad_attrs", f"fused op {name!r}: its sub-ops are all fused ops (layers, each with its own "
-                                       "event) or none of them")
+        if step_op and (not isinstance(sub.get("layer", -1), int) or isinstance(sub.get("layer", -1), bool)
+                        or not isinstance(sub.get("deps", []), list)
+                        or not all(isinstance(d, str) for d in sub.get("deps", []))):
+            raise OpError("bad_attrs", f"fused op {name!r}: sub-op {sub['name']!r} of a step op (one with fused "
+                                       "sub-ops, each sub-op its own event) has an int layer and a list of names as "
+                                       "deps, if any")
         if sub["kind"] == "fused":
-            if not isinstance(sub.get("layer", -1), int) or not isinstance(sub.get("deps", []), list) \
-                    or not all(isinstance(d, str) for d in sub.get("deps", [])):
-                raise OpError("bad_attrs", f"fused op {name!r}: fused sub-op {sub['name']!r} has an int layer and a "
-                                           "list of names as deps, if any")
             check_fused(f"{name}/{sub['name']}", sub.get("attrs", {}), len(sub.get("inputs", [])), nested=True)
         seen.add(sub["name"])
 

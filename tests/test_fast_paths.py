@@ -138,30 +138,37 @@ def test_a_fused_decode_step_computes_what_its_ops_compute(scheme, monkeypatch):
     cfg = qm.manifest["config"]
     prompt = np.arange(7, dtype=np.int32) % cfg["vocab_size"]
     fused = prefill_plan(qm.manifest, 1, session=True)
-    # the layers, each a fused op, in one fused op blk.0-2 (before it: embed, and ops of layer 0 that are not fused)
-    (step,) = [o for o in fused["ops"] if o["kind"] == "fused"]
-    assert step["name"] == f"blk.0-{cfg['n_layers'] - 1}" and [o["name"] for o in fused["ops"]][-2:] == ["output_norm", "lm_head"]
-    layers = step["attrs"]["ops"]
-    assert [(s["name"], s["kind"], s["layer"]) for s in layers] == [(f"blk.{i}", "fused", i) for i in range(cfg["n_layers"])]
+    # the whole step one op: embed, the layers (each a fused op), the final norm and the head
+    (step,) = fused["ops"]
+    assert step["name"] == "step" and step["kind"] == "fused" and fused["outputs"] == ["step"]
+    names = [s["name"] for s in step["attrs"]["ops"]]  # w8a8c-shadow: layer 0's norm and shadow embedding too
+    assert names[0] == "embed" and names[-2:] == ["output_norm", "lm_head"]
+    assert [n for n in names if n.count(".") == 1] == [f"blk.{i}" for i in range(cfg["n_layers"])]
+    assert all(s["kind"] in ("fused", "embed", "rms_norm", "lm_head") for s in step["attrs"]["ops"])
     assert {o["lane"] for o in fused["ops"]} == {"cpu"}  # mllm-NPU decodes on its CPU backend
-    unfused = {**fused, "ops": [s for o in fused["ops"] for s in _unfuse(o)], "outputs": ["lm_head"]}
+    unfused = {**fused, "ops": [s for o in fused["ops"] for s in _unfuse(o)], "outputs": ["step"]}
     outs = []
     for plan in (fused, unfused):
         sess = host_session(cfg, 1, 16)
         run_plan(prefill_plan(qm.manifest, len(prompt), session=True), qm.store.get, {"tokens": prompt}, sess, len(prompt))
         o, events, _ = run_plan(plan, qm.store.get, {"tokens": np.array([5], np.int32)}, sess, 1)
         outs.append(next(iter(o.values())))
-        if plan is fused:  # each layer's own event, timed inside the one op, as if dispatched alone
+        if plan is fused:  # each sub-op's own event, timed inside the one op, as if dispatched alone
             by = {e["name"]: e for e in events}
-            assert len(by) == len(events) == len(fused["ops"]) - 1 + cfg["n_layers"] and step["name"] not in by
+            assert [e["name"] for e in events] == names and "step" not in by
             for i in range(cfg["n_layers"]):
                 e = by[f"blk.{i}"]
                 assert e["kind"] == "fused" and e["layer"] == i and e["lane"] == "cpu" and e["shape"] == [1, cfg["hidden"]]
-                first = sorted({r["op"] for r in step["inputs"] if "op" in r} | set(step["deps"]))  # what blk.0 reads
-                assert e["deps"] == ([f"blk.{i - 1}"] if i else first)
-                assert all(by[d]["end_us"] <= e["start_us"] for d in e["deps"]) and e["end_us"] > e["start_us"]
+                reads = sorted({r["op"] for r in step["attrs"]["ops"][names.index(f"blk.{i}")]["inputs"] if "op" in r})
+                assert e["deps"] == reads and (f"blk.{i - 1}" in reads if i else "embed" in reads)
                 assert e["flops"] > 0 and {"linear", "attention", "rms_norm"} <= set(e["parts_us"])
-            assert by["output_norm"]["start_us"] >= by[f"blk.{cfg['n_layers'] - 1}"]["end_us"]
+            for e in events:
+                assert all(by[d]["end_us"] <= e["start_us"] for d in e["deps"]) and e["end_us"] > e["start_us"]
+                assert e["lane"] == "cpu" and e["bytes_out"] > 0 and e["chunk"] == 0
+            assert by["embed"]["deps"] == [] and by["embed"]["shape"] == [1, cfg["hidden"]]
+            assert by["output_norm"]["deps"] == [f"blk.{cfg['n_layers'] - 1}"] and by["lm_head"]["deps"] == ["output_norm"]
+            assert by["lm_head"]["shape"] == [1, cfg["vocab_size"]] and by["lm_head"]["flops"] == \
+                2 * cfg["hidden"] * cfg["vocab_size"]
     assert np.array_equal(outs[0], outs[1])
     assert len(grouped) == 2 * cfg["n_layers"]  # q, k, v and gate, up of each layer: one call each
 
@@ -206,7 +213,7 @@ def _unfuse(op):
     ({"ops": [{"name": "a", "kind": "fused", "inputs": [], "layer": "x", "attrs": {"ops": [
         {"name": "c", "kind": "add", "inputs": []}]}}]}, "int layer"),
     ({"ops": [{"name": "a", "kind": "fused", "inputs": [], "attrs": {"ops": [{"name": "c", "kind": "add", "inputs": []}]}},
-              {"name": "d", "kind": "add", "inputs": []}]}, "all fused ops"),
+              {"name": "d", "kind": "add", "inputs": [], "deps": "a"}]}, "list of names as deps"),  # a step op's sub-op
     ({"ops": [{"name": "a", "kind": "add", "inputs": [{"arg": 5}]}]}, "arg"),
     ({"ops": [{"name": "a", "kind": "add", "inputs": [{"op": "later"}]}, {"name": "later", "kind": "add", "inputs": []}]},
      "earlier sub-op"),

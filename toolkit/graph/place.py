@@ -106,12 +106,23 @@ def fuse_layers(plan: dict, lanes=("cpu",)) -> dict:
     return _renamed(plan, out, renamed, {**plan.get("meta", {}), "fused": True})
 
 
+AROUND_LAYERS = {"embed", "rms_norm", "lm_head"}  # a decode step's ops before and after its layers
+
+
 def fuse_step(plan: dict) -> dict:
-    """Consecutive `fused` layers on one lane, each read by the next alone, become one fused op whose sub-ops are
-    those layers (ops.op_fused, one level deep), named blk.{first}-{last}: a decode step dispatches 3 ops around
-    it instead of one per layer (~14 us of Python each on 2 cores with the caches swept by the weights), and each
-    layer keeps its trace event, timed inside, with the deps the executor would have given it."""
+    """A decode step as one op. Where the whole plan is one lane's chain of fused layers and the ops around them
+    (AROUND_LAYERS: embedding, final norm, head), it becomes one fused op `step` whose sub-ops are those ops, the
+    layers still fused (ops.op_fused, one level deep); else consecutive `fused` layers on one lane, each read by the
+    next alone, become one fused op named blk.{first}-{last}. Either way the step dispatches one op (or 3) instead
+    of one per layer (~14 us of Python each on 2 cores with the caches swept by the weights; ~40 us each for the
+    embedding and the final norm, which also resolve their inputs), and each sub-op keeps its trace event, timed
+    inside, with the deps the executor would have given it."""
     ops = plan["ops"]
+    if len(ops) > 2 and len({op["lane"] for op in ops}) == 1 and plan["outputs"] == [ops[-1]["name"]] \
+            and any(op["kind"] == "fused" for op in ops) \
+            and all(op["kind"] == "fused" or op["kind"] in AROUND_LAYERS for op in ops):
+        step = _fuse_run(ops, "step", _layer_event)
+        return _renamed(plan, [step], {ops[-1]["name"]: "step"}, plan.get("meta", {}))
     readers = _readers(ops)
     runs, cur = [], []
     for op in ops:

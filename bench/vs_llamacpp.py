@@ -13,9 +13,9 @@ prefill done; best of 2) and first run (a new agent process on a store that hold
 reads them from flash and builds its runners; "first run" where an earlier run on that store kept the int8 weights'
 row-major layouts in flash, as an installed app's would be, "first, no layouts" where the agent makes them); then batch-1 decode, 64 greedy steps after a 64-token prompt:
 llama.cpp loops in its process (argmax of the logits, then one token through the model), the agent's loop runs
-once on the agent (decode@agent: argmax there, one request for all steps, as a phone's runtime loops) and once
-on the host (decode@host: a round trip per token); the per-token time outside the agent's ops and one decode
-step's profile for each. With --repeats N every ratio is the median of N rounds.
+on the agent (decode@agent: argmax there, one request for all steps, as a phone's runtime loops; the reply holds
+the tokens and the last step's logits, decode@agent+logits every step's too) and on the host (decode@host: a
+round trip per token); the per-token time outside the agent's ops and one decode step's profile for each. With --repeats N every ratio is the median of N rounds.
 """
 from __future__ import annotations
 
@@ -193,22 +193,27 @@ def main():
             for s in decode_schemes:
                 qm = qms[s]
                 prompt = ids[:64]
-                lr, by_loop = [], {"agent": [], "host": []}
+                # the loop on the agent hands back its tokens and the last step's logits, as llama.cpp's loop keeps
+                # its logits in its process ("agent"), or every step's too ("agent+logits", 12.6 MB for 64 steps)
+                lr, by_loop = [], {"agent": [], "agent+logits": [], "host": []}
+                how = {"agent": dict(loop="agent", logits="last"), "agent+logits": dict(loop="agent"),
+                       "host": dict(loop="host")}
                 with Device.local(store=store) as dev:
                     for loop in by_loop:
-                        dev.generate(qm, prompt, 4, progress=False, loop=loop)  # warm
+                        dev.generate(qm, prompt, 4, progress=False, **how[loop])  # warm
                     for _ in range(2):  # A/B/A/B: llama.cpp, the loop on the agent, the loop on the host
                         lr.append(llama.run(prompt, args.steps))
                         for loop, runs in by_loop.items():
-                            runs.append(dev.generate(qm, prompt, args.steps, progress=False, loop=loop))
+                            runs.append(dev.generate(qm, prompt, args.steps, progress=False, **how[loop]))
                 ll_s = min(r["decode_s"] for r in lr)
                 for loop, runs in by_loop.items():
                     best = min(runs, key=lambda x: x.decode_s)
                     rows.setdefault((f"decode@{loop}", s, 64), []).append((args.steps / ll_s, args.steps / best.decode_s))
                     prof, outside = decode_profile(best, args.steps)
                     extra.setdefault((s, loop), []).append((prof, outside, best.step_ms))
-                a, h = by_loop["agent"][0], by_loop["host"][0]
-                same_bits = (a.tokens == h.tokens).all() and all((x == y).all() for x, y in zip(a.logits, h.logits))
+                a, h, last = by_loop["agent+logits"][0], by_loop["host"][0], by_loop["agent"][0]
+                same_bits = (a.tokens == h.tokens).all() and all((x == y).all() for x, y in zip(a.logits, h.logits)) \
+                    and (last.tokens == h.tokens).all() and (last.logits[-1] == h.logits[-1]).all()
                 ours = a.tokens[0].tolist()
                 same = next((i for i, (x, y) in enumerate(zip(lr[0]["tokens"], ours)) if x != y), len(ours))
                 print(f"   decode {s}: the loop on the agent and the loop on the host gave "
@@ -221,12 +226,12 @@ def main():
     print(f"\nllama.cpp {LLAMA_VERSION} (SmolLM2-135M Q4_1 GGUF, 2 threads) vs the edgeprobe agent (lane threads "
           f"{args.lane_threads}), same tokens, A/B interleaved; load average at start {load:.1f}; medians of "
           f"{args.repeats} round(s)")
-    print(f"{'what':<17} {'scheme':<12} {'tokens':>6} {'llama.cpp tok/s':>16} {'agent tok/s':>12} {'ratio':>7}")
+    print(f"{'what':<20} {'scheme':<12} {'tokens':>6} {'llama.cpp tok/s':>16} {'agent tok/s':>12} {'ratio':>7}")
     for (what, s, n), vals in rows.items():
         lt = statistics.median(v[0] for v in vals)
         at = statistics.median(v[1] for v in vals)
         ratio = statistics.median(v[1] / v[0] for v in vals)
-        print(f"{what:<17} {s:<12} {n:>6} {lt:16.1f} {at:12.1f} {ratio:6.2f}x")
+        print(f"{what:<20} {s:<12} {n:>6} {lt:16.1f} {at:12.1f} {ratio:6.2f}x")
     for (what, s, n), vals in rows.items():  # the goal: a first run within 1.5x of a warm one
         warm = rows.get(("prefill warm", s, n))
         if what.startswith("first") and warm:

@@ -20,7 +20,8 @@ from .trace import Trace, flash_read_bytes, span_of
 @dataclass
 class Decoded:
     """A decode session's result. tokens int64[batch, n] (the tokens fed to the n steps); logits: the
-    prefill's float32[1, vocab], then each step's float32[batch, vocab]."""
+    prefill's float32[1, vocab], then each step's float32[batch, vocab] (the last step's only, with
+    generate(logits="last"))."""
 
     tokens: np.ndarray
     logits: list
@@ -200,7 +201,7 @@ def session(dev: Client, qm, capacity: int, name: str = "decode", progress: bool
 
 def generate(dev: Client, qm, prompt, n: int, batch: int = 1, temperature: float = 0.0, seed: int = 0,
              on_step=None, progress: bool = True, split=None, ffn_flash=None, experts_flash=None,
-             loop: str = "host") -> Decoded:
+             loop: str = "host", logits: str = "all") -> Decoded:
     """Prefill `prompt` (token ids) once, fork it into `batch` sequences, then run `n` decode steps on the
     agent, its KV cache staying there. Each step feeds every sequence its next token, sampled on the host
     from the previous logits (greedy at temperature 0, else softmax(z / T) with `seed`), and gets
@@ -211,15 +212,19 @@ def generate(dev: Client, qm, prompt, n: int, batch: int = 1, temperature: float
     MoE experts read from flash through an expert buffer ({"capacity", "policy", "preload_n"}; EdgeMoE).
     loop="agent" (greedy only): the agent loops over the n steps itself, feeding each the argmax of the last
     (DecodeSession.greedy): one round trip for all of them, the same tokens and logits; on_step then runs
-    after the loop, once per step."""
+    after the loop, once per step. logits="last": Decoded.logits keeps the prefill's and the last step's only;
+    with the loop on the agent, the reply then carries one step's logits instead of n (a 64-step loop of SmolLM2:
+    196 kB instead of 12.6 MB, ~0.2 ms a token here), as a runtime looping on a phone hands back its tokens."""
     prompt = np.asarray(prompt, np.int32).reshape(-1)
     if n < 1 or batch < 1:
         raise ValueError(f"n (decode steps) and batch must be >= 1, got n={n}, batch={batch}")
     if loop not in ("host", "agent"):
         raise ValueError(f"loop must be 'host' (the host samples each token) or 'agent' (greedy on the agent), got {loop!r}")
+    if logits not in ("all", "last"):
+        raise ValueError(f"logits must be 'all' (every step's) or 'last' (the last step's), got {logits!r}")
     if loop == "agent" and temperature > 0:
         raise ValueError(f"the agent's decode loop is greedy; sampling at temperature {temperature} needs loop='host'")
-    rng = np.random.default_rng(seed)
+    rng, logits_kept = np.random.default_rng(seed), logits
     with session(dev, qm, len(prompt) + n, progress=progress, split=split, ffn_flash=ffn_flash,
                  experts_flash=experts_flash) as s:
         t0 = time.perf_counter()
@@ -232,7 +237,7 @@ def generate(dev: Client, qm, prompt, n: int, batch: int = 1, temperature: float
         logits = np.repeat(logits, batch, axis=0)
         fed, all_logits = [], [s.logits_history[0]]
         if loop == "agent":
-            tokens, steps = s.greedy(sample(logits, 0.0, rng), n)
+            tokens, steps = s.greedy(sample(logits, 0.0, rng), n, keep=logits_kept)
             fed, all_logits = list(tokens.T.astype(np.int64)), all_logits + steps
         for i in range(n):
             if loop == "host":
@@ -243,6 +248,8 @@ def generate(dev: Client, qm, prompt, n: int, batch: int = 1, temperature: float
                 logits = s.step(fed[i])
                 all_logits.append(logits)
         t2 = time.perf_counter()
+    if logits_kept == "last":
+        all_logits = [all_logits[0], all_logits[-1]]
     meta = {**s.meta, "title": f"prefill {len(prompt)} + {n} decode steps x batch {batch}, {qm.scheme}"}
     return Decoded(np.stack(fed, axis=1), all_logits, Trace(s.events, meta), batch, t1 - t0, t2 - t1d, s.step_ms,
                    s.step_counters)

@@ -83,8 +83,16 @@ def test_the_decode_loop_on_the_agent_gives_the_host_loops_tokens_and_bits(dev, 
         fed, logits = s.greedy([int(host.logits[3][0].argmax())], 1)  # a loop of one step keeps the loop's form
         assert fed.shape == (1, 1) and len(logits) == 1 and logits[0].shape == (1, host.logits[3].shape[1])
         assert s.length == 12 and len(s.step_ms) == 4 and {e["group"] for e in s.events} >= {"step3"}
+    last = dev.generate(qm, prompt, 3, batch=2, progress=False, loop="agent", logits="last")  # tokens + last logits
+    assert last.tokens.tolist() == host.tokens.tolist() and len(last.logits) == 2
+    assert (last.logits[0] == host.logits[0]).all() and (last.logits[1] == host.logits[3]).all()
+    assert {e["group"] for e in last.trace.events} == {"prefill", "step0", "step1", "step2"}
+    hl = dev.generate(qm, prompt, 2, progress=False, logits="last")  # the host's loop keeps the last only too
+    assert len(hl.logits) == 2 and (hl.logits[1] == host.logits[2][:1]).all()
     with pytest.raises(ValueError, match="greedy"):
         dev.generate(qm, prompt, 2, temperature=0.5, loop="agent", progress=False)
+    with pytest.raises(ValueError, match="'all'.*'last'"):
+        dev.generate(qm, prompt, 2, loop="agent", logits="first", progress=False)
 
 
 def test_bad_decode_requests_get_clear_errors(tmp_path, qm, heldout_ids):

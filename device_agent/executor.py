@@ -198,6 +198,10 @@ class Context:
     kernels: dict = field(default_factory=dict)   # lane -> what computes there (backends.lane_kernels): events' "backend"
     emulated: dict = field(default_factory=lambda: dict(EMULATED_LANES))  # lane -> what its events' time is, by default
     event: dict | None = None        # fields the running op adds to its trace event (isa, emulated, DSP counts)
+    sub_event: dict | None = None    # what each sub-op event of the running step op starts from (lane, chunk, ...)
+    blob_args: dict | None = None    # op name -> its inputs' resolved blobs (None elsewhere), kept for one run: a
+                                     # decode loop's steps resolve a step op's ~65 blobs once; set only where get
+                                     # is the run's own cache (its arrays never change within the run)
 
 
 def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | None = None,
@@ -231,6 +235,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
 
     def lane_worker(lane, names, solo=False):
         lane_ctx = replace(ctx, lane=lane, counters=lane_counters[lane])  # shares the runner cache
+        blob_args = ctx.blob_args
         backend = {"backend": ctx.kernels[lane]} if lane in ctx.kernels else {}
         emulated = ctx.emulated.get(lane, False)
         steps, enter, leave = plan.steps, CORES_IN_USE.enter, CORES_IN_USE.leave
@@ -250,10 +255,22 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                             raise Cancelled()
                 if cancel.is_set() or failure:
                     raise Cancelled()
-                args = [results[key] if src == "op" else resolve(src, key, i in gathered)
-                        for i, (src, key) in enumerate(refs)]
+                base = blob_args.get(name) if blob_args is not None else None
+                if base is None:
+                    args = [results[key] if src == "op" else resolve(src, key, i in gathered)
+                            for i, (src, key) in enumerate(refs)]
+                    if blob_args is not None:  # never an op's output: the executor drops those once read
+                        blob_args[name] = [a if src == "blob" else None for (src, _), a in zip(refs, args)]
+                else:
+                    args = base[:]
+                    for i, (src, key) in enumerate(refs):
+                        if src != "blob":
+                            args[i] = results[key] if src == "op" else resolve(src, key, False)
                 event = lane_ctx.event = {}
                 threads = enter(side)
+                if kind == "fused":  # a step op's sub-op events start from these (ops._own_event)
+                    lane_ctx.sub_event = {"lane": fixed["lane"], "chunk": fixed["chunk"], "emulated": emulated,
+                                          **backend, **({"threads": threads} if threads else {})}
                 t0 = now_us()
                 try:
                     out = fn(args, attrs, lane_ctx)
@@ -267,13 +284,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                     t1 = now_us()
                     leave(side)
                 subs = event.pop("sub_events", None) if event else None
-                if subs:  # a fused op of fused layers: their events (ops.op_fused) in place of its own
-                    common = {"lane": fixed["lane"], "chunk": fixed["chunk"], "emulated": emulated, **backend}
-                    if threads:
-                        common["threads"] = threads
-                    for e in subs:
-                        for k, v in common.items():
-                            e.setdefault(k, v)  # a sub-op's own fields win, as an op's do
+                if subs:  # a step op: its sub-ops' events (ops.op_fused, from lane_ctx.sub_event) in place of its own
                     ev = subs[-1]
                 else:
                     ev = {**fixed, "start_us": t0, "end_us": t1, "bytes_in": bytes_in(args), "bytes_out": out.nbytes,

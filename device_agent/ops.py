@@ -526,9 +526,9 @@ def _own_event(sub: dict, args: list, ctx, events: list, plain: bool):
     finally:
         t1 = perf_counter_ns()
         own, ctx.event = ctx.event, outer
-    ev = {"name": sub["name"], "kind": kind, "layer": sub.get("layer", -1), "deps": sub.get("deps", []),
-          "group": sub["name"], "start_us": t0 / 1000.0, "end_us": t1 / 1000.0, "bytes_in": bytes_in(args),
-          "bytes_out": out.nbytes, "shape": list(out.shape)}
+    ev = {**(ctx.sub_event or {}), "name": sub["name"], "kind": kind, "layer": sub.get("layer", -1),
+          "deps": sub.get("deps", []), "group": sub["name"], "start_us": t0 / 1000.0, "end_us": t1 / 1000.0,
+          "bytes_in": bytes_in(args), "bytes_out": out.nbytes, "shape": list(out.shape)}
     if kind != "fused":
         ev["flops"] = int(flops(kind, args, out, a, ctx))
     ev.update(own)  # the op's own fields win, as the executor merges them

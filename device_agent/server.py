@@ -690,7 +690,8 @@ class Agent:
                           read_rows=partial(self.store.read_rows, on_read=flash.add),
                           read_blob=partial(self.store.read_cold, on_read=flash.add), map_blob=self.store.map,
                           blob_meta=self.store.meta, layout=partial(self.store.layout, on_read=flash.add),
-                          backends={"npu": self.npu_backend}, kernels=self.kernels, emulated=self.emulated)
+                          backends={"npu": self.npu_backend}, kernels=self.kernels, emulated=self.emulated,
+                          blob_args={} if run.loop and self.store.memory_budget is None else None)
             t0 = now_us()
             try:
                 with self.store.running():

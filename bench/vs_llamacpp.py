@@ -110,15 +110,19 @@ def agent_prefill(dev, qm, tokens) -> tuple[float, float]:
     return time.perf_counter() - t, r.trace.metrics()["makespan_ms"] / 1e3
 
 
-def decode_profile(dec, steps: int) -> tuple[dict, float]:
-    """Per-kind ms of one decode step (fused layers broken into their parts) and the per-step time outside ops."""
+def decode_profile(dec, steps: int) -> tuple[dict, float, float]:
+    """Per-kind ms of one decode step (fused layers broken into their parts), the per-step time outside ops seen
+    from the host (the loop's wall time: request, reply and its trace included), and the same on the agent alone
+    (from step 1's first event to the last step's last: the gaps between a step's ops and between steps)."""
     by: dict = {}
     n = 0
+    lo, hi = float("inf"), 0.0
     for e in dec.trace.events:
         g = e.get("group", "")
         if not g.startswith("step") or g == "step0":
             continue
         n = max(n, int(g[4:]))
+        lo, hi = min(lo, e["start_us"]), max(hi, e["end_us"])
         parts = e.get("parts_us") or {e["kind"]: e["end_us"] - e["start_us"]}
         for k, v in parts.items():
             by[k] = by.get(k, 0.0) + v / 1e3
@@ -127,7 +131,8 @@ def decode_profile(dec, steps: int) -> tuple[dict, float]:
                 e["end_us"] - e["start_us"] - sum(parts.values())) / 1e3
     in_ops = sum(by.values()) / max(n, 1)
     outside = dec.decode_s / steps * 1e3 - in_ops
-    return {k: v / max(n, 1) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}, outside
+    on_agent = (hi - lo) / 1e3 / max(n, 1) - in_ops if n else float("nan")
+    return {k: v / max(n, 1) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}, outside, on_agent
 
 
 def main():
@@ -209,8 +214,8 @@ def main():
                 for loop, runs in by_loop.items():
                     best = min(runs, key=lambda x: x.decode_s)
                     rows.setdefault((f"decode@{loop}", s, 64), []).append((args.steps / ll_s, args.steps / best.decode_s))
-                    prof, outside = decode_profile(best, args.steps)
-                    extra.setdefault((s, loop), []).append((prof, outside, best.step_ms))
+                    prof, outside, on_agent = decode_profile(best, args.steps)
+                    extra.setdefault((s, loop), []).append((prof, outside, best.step_ms, on_agent))
                 a, h, last = by_loop["agent+logits"][0], by_loop["host"][0], by_loop["agent"][0]
                 same_bits = (a.tokens == h.tokens).all() and all((x == y).all() for x, y in zip(a.logits, h.logits)) \
                     and (last.tokens == h.tokens).all() and (last.logits[-1] == h.logits[-1]).all()
@@ -238,11 +243,12 @@ def main():
             print(f"   {what}, {s}, {n} tokens: {statistics.median(v[1] for v in warm) / statistics.median(v[1] for v in vals):.2f}x "
                   "the warm time")
     for (s, loop), runs in extra.items():
-        prof, outside, step_ms = runs[len(runs) // 2]
+        prof, outside, step_ms, _ = runs[len(runs) // 2]
         print(f"\none decode step, {s}, loop on the {loop} (ms; fused layers broken into their parts): "
               + ", ".join(f"{k} {v:.2f}" for k, v in prof.items()))
-        print(f"   per-token time outside the agent's ops (round trips, sampling, dispatch between ops): "
-              f"{statistics.median(r[1] for r in runs):.2f} ms; agent makespan per step "
+        print(f"   per-token time outside the agent's ops (round trips, sampling, dispatch between ops, the reply "
+              f"and its trace): {statistics.median(r[1] for r in runs):.2f} ms, of which on the agent between its "
+              f"ops and steps {statistics.median(r[3] for r in runs):.2f} ms; agent makespan per step "
               f"{statistics.median(step_ms[1:]):.2f} ms")
 
 if __name__ == "__main__":

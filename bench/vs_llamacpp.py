@@ -246,9 +246,10 @@ def main():
         prof, outside, step_ms, _ = runs[len(runs) // 2]
         print(f"\none decode step, {s}, loop on the {loop} (ms; fused layers broken into their parts): "
               + ", ".join(f"{k} {v:.2f}" for k, v in prof.items()))
+        on_agent = (f", of which on the agent between its ops and steps {statistics.median(r[3] for r in runs):.2f} ms"
+                    if loop.startswith("agent") else "")  # a host loop's steps are runs apart: round trips between
         print(f"   per-token time outside the agent's ops (round trips, sampling, dispatch between ops, the reply "
-              f"and its trace): {statistics.median(r[1] for r in runs):.2f} ms, of which on the agent between its "
-              f"ops and steps {statistics.median(r[3] for r in runs):.2f} ms; agent makespan per step "
+              f"and its trace): {statistics.median(r[1] for r in runs):.2f} ms{on_agent}; agent makespan per step "
               f"{statistics.median(step_ms[1:]):.2f} ms")
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ round trip per token); the per-token time outside the agent's ops and one decode
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -161,6 +162,10 @@ def main():
     decode_schemes = [s for s in args.decode_schemes.split(",") if s]
     qms = {s: prepared(m, s, say=print) for s in dict.fromkeys(schemes + decode_schemes)}
     llama = LlamaCpp(_smollm2_135m(), max(lengths) + args.steps + 64)
+    # this harness's long-lived objects (modules, the models, their tokenizer) out of its GC's sight: its full
+    # collections walked them in 40-50 ms every few runs, landing in whichever measurement was under way (the
+    # agent does the same at its start; llama.cpp's loop makes no Python objects to collect)
+    gc.freeze()
     rows: dict = {}  # (what, scheme, length) -> list of (llama tok/s, agent tok/s) per round
     extra: dict = {}
     tmp = tempfile.TemporaryDirectory(prefix="vs-llamacpp-")  # the agents' store: removed at the end

@@ -1,5 +1,6 @@
 """python -m edgeprobe_agent --bind tcp://127.0.0.1:5555 --store DIR [--memory-budget MB] [--curve-keys DIR]
 [--npu-backend numba|hvx]"""
+import gc
 import os
 
 # A lane stands for one processor: kernels run single-threaded so concurrent lanes do not oversubscribe cores.
@@ -152,6 +153,9 @@ def main(argv=None) -> int:
     # kernels loaded before the agent says it listens (~0.45 s here): on a thread beside the first run they slowed
     # it by 0.3 s (800 ms against 500 ms for a 64-token prefill), and a run is what the agent is measured on
     _warm()
+    # what is alive now (modules, numba's and llvmlite's objects, ~200,000) lives as long as the process: out of
+    # the GC's sight, a full collection during a run walks only what runs made (28 ms each here before, ~1 after)
+    gc.freeze()
     print(f"edgeprobe-agent listening on {agent.url}", flush=True)
     if LANE_THREADS == "auto":
         from .threads import CORES_IN_USE

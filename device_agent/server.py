@@ -22,6 +22,7 @@ Who owns what (no state is shared without an owner):
 """
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import platform
@@ -436,7 +437,10 @@ class Agent:
     def do_stats(self, ident, rid, h, arrays):
         """served / errors count the final replies sent before this one."""
         return {"store": self.store.stats(), "served": self.served, "errors": self.errors, "models": len(self.models),
-                "plans": len(self.plans), "runs_in_flight": len(self.runs), "sessions": len(self.sessions)}
+                "plans": len(self.plans), "runs_in_flight": len(self.runs), "sessions": len(self.sessions),
+                # what a full collection walks (objects since the start's gc.freeze) and how often it ran
+                "gc": {"tracked": len(gc.get_objects()), "frozen": gc.get_freeze_count(),
+                       "full_collections": gc.get_stats()[2]["collections"]}}
 
     def do_bye(self, ident, rid, h, arrays):
         if h.get("shutdown"):
@@ -493,7 +497,7 @@ class Agent:
             raise StoreError("missing_blob", f"{len(missing)} blobs of this model are not uploaded (e.g. {missing[0][:12]}); "
                                              "upload them first")
         model_id = _content_id(m)
-        self.models[model_id] = m
+        self.models.setdefault(model_id, m)  # as put_plan: the first copy stays
         return {"model_id": model_id, "blobs": len(m["blobs"]),
                 "bytes": int(sum(b.get("nbytes", 0) for b in m["blobs"].values() if isinstance(b, dict)))}
 
@@ -577,7 +581,10 @@ class Agent:
 
         def commit(result):
             plan_id, plan = result
-            self.plans[plan_id] = plan
+            # a plan put again (each connection and decode session puts its own copy) keeps the first copy: the
+            # runner cache remembers records and fused ops per object, so every copy stayed alive through it
+            # (~2,800 objects a generate for SmolLM2), and the GC's full passes walked them all
+            plan = self.plans.setdefault(plan_id, plan)
             return {"plan_id": plan_id, "ops": len(plan.order), "lanes": {k: len(v) for k, v in plan.lane_order.items()}}
         self._off_loop(ident, rid, "plan", work, commit)
         return None  # validated off the loop; the loop files it and replies

@@ -19,12 +19,12 @@ PROMPT = [3, 1, 4, 1]
 
 
 def _event_names(plan) -> list:
-    """The names a run of the plan reports events under: a fused op of fused layers (a decode step's) reports
-    each layer."""
+    """The names a run of the plan reports events under: a step op (a fused op with fused sub-ops: a decode step's
+    embedding, layers, final norm and head) reports each sub-op."""
     out = []
     for op in plan["ops"]:
         subs = op.get("attrs", {}).get("ops", []) if op["kind"] == "fused" else []
-        out += [s["name"] for s in subs] if subs and subs[0]["kind"] == "fused" else [op["name"]]
+        out += [s["name"] for s in subs] if any(s["kind"] == "fused" for s in subs) else [op["name"]]
     return out
 
 

@@ -491,13 +491,10 @@ def op_fused(inp, attrs, ctx):
             if step_op:
                 out = _own_event(sub, args, ctx, nested, plain and not hvx)
                 total += nested[-1].get("flops", 0)
-            elif plain and ctx.lane != "gpu" and not hvx and isinstance(args[0], np.ndarray) and args[0].ndim == 2:
-                fn = runners.per_object(sub, ctx.lane, lambda s: _runner(ctx, s["attrs"]["rec"], "all"))
-                out = fn(args[0], counters=ctx.counters)
-                total += 2 * args[0].shape[0] * args[0].shape[1] * out.shape[1]
             else:
-                out = OPS[kind](args, a, ctx)
-                total += flops(kind, args, out, a, ctx)
+                out = _sub_value(sub, args, ctx, plain and not hvx)
+                # a plain linear's flops without flops()'s lookups (60 of them a decode step)
+                total += 2 * args[0].shape[0] * args[0].shape[1] * out.shape[1] if plain else flops(kind, args, out, a, ctx)
             local[sub["name"]] = out
             t1 = perf_counter_ns()
             parts[kind] = parts.get(kind, 0.0) + (t1 - t) / 1000.0
@@ -509,6 +506,15 @@ def op_fused(inp, attrs, ctx):
     return out
 
 
+def _sub_value(sub: dict, args: list, ctx, plain: bool):
+    """A fused op's sub-op computed: a plain linear (plain: not on the hvx backend) through its runner, looked up once
+    per lane, except on the gpu lane (op_linear picks its OpenCL kernel); any other sub-op through its op."""
+    if plain and ctx.lane != "gpu" and isinstance(args[0], np.ndarray) and args[0].ndim == 2:
+        fn = ctx.runners.per_object(sub, ctx.lane, lambda s: _runner(ctx, s["attrs"]["rec"], "all"))
+        return fn(args[0], counters=ctx.counters)
+    return OPS[sub["kind"]](args, sub.get("attrs", {}), ctx)
+
+
 def _own_event(sub: dict, args: list, ctx, events: list, plain: bool):
     """A sub-op of a step op (a fused layer, or an op around the layers: embed, final norm, head), run and timed,
     its trace event appended to events with the fields the executor gives a dispatched op."""
@@ -516,13 +522,7 @@ def _own_event(sub: dict, args: list, ctx, events: list, plain: bool):
     kind, a = sub["kind"], sub.get("attrs", {})
     t0 = perf_counter_ns()
     try:
-        if kind == "fused":
-            out = op_fused(args, a, ctx)
-        elif plain and ctx.lane != "gpu" and isinstance(args[0], np.ndarray) and args[0].ndim == 2:
-            out = ctx.runners.per_object(sub, ctx.lane, lambda s: _runner(ctx, s["attrs"]["rec"], "all"))(
-                args[0], counters=ctx.counters)
-        else:
-            out = OPS[kind](args, a, ctx)
+        out = op_fused(args, a, ctx) if kind == "fused" else _sub_value(sub, args, ctx, plain)
     finally:
         t1 = perf_counter_ns()
         own, ctx.event = ctx.event, outer

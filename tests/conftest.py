@@ -105,11 +105,25 @@ def _codes(x: np.ndarray, scale: float) -> np.ndarray:
     return np.clip(np.rint(np.asarray(x, np.float32) / np.float32(scale)), -127, 127).astype(np.float64)
 
 
+def _shadow_f32(x: np.ndarray, c: np.float32, w) -> np.ndarray:
+    """mllm-NPU eq. 1's float part as the device defines it: for each row, its outliers (x - clip(x)) times the float
+    weight's columns, accumulated in float32 in ascending channel order. A float64 sum rounded once differs from it
+    in the last bit wherever a row has two or more outliers, and per-tensor int8 downstream turns such a bit into
+    a whole code step now and then (seen on one CPU's calibration: |agent - reference| 0.08 x |agent - float|)."""
+    w = np.asarray(w, np.float32)
+    out = np.zeros((x.shape[0], w.shape[0]), np.float32)
+    for r, j in zip(*np.nonzero(np.abs(x) > c)):  # row-major: rows, then channels ascending
+        v = x[r, j]
+        out[r] += (v - min(max(v, -c), c)) * w[:, j]
+    return out
+
+
 def reference_linear(qm, model):
-    """linear(name, x) of `qm`'s scheme recomputed in float64 numpy from the model's float weights and the
-    record's scales alone: no edgeprobe_kernels code and no weight blob, so agreement with the agent or the host
-    simulation is not two runs of one kernel. Schemes: float, w8a8, w8a8-shadow (mllm-NPU eq. 1), w8a8c-shadow
-    (per-output-channel weight scales, recomputed here from the weights), q4_0, q4_0-tile."""
+    """linear(name, x) of `qm`'s scheme recomputed in numpy (integer sums in float64, shadow outliers in float32:
+    _shadow_f32) from the model's float weights and the record's scales alone: no edgeprobe_kernels code and no
+    weight blob, so agreement with the agent or the host simulation is not two runs of one kernel. Schemes: float,
+    w8a8, w8a8-shadow (mllm-NPU eq. 1), w8a8c-shadow (per-output-channel weight scales, recomputed here from the
+    weights), q4_0, q4_0-tile."""
     weights = {}
 
     def effective(name, rec):  # float64[N, K] weights as the scheme stores them
@@ -145,8 +159,7 @@ def reference_linear(qm, model):
             # int32 accumulators (exact in float64 here), then one float32 rescale as on the device
             y = (_codes(x, sa) @ w.T).astype(np.float32) * scale
             if rec["kind"] != "w8a8" and rec["shadow"]:  # outliers beyond the clip, in float, on float weights
-                c = rec["clip"]
-                y = y + ((x64 - np.clip(x64, -c, c)) @ np.asarray(model.linear_weight(name), np.float64).T).astype(np.float32)
+                y = y + _shadow_f32(np.asarray(x, np.float32), np.float32(rec["clip"]), model.linear_weight(name))
             return y
         if rec["kind"] in ("q4_0", "q4_0-tile"):  # W4A16: activations rounded to FP16
             x64 = x64.astype(np.float16).astype(np.float64)

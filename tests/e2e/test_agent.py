@@ -85,7 +85,7 @@ def test_prefill_on_the_agent_matches_the_host_and_traces_both_lanes(dev, qm, sm
     assert cosine(res.logits[0], host) >= 0.999  # the host's simulation: the agent's own kernels, composed by forward()
     # independent: mllm-NPU eq. 1 recomputed in numpy from the float weights and the manifest's scales (tests/conftest.py).
     # Per-tensor int8 amplifies one ulp (a 2e-7 relative nudge of every linear moves this cosine by up to 1e-2), so
-    # the reference rounds codes in float32 as the device does; then only the shadow sums' order can differ
+    # the reference rounds codes and sums the shadow outliers in float32 as the device does (tests/conftest.py)
     ref = forward(smollm, toks, linear=independent_linear(qm, smollm), logits="last")
     flt = forward(smollm, toks, logits="last")
     got = res.logits[0]

@@ -163,7 +163,7 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return out.reshape(B, T, H, d)
 
 
-ATTN_BLOCK = 128  # query rows per block of a long prompt's attention
+ATTN_BLOCK = 64  # positions per block of a prompt's attention (query rows; keys padded to the block's end)
 SPLIT_ROWS = 256  # from this many rows an elementwise op is worth splitting over the op's cores
 _POOL: list = []  # [ThreadPoolExecutor]: made at the first split; its threads only ever run _split's parts
 _POOL_LOCK = threading.Lock()
@@ -211,8 +211,7 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
     i - window + 1..i only. Returns float32[B*T, n_heads*d].
     """
     B, T, H, d = q.shape
-    KV, S = k.shape[1], start + T
-    G = H // KV
+    S = start + T
     if k.shape[2] < S or v.shape[2] < S:
         raise ValueError(f"attention at positions {start}..{S - 1} needs {S} keys and values, got {k.shape[2]}, {v.shape[2]}")
     if numba is not None and B * T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:
@@ -225,29 +224,46 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
     if B * T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:
         return _attention_few_np(q, k, v, start, window)  # the kernel's float64 arithmetic: same bits as with numba
     k, v = k[:, :, :S], v[:, :, :S]
-    if T > ATTN_BLOCK:  # long prompts: query blocks, each over the keys it can see (scores stay in cache)
-        out = np.empty((B, T, H * d), np.float32)
+    first, last = start // ATTN_BLOCK, (S - 1) // ATTN_BLOCK
+    if first == last:
+        return _attention_block(q, k, v, start, window).reshape(B * T, H * d)
+    out = np.empty((B, T, H * d), np.float32)
 
-        def blocks(t0s):  # the blocks are independent: split over the op's cores (softmax is numpy, one thread each)
-            for t0 in t0s:
-                t1 = min(T, t0 + ATTN_BLOCK)
-                s1 = start + t1  # keys after the block's last position are masked for all of its queries
-                out[:, t0:t1] = attention(q[:, t0:t1], k[:, :, :s1], v[:, :, :s1], start + t0, window).reshape(B, t1 - t0, H * d)
-        _split(blocks, list(range(0, T, ATTN_BLOCK)))
-        return out.reshape(B * T, H * d)
-    # The G query heads of a KV head share its keys: one GEMM of M = G*T rows per KV head.
+    def blocks(b0s):  # the blocks are independent: split over the op's cores (softmax is numpy, one thread each)
+        for b in b0s:
+            p0, p1 = max(start, b * ATTN_BLOCK), min(S, (b + 1) * ATTN_BLOCK)
+            out[:, p0 - start:p1 - start] = _attention_block(q[:, p0 - start:p1 - start], k, v, p0, window)
+    _split(blocks, list(range(first, last + 1)))
+    return out.reshape(B * T, H * d)
+
+
+def _attention_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int) -> np.ndarray:
+    """attention() for query rows at positions start..start+T-1 inside one block of ATTN_BLOCK positions, aligned
+    at absolute positions: scores over keys 0..end-1, end the block's end, keys past the prompt zeros (masked).
+    A query row's arithmetic then depends on its position alone, not on where a chunked prefill cut the prompt:
+    BLAS sums a product's inner dimension in an order that changes with its length on some CPUs (OpenBLAS's
+    SkylakeX kernels), and per-tensor int8 downstream turns a changed last bit into a whole code step.
+    k, v: [B, KV, >= start + T, d] -> float32[B, T, H*d]. The G query heads of a KV head share its keys: one GEMM
+    of M = G*T rows per KV head."""
+    B, T, H, d = q.shape
+    KV, S = k.shape[1], start + T
+    G = H // KV
+    end = -(-S // ATTN_BLOCK) * ATTN_BLOCK
+    if end > S:  # zeros, not whatever a KV cache holds there: 0 * inf would be nan
+        k, v = (np.concatenate([a[:, :, :S], np.zeros((B, KV, end - S, d), a.dtype)], axis=2) for a in (k, v))
+    else:
+        k, v = k[:, :, :end], v[:, :, :end]
     qg = q.transpose(0, 2, 1, 3).reshape(B, KV, G * T, d) * np.float32(1.0 / np.sqrt(d))
-    scores = np.matmul(qg, k.swapaxes(-1, -2))  # [B, KV, G*T, S]
-    if T > 1 or (window and S > window):
-        lo = 0 if window else start  # without a window every query sees keys 0..start-1: mask only the block's own
-        pos, keys = (start + np.arange(T))[:, None], np.arange(lo, S)[None, :]
-        hidden = (keys > pos) | ((keys <= pos - window) if window else False)
-        scores.reshape(B, KV, G, T, S)[..., lo:] += np.where(hidden, -np.inf, 0.0).astype(np.float32)
+    scores = np.matmul(qg, k.swapaxes(-1, -2))  # [B, KV, G*T, end]
+    lo = 0 if window else start  # without a window every query sees keys 0..start-1: mask only the block's own
+    pos, keys = (start + np.arange(T))[:, None], np.arange(lo, end)[None, :]
+    hidden = (keys > pos) | ((keys <= pos - window) if window else False)
+    scores.reshape(B, KV, G, T, end)[..., lo:] += np.where(hidden, -np.inf, 0.0).astype(np.float32)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
     out = np.matmul(scores, v)  # [B, KV, G*T, d]
-    return out.reshape(B, H, T, d).transpose(0, 2, 1, 3).reshape(B * T, H * d)
+    return out.reshape(B, H, T, d).transpose(0, 2, 1, 3).reshape(B, T, H * d)
 
 
 def swiglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -172,3 +172,29 @@ def test_flash_attention_f16(causal, start):
     b = flash_attention_f16(q, k, v, causal, start)
     assert np.abs(a - ref).max() < 1e-2 and np.abs(b - ref).max() < 1e-2
     assert np.abs(a - b).max() < 2e-3
+
+
+@pytest.mark.parametrize("T,chunk,window", [(32, 16, 0), (210, 64, 0), (300, 48, 40), (530, 128, 0)])
+def test_attention_gives_a_chunked_prompt_the_whole_passs_bits(T, chunk, window):
+    """Prefill attention's query blocks sit at absolute positions (llama_ops._attention_block): a schedule's cut
+    never changes a row's last bit, which per-tensor int8 downstream would turn into a whole code step. Checked
+    against float64 too, and with a KV cache longer than the prompt whose tail holds garbage (nan). (A chunk of
+    <= FEW_ROWS rows is computed by the decode kernel, in float64: none here.)"""
+    from edgeprobe_kernels.llama_ops import attention
+
+    rng = np.random.default_rng(T + chunk)
+    H, KV, d = 9, 3, 64
+    q = rng.standard_normal((1, T, H, d)).astype(np.float32)
+    k, v = (np.full((1, KV, T + 70, d), np.nan, np.float32) for _ in range(2))
+    k[:, :, :T], v[:, :, :T] = (rng.standard_normal((1, KV, T, d)).astype(np.float32) for _ in range(2))
+    whole = attention(q, k, v, 0, window)
+    for s0 in range(0, T, chunk):
+        s1 = min(T, s0 + chunk)
+        assert np.array_equal(attention(q[:, s0:s1], k, v, s0, window), whole[s0:s1]), s0
+    g = np.repeat(np.arange(KV), H // KV)  # float64, written out: causal (and windowed) softmax(q k^T / sqrt(d)) v
+    sc = np.einsum("thd,hsd->hts", q[0].astype(np.float64), k[0, g, :T].astype(np.float64)) / np.sqrt(d)
+    pos, keys = np.arange(T)[:, None], np.arange(T)[None, :]
+    sc[:, (keys > pos) | ((keys <= pos - window) if window else False)] = -np.inf
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    ref = np.einsum("hts,hsd->thd", p / p.sum(-1, keepdims=True), v[0, g, :T].astype(np.float64)).reshape(T, -1)
+    assert np.abs(whole - ref).max() < 1e-5

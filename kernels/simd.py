@@ -8,8 +8,16 @@ vpmaddwd against ones widens them to int32: 5 instructions per 32 bytes. The sum
 kernels' bits do not change. A prefill GEMM (`dot4x2_s8_avx2`) keeps a 4 x 2 block of such dots in registers:
 1.4-3x the float32 BLAS path on int8 codes here (bench/quant.py). `AVX2` says whether this CPU has it (numba's cache is keyed by the CPU's features,
 so a kernel compiled here is never loaded on a CPU without them).
+
+With AVX-512 VNNI (Intel since Ice Lake, AMD since Zen 4), vpdpbusd multiplies 64 unsigned by 64 signed bytes and
+adds each 4 products into 16 int32 lanes, exactly (no int16 saturation), in one instruction. The activations are
+then fed as a + 128 (unsigned), and the caller subtracts 128 * sum(w) per output channel: the same int32 sums with
+one instruction per 64 bytes a dot product, where the AVX2 path spends four per 32 (`dot4x4_u8s8_vnni`). `VNNI`
+says whether this CPU has it (EDGEPROBE_VNNI=0 keeps the AVX2 kernels, for A/B runs).
 """
 from __future__ import annotations
+
+import os
 
 try:
     import numba
@@ -21,16 +29,19 @@ except ImportError:  # the agent without numba (a phone): the BLAS paths, no ker
     numba = None
 
 
-def _host_has_avx2() -> bool:
+def _host_has(*features: str) -> bool:
     try:
         import llvmlite.binding as ll
 
-        return bool(ll.get_host_cpu_features().get("avx2"))
+        have = ll.get_host_cpu_features()
+        return all(have.get(f) for f in features)
     except Exception:
         return False
 
 
-AVX2 = numba is not None and _host_has_avx2()
+AVX2 = numba is not None and _host_has("avx2")
+VNNI = AVX2 and _host_has("avx512f", "avx512bw", "avx512vnni") and os.environ.get("EDGEPROBE_VNNI", "1") != "0"
+VNNI_STEP = 64  # bytes of K per vpdpbusd (one zmm register)
 
 if AVX2:
     def _emit_dots(context, builder, pa: list, pw: list, n):
@@ -59,8 +70,58 @@ if AVX2:
                     builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])), acc)
         return [builder.call(reduce, [builder.load(acc)]) for acc in accs]
 
-    def _c_arrays(ok_ndim, *ts):
-        return all(isinstance(t, types.Array) and t.dtype == types.int8 and t.ndim == ok_ndim and t.layout == "C" for t in ts)
+    def _c_arrays(ok_ndim, *ts, dtype=types.int8):
+        return all(isinstance(t, types.Array) and t.dtype == dtype and t.ndim == ok_ndim and t.layout == "C" for t in ts)
+
+    def _emit_dots_vnni(builder, pa: list, pw: list, n):
+        """LLVM IR for every sum over k < n of int32(a_i[k]) * int32(w_j[k]) (pa: uint8 pointers, pw: int8 pointers,
+        n an int64 multiple of VNNI_STEP) -> int32 values, row-major over (i, j): one vpdpbusd per 64 bytes of a
+        pair, the accumulators' lanes summed by one transpose-add tree (_lane_sums)."""
+        i64, i32 = ir.IntType(64), ir.IntType(32)
+        vbytes, vacc = ir.VectorType(ir.IntType(8), VNNI_STEP), ir.VectorType(i32, VNNI_STEP // 4)
+        # the <16 x i32> operand form: LLVM releases that declare <64 x i8> upgrade it when they read the IR
+        dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vacc, [vacc] * 3), "llvm.x86.avx512.vpdpbusd.512")
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vacc, [0] * vacc.count)) for _ in range(len(pa) * len(pw))]
+        load = lambda p, off: builder.bitcast(builder.load(builder.bitcast(builder.gep(p, [off]), vbytes.as_pointer()), align=1), vacc)
+        with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(i64, VNNI_STEP))) as loop:
+            off = builder.mul(loop.index, ir.Constant(i64, VNNI_STEP))
+            ws = [load(p, off) for p in pw]
+            for i, p in enumerate(pa):
+                x = load(p, off)
+                for j, w in enumerate(ws):
+                    acc = accs[i * len(pw) + j]
+                    builder.store(builder.call(dpbusd, [builder.load(acc), x, w]), acc)
+        return _lane_sums(builder, [builder.load(acc) for acc in accs])
+
+    def _lane_sums(builder, vecs: list) -> list:
+        """The sum of each int32 vector's lanes (len(vecs) a power of two, all of one length L): pairs of vectors
+        fold their halves into one vector holding both (two shuffles and an add), down to one vector, which folds
+        itself; ~3 instructions a pair instead of a reduction each (integer sums: any order, the same values). At
+        most L vectors: each fold halves the lanes a vector's sum keeps."""
+        vt = lambda n: ir.VectorType(ir.IntType(32), n)
+        L, S = vecs[0].type.count, vecs[0].type.count
+        assert len(vecs) <= L and len(vecs) & (len(vecs) - 1) == 0, "a power of two of vectors, at most their lanes"
+        groups = [[k] for k in range(len(vecs))]  # which vectors' partial sums each vector holds, S lanes each
+        while len(vecs) > 1:
+            G = L // S
+            lo = [g * S + i for g in range(G) for i in range(S // 2)]
+            lo = lo + [L + x for x in lo]
+            hi = [x + S // 2 for x in lo]
+            pairs = range(0, len(vecs), 2)
+            vecs = [builder.add(builder.shuffle_vector(vecs[a], vecs[a + 1], ir.Constant(vt(L), lo)),
+                                builder.shuffle_vector(vecs[a], vecs[a + 1], ir.Constant(vt(L), hi))) for a in pairs]
+            groups, S = [groups[a] + groups[a + 1] for a in pairs], S // 2
+        v = vecs[0]
+        while S > 1:
+            lo = [g * S + i for g in range(v.type.count // S) for i in range(S // 2)]
+            hi = [x + S // 2 for x in lo]
+            v = builder.add(builder.shuffle_vector(v, v, ir.Constant(vt(len(lo)), lo)),
+                            builder.shuffle_vector(v, v, ir.Constant(vt(len(lo)), hi)))
+            S //= 2
+        out = [None] * len(groups[0])
+        for pos, k in enumerate(groups[0]):
+            out[k] = builder.extract_element(v, ir.Constant(ir.IntType(32), pos))
+        return out
 
     @intrinsic
     def dot_s8_avx2(typingctx, a, w, n32):
@@ -94,3 +155,24 @@ if AVX2:
             vals = _emit_dots(context, builder, [row(aa, m0, i) for i in range(4)], [row(ww, n0, j) for j in range(2)], n)
             return context.make_tuple(builder, sig.return_type, vals)
         return types.UniTuple(types.int32, 8)(a, w, m0, n0, n32), codegen
+
+if VNNI:
+    @intrinsic
+    def dot4x4_u8s8_vnni(typingctx, au, w, m0, n0, n64):
+        """The 16 sums over k < n64 of int32(au[m0 + i, k]) * int32(w[n0 + j, k]), i < 4, j < 4 -> int32 tuple in
+        (i, j) order; au uint8[M, K] (activations + 128), w int8[N, K], both 2-D C-contiguous; the caller keeps
+        m0 + 3 < M, n0 + 3 < N, n64 a multiple of VNNI_STEP, and subtracts 128 * sum(w[n0 + j, :n64]) and adds the
+        tail. A GEMM's register block with vpdpbusd: 16 zmm accumulators, 4 weight and 4 activation loads a step."""
+        if not (_c_arrays(2, au, dtype=types.uint8) and _c_arrays(2, w)) \
+                or not all(isinstance(t, types.Integer) for t in (m0, n0, n64)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            aa = context.make_array(sig.args[0])(context, builder, args[0])
+            ww = context.make_array(sig.args[1])(context, builder, args[1])
+            m0, n0, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[2:], sig.args[2:]))
+            row = lambda arr, r, k: builder.gep(arr.data, [builder.mul(builder.add(r, ir.Constant(ir.IntType(64), k)),
+                                                                       builder.extract_value(arr.strides, 0))])
+            vals = _emit_dots_vnni(builder, [row(aa, m0, i) for i in range(4)], [row(ww, n0, j) for j in range(4)], n)
+            return context.make_tuple(builder, sig.return_type, vals)
+        return types.UniTuple(types.int32, 16)(au, w, m0, n0, n64), codegen

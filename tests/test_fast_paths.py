@@ -64,7 +64,10 @@ def test_the_avx2_decode_dot_gives_the_exact_int32_sums(K):
     from edgeprobe_kernels.int8_gemm import linear_w8a8_gemv
 
     if platform.machine() in ("x86_64", "AMD64"):  # this CPU's own word for it, not numba's
-        assert simd.AVX2 == (" avx2" in open("/proc/cpuinfo").read())
+        flags = open("/proc/cpuinfo").read()
+        assert simd.AVX2 == (" avx2" in flags)
+        if os.environ.get("EDGEPROBE_VNNI", "1") != "0":  # vpdpbusd (64 bytes a step) where the CPU has it
+            assert simd.VNNI == (simd.AVX2 and all(f" {f}" in flags for f in ("avx512f", "avx512bw", "avx512_vnni")))
     rng = np.random.default_rng(K)
     w = rng.integers(-128, 128, (67, K), dtype=np.int8)
     w[0], w[1] = -128, 127  # the extremes: |-128| is 128 unsigned, 2 * 128 * 127 pair sums still fit int16
@@ -80,7 +83,7 @@ def test_the_avx2_decode_dot_gives_the_exact_int32_sums(K):
 
 @pytest.mark.parametrize("M,K,N", [(4, 32, 2), (9, 70, 37), (64, 576, 192), (131, 1537, 45)])
 def test_the_avx2_int8_gemm_gives_the_exact_int32_sums(M, K, N):
-    """Prefill's W8A8 GEMM (4 x 2 register blocks of vpmaddubsw dots): rows past the last block of 4, an odd
+    """Prefill's W8A8 GEMM (4 x 2 blocks of vpmaddubsw, 4 x 4 of vpdpbusd): rows past the last block of 4, an odd
     channel at a chunk's end, K tails past 32 bytes, -128 weights and clipped activations; read-only weights as
     blobs are, transposed from the record's k-major layout."""
     rng = np.random.default_rng(M + K + N)
@@ -99,6 +102,10 @@ def test_the_avx2_int8_gemm_gives_the_exact_int32_sums(M, K, N):
         return
     assert np.array_equal(int8_gemm.linear_w8a8_gemm(x, 0.031, w, scale), ref)
     assert np.array_equal(int8_gemm.linear_w8a8_gemm(x, 0.031, np.repeat(w, 2, axis=1)[:, ::2], scale), ref)  # strided: copied
+    if int8_gemm.VNNI:  # the AVX2 kernel as well, which CPUs without AVX-512 VNNI run: the same sums
+        y = np.empty_like(ref)
+        int8_gemm._linear_w8a8_gemm_nb(x, np.float32(0.031), w, scale, y)  # (the VNNI kernel ran above)
+        assert np.array_equal(y, ref)
 
 
 def test_q8_0_head_is_smollm2s_own_and_both_paths_agree(smollm):

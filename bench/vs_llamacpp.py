@@ -62,14 +62,30 @@ WORKER = textwrap.dedent('''
 ''')
 
 
+def cpu_stamp() -> str:
+    """This CPU's model and feature flags: a GGML_NATIVE build compiles for the CPU it is built on."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+        return platform.processor() or platform.machine()
+    pick = lambda key: next((ln.split(":", 1)[1].strip() for ln in info if ln.startswith(key)), "")
+    return f"{pick('model name')}\n{pick('flags')}\n"
+
+
 def side_env() -> Path:
-    """The side environment's python with llama-cpp-python, built here when missing."""
+    """The side environment's python with llama-cpp-python, built here when missing or built on another CPU (a
+    native build for a CPU without AVX-512 VNNI would leave llama.cpp slower here than it is)."""
     root = Path(os.environ.get("EDGEPROBE_CACHE", Path.home() / ".cache" / "edgeprobe")) / "llamacpp"
     py = root / "bin" / "python"
+    stamp = root / "built-for-cpu.txt"
     probe = [str(py), "-c", "import llama_cpp, sys; sys.exit(llama_cpp.__version__ != %r)" % LLAMA_VERSION]
-    if py.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+    if py.exists() and subprocess.run(probe, capture_output=True).returncode == 0 \
+            and stamp.exists() and stamp.read_text() == cpu_stamp():
         return py
-    print(f"building llama-cpp-python {LLAMA_VERSION} (GGML_NATIVE=ON) into {root}: a few minutes, once", flush=True)
+    print(f"building llama-cpp-python {LLAMA_VERSION} (GGML_NATIVE=ON) for this CPU into {root}: a few minutes, once",
+          flush=True)
+    shutil.rmtree(root, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
     env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=ON"}
     r = subprocess.run([str(py), "-m", "pip", "install", "--no-cache-dir", f"llama-cpp-python=={LLAMA_VERSION}"],
@@ -77,6 +93,7 @@ def side_env() -> Path:
     if r.returncode:
         sys.exit(f"building llama-cpp-python failed (it needs cmake and a C++ compiler: apt-get install cmake g++):\n"
                  f"{r.stderr[-3000:]}")
+    stamp.write_text(cpu_stamp())
     return py
 
 

@@ -70,10 +70,23 @@ if AVX2:
                     builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])), acc)
         return [builder.call(reduce, [builder.load(acc)]) for acc in accs]
 
+    def _block_codegen(emit, rows: int, cols: int):
+        """The codegen of a register-block intrinsic (a, w, m0, n0, n): emit(context, builder, pa, pw, n)'s sums of
+        rows m0.. of a against rows n0.. of w, as a tuple."""
+        def codegen(context, builder, sig, args):
+            aa = context.make_array(sig.args[0])(context, builder, args[0])
+            ww = context.make_array(sig.args[1])(context, builder, args[1])
+            m0, n0, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[2:], sig.args[2:]))
+            row = lambda arr, r, k: builder.gep(arr.data, [builder.mul(builder.add(r, ir.Constant(ir.IntType(64), k)),
+                                                                       builder.extract_value(arr.strides, 0))])
+            vals = emit(context, builder, [row(aa, m0, i) for i in range(rows)], [row(ww, n0, j) for j in range(cols)], n)
+            return context.make_tuple(builder, sig.return_type, vals)
+        return codegen
+
     def _c_arrays(ok_ndim, *ts, dtype=types.int8):
         return all(isinstance(t, types.Array) and t.dtype == dtype and t.ndim == ok_ndim and t.layout == "C" for t in ts)
 
-    def _emit_dots_vnni(builder, pa: list, pw: list, n):
+    def _emit_dots_vnni(context, builder, pa: list, pw: list, n):
         """LLVM IR for every sum over k < n of int32(a_i[k]) * int32(w_j[k]) (pa: uint8 pointers, pw: int8 pointers,
         n an int64 multiple of VNNI_STEP) -> int32 values, row-major over (i, j): one vpdpbusd per 64 bytes of a
         pair, the accumulators' lanes summed by one transpose-add tree (_lane_sums)."""
@@ -146,15 +159,7 @@ if AVX2:
         if not _c_arrays(2, a, w) or not all(isinstance(t, types.Integer) for t in (m0, n0, n32)):
             return None
 
-        def codegen(context, builder, sig, args):
-            aa = context.make_array(sig.args[0])(context, builder, args[0])
-            ww = context.make_array(sig.args[1])(context, builder, args[1])
-            m0, n0, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[2:], sig.args[2:]))
-            row = lambda arr, r, k: builder.gep(arr.data, [builder.mul(builder.add(r, ir.Constant(ir.IntType(64), k)),
-                                                                       builder.extract_value(arr.strides, 0))])
-            vals = _emit_dots(context, builder, [row(aa, m0, i) for i in range(4)], [row(ww, n0, j) for j in range(2)], n)
-            return context.make_tuple(builder, sig.return_type, vals)
-        return types.UniTuple(types.int32, 8)(a, w, m0, n0, n32), codegen
+        return types.UniTuple(types.int32, 8)(a, w, m0, n0, n32), _block_codegen(_emit_dots, 4, 2)
 
 if VNNI:
     @intrinsic
@@ -167,12 +172,4 @@ if VNNI:
                 or not all(isinstance(t, types.Integer) for t in (m0, n0, n64)):
             return None
 
-        def codegen(context, builder, sig, args):
-            aa = context.make_array(sig.args[0])(context, builder, args[0])
-            ww = context.make_array(sig.args[1])(context, builder, args[1])
-            m0, n0, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[2:], sig.args[2:]))
-            row = lambda arr, r, k: builder.gep(arr.data, [builder.mul(builder.add(r, ir.Constant(ir.IntType(64), k)),
-                                                                       builder.extract_value(arr.strides, 0))])
-            vals = _emit_dots_vnni(builder, [row(aa, m0, i) for i in range(4)], [row(ww, n0, j) for j in range(4)], n)
-            return context.make_tuple(builder, sig.return_type, vals)
-        return types.UniTuple(types.int32, 16)(au, w, m0, n0, n64), codegen
+        return types.UniTuple(types.int32, 16)(au, w, m0, n0, n64), _block_codegen(_emit_dots_vnni, 4, 4)

@@ -322,9 +322,13 @@ def _reference_fields(args, res, info: dict, ref) -> dict:
 
     if args.npu_backend == "numba" and info.get("numba"):
         return {}
+    from .trace import cosine
+
     ref_res, ref_numba = ref
     return {"numba_reference_numba": ref_numba,
             "logits_max_abs_diff_vs_numba": float(np.abs(res.logits.astype(np.float64) - ref_res.logits).max()),
+            "logits_cosine_vs_numba": cosine(res.logits[-1], ref_res.logits[-1]),
+            "top1_equals_numba": bool(np.argmax(res.logits[-1]) == np.argmax(ref_res.logits[-1])),
             "numba_reference_device": "local"}
 
 
@@ -812,7 +816,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--npu-backend", default="numba", choices=["numba", "hvx"],
                    help="the npu lane's kernels: numba (NPU semantics on this CPU) or hvx (Hexagon v67 HVX code under "
-                        "qemu-hexagon; the JSON then adds logits_max_abs_diff_vs_numba from a second, numba run)")
+                        "qemu-hexagon; the JSON then adds logits_max_abs_diff_vs_numba, logits_cosine_vs_numba and "
+                        "top1_equals_numba from a second, numba run)")
     r.add_argument("--ssh-key", help="private key for --device ssh://")
     r.add_argument("--known-hosts", help="known_hosts file that must hold the device's host key (ssh)")
     r.add_argument("--trace", help="write the trace as Chrome/Perfetto JSON here")

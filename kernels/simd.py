@@ -173,3 +173,12 @@ if VNNI:
             return None
 
         return types.UniTuple(types.int32, 16)(au, w, m0, n0, n64), _block_codegen(_emit_dots_vnni, 4, 4)
+
+    @intrinsic
+    def dot1x4_u8s8_vnni(typingctx, au, w, m0, n0, n64):
+        """dot4x4_u8s8_vnni for one row of au: 4 sums. With au a row of ones, sum(w[n0 + j, :n64]) for j < 4 (the
+        offset a + 128 puts into each sum), one vpdpbusd per 64 bytes of weights."""
+        if not (_c_arrays(2, au, dtype=types.uint8) and _c_arrays(2, w)) \
+                or not all(isinstance(t, types.Integer) for t in (m0, n0, n64)):
+            return None
+        return types.UniTuple(types.int32, 4)(au, w, m0, n0, n64), _block_codegen(_emit_dots_vnni, 1, 4)

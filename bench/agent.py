@@ -118,8 +118,8 @@ def upload(mb: int, rounds: int = 3, real: bool = True) -> None:
                         t = time.perf_counter()
                         sent = dev.upload(blobs, progress=False)
                         times["zmq"].append(time.perf_counter() - t)
-                        assert sent == blobs.nbytes and len(dev.request("has_blobs", ids=list(blobs.arrays))[0]["have"]) \
-                            == len(blobs.arrays)
+                        assert sent == blobs.nbytes
+                        assert len(dev.request("has_blobs", ids=list(blobs.arrays))[0]["have"]) == len(blobs.arrays)
                     shutil.rmtree(tmp / f"agent{r}")
                     dst = tmp / f"sftp{r}"
                     sftp.mkdir(str(dst))
@@ -136,9 +136,10 @@ def upload(mb: int, rounds: int = 3, real: bool = True) -> None:
                 shutil.rmtree(src)
                 z, f, y = (statistics.median(times[k]) for k in ("zmq", "sftp", "sync"))
                 mbs = blobs.nbytes / 1e6
-                print(f"upload {name}: {mbs:.0f} MB in {len(blobs.arrays)} blobs, median of {rounds} alternating rounds: "
-                      f"ZeroMQ {mbs / z:6.0f} MB/s ({z:.2f} s)   paramiko SFTP {mbs / f:5.1f} MB/s ({f:.2f} s)   "
-                      f"ratio {f / z:.1f}x   (SFTP + fsync of its files {(f + y) / z:.1f}x)")
+                print(f"upload {name}: {mbs:.0f} MB in {len(blobs.arrays)} blobs, median of {rounds} alternating "
+                      f"rounds: ZeroMQ {mbs / z:6.0f} MB/s ({z:.2f} s)   "
+                      f"paramiko SFTP {mbs / f:5.1f} MB/s ({f:.2f} s)   ratio {f / z:.1f}x   "
+                      f"(SFTP + fsync of its files {(f + y) / z:.1f}x)")
                 print(f"    rounds ZeroMQ {' '.join(f'{x:.2f}' for x in times['zmq'])} s; SFTP "
                       f"{' '.join(f'{x:.2f}' for x in times['sftp'])} s")
             c.close()
@@ -172,7 +173,8 @@ def prefill(tokens: int, repeat: int) -> None:
     agent_s = mk["makespan_ms"] / 1e3
     busy = ", ".join(f"{k} {v['busy_pct']:.0f}%" for k, v in mk["lanes"].items())
     print(f"prefill {tokens} tokens: host float {tokens / host_float:6.0f} tok/s   host w8a8-shadow simulation "
-          f"{tokens / host_sim:6.0f} tok/s   agent w8a8-shadow {tokens / agent_s:6.0f} tok/s (makespan {mk['makespan_ms']:.0f} ms; "
+          f"{tokens / host_sim:6.0f} tok/s   agent w8a8-shadow {tokens / agent_s:6.0f} tok/s "
+          f"(makespan {mk['makespan_ms']:.0f} ms; "
           f"busy {busy})   agent/host-float {host_float / agent_s:.2f}   agent/host-sim {host_sim / agent_s:.2f}")
 
 

@@ -73,7 +73,8 @@ def experts(dev, steps, capacity: int = 24, preload_n: int = 2) -> None:
             ("float experts from flash", fp, {"capacity": 0}),
             ("+ INT4 experts", q4, {"capacity": 0}),
             ("+ preloading (top-2, io lane)", q4, {"capacity": 0, "preload_n": preload_n}),
-            (f"+ expert buffer ({capacity}, edgemoe)", q4, {"capacity": capacity, "policy": "edgemoe", "preload_n": preload_n}),
+            (f"+ expert buffer ({capacity}, edgemoe)", q4,
+             {"capacity": capacity, "policy": "edgemoe", "preload_n": preload_n}),
             (f"  buffer ({capacity}, lru)", q4, {"capacity": capacity, "policy": "lru", "preload_n": preload_n})]
     print(f"experts from flash on the agent: tiny-moe, prompt {len(prompt)}, {steps} decode steps")
     for name, qm, fl in rows:
@@ -88,8 +89,8 @@ def experts(dev, steps, capacity: int = 24, preload_n: int = 2) -> None:
             if fl.get("capacity"):  # the simulator on the routing of the same decoded tokens
                 seq = np.concatenate([prompt, d.tokens[0]])
                 tr = record_routing(m, seq, window=len(seq), progress=False)
-                sub = dataclasses.replace(tr, experts=tr.experts[len(prompt) + 1:], weights=tr.weights[len(prompt) + 1:],
-                                          starts=np.array([0]))
+                sub = dataclasses.replace(tr, experts=tr.experts[len(prompt) + 1:],
+                                          weights=tr.weights[len(prompt) + 1:], starts=np.array([0]))
                 plan = preload_plan(sub, pred, preload_n) if fl.get("preload_n") else None
                 sim = simulate(sub, fl["policy"], capacity, pred.p0, plan)
                 line += f" (simulator, cold buffer: {100 * sim['hit_rate']:.1f}%)"
@@ -115,8 +116,8 @@ def neurons(dev, m, steps) -> None:
     print(f"neurons from flash: predictors trained in {time.perf_counter() - t:.0f} s (recall "
           f"{pred.recall.mean():.3f}, predicted active {100 * pred.predicted_fraction.mean():.1f}% of neurons)")
     ppl = sparsity_perplexity(m, pred, held[4096:], window=256, max_windows=4)
-    print(f"  perplexity, 4 held-out windows of 256: dense {ppl['dense_ppl']:.3f}, predicted-sparse {ppl['sparse_ppl']:.3f} "
-          f"(+{100 * ppl['ppl_increase']:.2f}%)")
+    print(f"  perplexity, 4 held-out windows of 256: dense {ppl['dense_ppl']:.3f}, "
+          f"predicted-sparse {ppl['sparse_ppl']:.3f} (+{100 * ppl['ppl_increase']:.2f}%)")
     qm = quantize(m, "float")
     add_bundles(qm, m, pred)
     prompt = held[2000:2032]
@@ -142,8 +143,8 @@ def rowcut(dev, m, ids, steps) -> None:
         return
     qm = quantize(m, "w8a8", calibration_profile(m, m.tokenizer.encode(read_corpus("train")), progress=False))
     hp, _ = dev.measure_linears(qm, rows=(1, 2, 4), progress=False)
-    print(f"decode GEMV rates on the agent: npu {hp.npu_gops:.1f} GOP/s, gpu {hp.gpu_gflops:.1f} GFLOP/s, slowdown when "
-          f"both run npu x{hp.slowdown_npu:.2f} gpu x{hp.slowdown_gpu:.2f}")
+    print(f"decode GEMV rates on the agent: npu {hp.npu_gops:.1f} GOP/s, gpu {hp.gpu_gflops:.1f} GFLOP/s, "
+          f"slowdown when both run npu x{hp.slowdown_npu:.2f} gpu x{hp.slowdown_gpu:.2f}")
     res = {}
     for s in ("solver", "npu-pad", "gpu", "row-cut"):
         ch = decode_choices(m.config, 1, hp, s)
@@ -152,7 +153,8 @@ def rowcut(dev, m, ids, steps) -> None:
         cuts = sorted({f"{c.strategy}" + (f" {c.npu_cols}/{n}" if c.strategy == "row-cut" else "")
                        for n, c in ((k, v) for k, v in ch.items())})
         print(f"  {s:<8} median step {res[s]:6.1f} ms   ({', '.join(cuts)})")
-    print(f"  solver vs npu alone {res['npu-pad'] / res['solver']:.2f}x, vs gpu alone {res['gpu'] / res['solver']:.2f}x; "
+    print(f"  solver vs npu alone {res['npu-pad'] / res['solver']:.2f}x, "
+          f"vs gpu alone {res['gpu'] / res['solver']:.2f}x; "
           f"forced row-cut vs npu alone {res['npu-pad'] / res['row-cut']:.2f}x")
 
 

@@ -12,10 +12,10 @@ import argparse
 import time
 
 import numpy as np
+from timing import best_of
 
 from edgeprobe import models
 from edgeprobe.forward import KVCache, forward
-from timing import best_of
 
 
 def main() -> None:
@@ -50,7 +50,8 @@ def main() -> None:
         forward(m, rng.integers(0, c.vocab_size, 1), cache, logits="last")
     secs = (time.perf_counter() - t) / args.decode_steps
     weight_bytes = sum(m.weights[n].nbytes for n in m.weights)
-    print(f"{'decode (ctx64)':>14s} {1:7d} {1 / secs:8.1f}   reads {weight_bytes / secs / 1e9:.1f} GB/s of float32 weights")
+    print(f"{'decode (ctx64)':>14s} {1:7d} {1 / secs:8.1f}   "
+          f"reads {weight_bytes / secs / 1e9:.1f} GB/s of float32 weights")
 
 
 if __name__ == "__main__":

@@ -84,11 +84,14 @@ def main():
         est = hvx_bridge.dsp_estimate(c)
         r = {"kernel": kernel, "shape": shape, "qemu_ms": th * 1e3, "numba_ms": tn * 1e3, "slowdown": th / tn, **est}
         if ops:
-            r.update(qemu_gops=ops / th / 1e9, numba_gops=ops / tn / 1e9, dsp_gops_estimate=ops / (est["dsp_us_estimate"] * 1e3))
+            r.update(qemu_gops=ops / th / 1e9, numba_gops=ops / tn / 1e9,
+                     dsp_gops_estimate=ops / (est["dsp_us_estimate"] * 1e3))
         rows.append(r)
         print(f"{kernel:14s} {shape:>18s} qemu {th * 1e3:8.2f} ms  numba {tn * 1e3:7.2f} ms  x{th / tn:6.1f}  "
-              f"packets {c['packets']:>9,d} (scalar {c['scalar_packets']:>7,d})  dsp est {est['dsp_us_estimate']:8.1f} us"
-              + (f"  GOP/s qemu {r['qemu_gops']:.2f} numba {r['numba_gops']:.1f} dsp-est {r['dsp_gops_estimate']:.1f}" if ops else ""))
+              f"packets {c['packets']:>9,d} (scalar {c['scalar_packets']:>7,d})  "
+              f"dsp est {est['dsp_us_estimate']:8.1f} us"
+              + (f"  GOP/s qemu {r['qemu_gops']:.2f} numba {r['numba_gops']:.1f} "
+                 f"dsp-est {r['dsp_gops_estimate']:.1f}" if ops else ""))
 
     for name, (K, N) in LINEARS.items():
         x = (rng.standard_normal((M, K)) * 2).astype(np.float32)
@@ -121,11 +124,12 @@ def main():
         K, N = LINEARS["ffn_gate/up"]
         trips = -(-M // 4) * (N // 128) * (K // 4)  # row blocks x 4-vector column blocks x groups of 4 inputs
         g = next(r for r in rows if r["kernel"] == "gemm_s8s32")
-        print(f"gemm hot loop (disassembly, from {loop['start']}): {loop['packets']} packets, {loop['count']} vrmpy per "
-              f"iteration; x {trips} iterations = {loop['packets'] * trips:,d} packets, QEMU counted {g['hvx_packets']:,d}")
+        print(f"gemm hot loop (disassembly, from {loop['start']}): {loop['packets']} packets, "
+              f"{loop['count']} vrmpy per iteration; x {trips} iterations = {loop['packets'] * trips:,d} packets, "
+              f"QEMU counted {g['hvx_packets']:,d}")
         rows.append({"kernel": "gemm_s8s32 hot loop", "packets_per_iteration": loop["packets"],
-                     "vrmpy_per_iteration": loop["count"], "iterations": trips, "static_packets": loop["packets"] * trips,
-                     "qemu_packets": g["hvx_packets"]})
+                     "vrmpy_per_iteration": loop["count"], "iterations": trips,
+                     "static_packets": loop["packets"] * trips, "qemu_packets": g["hvx_packets"]})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -16,8 +16,6 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-
 CHILD = """
 import json, resource, sys
 from edgeprobe import models
@@ -70,7 +68,7 @@ def overhead(tokens: int, repeat: int) -> None:
 
 
 def memory(tokens: int) -> None:
-    print(f"peak RSS of a profile job, fresh process each:")
+    print("peak RSS of a profile job, fresh process each:")
     for job in ("outliers", "sparsity"):
         rss = []
         for n in (tokens, 4 * tokens):

@@ -57,7 +57,7 @@ def main() -> None:
 
     from edgeprobe import models
     from edgeprobe.corpus import read_corpus
-    from edgeprobe.profile import OutlierStats, calibrate_clips, run
+    from edgeprobe.profile import OutlierStats, calibrate_clips
     from edgeprobe.profile.cluster import RayRunner
 
     W, N, R = args.window, args.tokens, args.repeat
@@ -80,7 +80,8 @@ def main() -> None:
     t_all = one_process(W, N, R, None)
     t_one = one_process(W, N, R, 1)
     print(f"  one process, BLAS on all cores       {t_all:6.2f} s  {tokens / t_all:5.0f} tok/s")
-    print(f"  one process, one BLAS thread         {t_one:6.2f} s  {tokens / t_one:5.0f} tok/s   (a Ray worker's arithmetic)")
+    print(f"  one process, one BLAS thread         {t_one:6.2f} s  {tokens / t_one:5.0f} tok/s   "
+          "(a Ray worker's arithmetic)")
     times = {}
     for workers in (1, 2):
         t0 = time.perf_counter()

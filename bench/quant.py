@@ -29,7 +29,8 @@ def main():
     from edgeprobe_kernels.int8_gemm import gemm_s8s32, gemm_s8s32_numba
 
     rng = np.random.default_rng(0)
-    print(f"{'M x K x N':>18} {'int8 GOP/s':>11} {'numba GOP/s':>12} {'f32 GFLOP/s':>12} {'int8/f32':>9} {'int8/numba':>11}")
+    print(f"{'M x K x N':>18} {'int8 GOP/s':>11} {'numba GOP/s':>12} {'f32 GFLOP/s':>12} {'int8/f32':>9} "
+          f"{'int8/numba':>11}")
     for M, K, N in SHAPES:
         a = rng.integers(-127, 128, (M, K), dtype=np.int8)
         bt = rng.integers(-127, 128, (K, N), dtype=np.int8)
@@ -46,8 +47,9 @@ def main():
     if int8_gemm.GEMM_INT8:
         import numba
 
-        print(f"\nW8A8 linear (quantize, GEMM, scale; best of {args.repeat}; numba's {numba.threading_layer()} layer here, "
-              f"the agent runs OpenMP: NUMBA_THREADING_LAYER=omp to match it):")
+        print(f"\nW8A8 linear (quantize, GEMM, scale; best of {args.repeat}; "
+              f"numba's {numba.threading_layer()} layer here, the agent runs OpenMP: "
+              "NUMBA_THREADING_LAYER=omp to match it):")
         print(f"{'M x K x N':>18} {'avx2 int8 ms':>13} {'f32 BLAS ms':>12} {'BLAS/avx2':>10}")
         for M in (64, 256):
             for _, K, N in SHAPES:

@@ -33,7 +33,8 @@ def main():
     with tempfile.TemporaryDirectory() as tmp, Device.local(store=tmp) as dev:
         prof = dev.measure_profile(qm, ids, progress=False)  # also uploads, JITs, first flash reads
         err = prof.fit_error()
-        print(f"measured profile: {len(prof.samples)} subgraph samples; predicted-mode error on held-out chunk lengths: "
+        print(f"measured profile: {len(prof.samples)} subgraph samples; "
+              "predicted-mode error on held-out chunk lengths: "
               + ", ".join(f"{k} {100 * v['median']:.0f}%" for k, v in err.items() if k != "all")
               + f"; hand-off {prof.sync_us:.0f} us")
         for _ in range(args.repeat):
@@ -43,7 +44,8 @@ def main():
                                                    profile=p, progress=False))
         hetero(dev, qm, ids, [int(x) for x in args.hetero_lengths.split(",") if x])
     ms = {s: [r.trace.metrics()["makespan_ms"] for r in rs] for s, rs in runs.items()}
-    print(f"chunked prefill {args.tokens} tokens / chunk {args.chunk}, {args.scheme}, {args.repeat} alternating runs each")
+    print(f"chunked prefill {args.tokens} tokens / chunk {args.chunk}, {args.scheme}, "
+          f"{args.repeat} alternating runs each")
     for s, rs in runs.items():
         best = min(rs, key=lambda r: r.trace.metrics()["makespan_ms"]).trace.metrics()
         lanes = "  ".join(f"{k} busy {v['busy_pct']:.0f}% bubbles {v['bubbles']} / {v['bubble_ms']:.0f} ms"
@@ -65,19 +67,21 @@ def hetero(dev, qm, ids, lengths) -> None:
         return
     hp, _ = dev.measure_linears(qm, progress=False)
     print(f"HeteroLLM profiler on the agent: npu {hp.npu_gops:.0f} GOP/s (+{hp.npu_launch_us:.0f} us), gpu "
-          f"{hp.gpu_gflops:.0f} GFLOP/s (+{hp.gpu_launch_us:.0f} us), hand-off {hp.sync_us:.0f} us, slowdown when both run: "
-          f"npu x{hp.slowdown_npu:.2f}, gpu x{hp.slowdown_gpu:.2f}")
+          f"{hp.gpu_gflops:.0f} GFLOP/s (+{hp.gpu_launch_us:.0f} us), hand-off {hp.sync_us:.0f} us, "
+          f"slowdown when both run: npu x{hp.slowdown_npu:.2f}, gpu x{hp.slowdown_gpu:.2f}")
     cfg = ModelConfig(**qm.manifest["config"])
     strategies = ("solver", "npu-pad", "pipe", "gpu", "row-cut", "seq-cut")
     for n in lengths:
         pred = compare_strategies(cfg, n, hp)
         dev.prefill_hetero(qm, ids[:n], hp, "solver", progress=False)  # warm: this length's shapes
-        meas = {s: dev.prefill_hetero(qm, ids[:n], hp, s, progress=False).trace.metrics()["makespan_ms"] for s in strategies}
+        meas = {s: dev.prefill_hetero(qm, ids[:n], hp, s, progress=False).trace.metrics()["makespan_ms"]
+                for s in strategies}
         picks = sorted({c["strategy"] for c in pred["choices"].values()})
         print(f"  {n:5d} tokens: solver picks {', '.join(picks)}; measured prefill ms "
               + "  ".join(f"{s} {t:.0f}" for s, t in meas.items())
-              + f"   solver vs padding {meas['npu-pad'] / meas['solver']:.2f}x (predicted {pred['speedup_vs_padding']:.2f}x), "
-              f"vs pipe {meas['pipe'] / meas['solver']:.2f}x (predicted {pred['speedup_vs_pipe']:.2f}x)")
+              + f"   solver vs padding {meas['npu-pad'] / meas['solver']:.2f}x "
+              f"(predicted {pred['speedup_vs_padding']:.2f}x), vs pipe {meas['pipe'] / meas['solver']:.2f}x "
+              f"(predicted {pred['speedup_vs_pipe']:.2f}x)")
 
 
 if __name__ == "__main__":

@@ -54,9 +54,11 @@ def main():
                         print(f"round {r}: {layer:3s} {load:5s} {res[(layer, load)][-1]:8.1f} ms/step", flush=True)
     os.environ.pop("NUMBA_THREADING_LAYER", None)
     med = {k: statistics.median(v) for k, v in res.items()}
-    print(f"\n{args.scheme} decode step, median of {args.rounds} rounds (ms)   quiet     beside {args.spinners} busy processes")
+    print(f"\n{args.scheme} decode step, median of {args.rounds} rounds (ms)   quiet     "
+          f"beside {args.spinners} busy processes")
     for layer in ("tbb", "omp"):
-        print(f"  {layer:3s}                                      {med[(layer, 'quiet')]:8.1f}  {med[(layer, 'busy')]:8.1f}")
+        print(f"  {layer:3s}                                      "
+              f"{med[(layer, 'quiet')]:8.1f}  {med[(layer, 'busy')]:8.1f}")
     print(f"  omp / tbb                                {med[('omp', 'quiet')] / med[('tbb', 'quiet')]:8.2f}x "
           f"{med[('omp', 'busy')] / med[('tbb', 'busy')]:8.2f}x")
 

@@ -6,16 +6,18 @@ It runs SmolLM2-135M's own GGUF (Q4_1 linears, Q8_0 embedding/head) on 2 threads
 a pipe; the agent is a local edgeprobe agent (npu lane: NPU semantics emulated with numba on this CPU). Each
 measurement alternates the two, A/B/A/B, so both see the same machine.
 
-    .venv/bin/python bench/vs_llamacpp.py [--repeats 3] [--lengths 64,256,1024] [--schemes w8a8-shadow,w8a8,q4_0-tile,float]
+    .venv/bin/python bench/vs_llamacpp.py [--repeats 3] [--lengths 64,256,1024]
+        [--schemes w8a8-shadow,w8a8,q4_0-tile,float]
 
 Prints, per scheme and prompt length: prefill tok/s of llama.cpp and of the agent, warm (model uploaded, one
 prefill done; best of 2) and first run (a new agent process on a store that holds the blobs: its first prefill
 reads them from flash and builds its runners; "first run" where an earlier run on that store kept the int8 weights'
-row-major layouts in flash, as an installed app's would be, "first, no layouts" where the agent makes them); then batch-1 decode, 64 greedy steps after a 64-token prompt:
-llama.cpp loops in its process (argmax of the logits, then one token through the model), the agent's loop runs
-on the agent (decode@agent: argmax there, one request for all steps, as a phone's runtime loops; the reply holds
-the tokens and the last step's logits, decode@agent+logits every step's too) and on the host (decode@host: a
-round trip per token); the per-token time outside the agent's ops and one decode step's profile for each. With --repeats N every ratio is the median of N rounds.
+row-major layouts in flash, as an installed app's would be, "first, no layouts" where the agent makes them); then
+batch-1 decode, 64 greedy steps after a 64-token prompt: llama.cpp loops in its process (argmax of the logits, then one
+token through the model), the agent's loop runs on the agent (decode@agent: argmax there, one request for all steps,
+as a phone's runtime loops; the reply holds the tokens and the last step's logits, decode@agent+logits every step's
+too) and on the host (decode@host: a round trip per token); the per-token time outside the agent's ops and one decode
+step's profile for each. With --repeats N every ratio is the median of N rounds.
 """
 from __future__ import annotations
 
@@ -235,7 +237,8 @@ def main():
                 ll_s = min(r["decode_s"] for r in lr)
                 for loop, runs in by_loop.items():
                     best = min(runs, key=lambda x: x.decode_s)
-                    rows.setdefault((f"decode@{loop}", s, 64), []).append((args.steps / ll_s, args.steps / best.decode_s))
+                    rows.setdefault((f"decode@{loop}", s, 64), []).append((args.steps / ll_s,
+                                                                           args.steps / best.decode_s))
                     prof, outside, on_agent = decode_profile(best, args.steps)
                     extra.setdefault((s, loop), []).append((prof, outside, best.step_ms, on_agent))
                 a, h, last = by_loop["agent+logits"][0], by_loop["host"][0], by_loop["agent"][0]
@@ -262,8 +265,8 @@ def main():
     for (what, s, n), vals in rows.items():  # the goal: a first run within 1.5x of a warm one
         warm = rows.get(("prefill warm", s, n))
         if what.startswith("first") and warm:
-            print(f"   {what}, {s}, {n} tokens: {statistics.median(v[1] for v in warm) / statistics.median(v[1] for v in vals):.2f}x "
-                  "the warm time")
+            first_vs_warm = statistics.median(v[1] for v in warm) / statistics.median(v[1] for v in vals)
+            print(f"   {what}, {s}, {n} tokens: {first_vs_warm:.2f}x the warm time")
     for (s, loop), runs in extra.items():
         prof, outside, step_ms, _ = runs[len(runs) // 2]
         print(f"\none decode step, {s}, loop on the {loop} (ms; fused layers broken into their parts): "

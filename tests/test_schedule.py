@@ -6,11 +6,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from edgeprobe.models import ModelConfig
-from edgeprobe.schedule import DeviceProfile, ScheduleError, chunk_graph, device_profile, schedule
+from edgeprobe.schedule import CostModel, ScheduleError, chunk_graph, cost_model, schedule
 
 QWEN = ModelConfig(arch="llama", n_layers=24, hidden=2048, ffn=5504, n_heads=16, n_kv_heads=16, head_dim=128,
                    vocab_size=151936, context_length=32768, tie_embeddings=False, name="Qwen1.5-1.8B")
-SD = device_profile("snapdragon-8gen3")
+SD = cost_model("snapdragon-8gen3")
 
 
 def test_chunk_graph_structure_and_dependencies(smollm):
@@ -70,8 +70,8 @@ def test_bad_input_is_named(smollm):
         chunk_graph(smollm.config, 100, 0)
     with pytest.raises(ScheduleError, match="context length"):
         chunk_graph(smollm.config, smollm.config.context_length + 1, 256)
-    with pytest.raises(ScheduleError, match="unknown device profile"):
-        device_profile("pixel-42")
+    with pytest.raises(ScheduleError, match="unknown cost model"):
+        cost_model("pixel-42")
     with pytest.raises(ScheduleError, match="unknown scheduler"):
         schedule(chunk_graph(smollm.config, 64, 32), SD, "random")
     with pytest.raises(ScheduleError, match="no lane 'dsp'"):
@@ -85,7 +85,7 @@ def test_bad_input_is_named(smollm):
 def test_every_schedule_respects_dependencies_and_lanes(layers, prompt, chunk, npu, cpu, sync, attn_lane):
     cfg = ModelConfig(arch="llama", n_layers=layers, hidden=64, ffn=128, n_heads=4, n_kv_heads=2, head_dim=16,
                       vocab_size=100, context_length=1024)
-    prof = DeviceProfile("random", {"npu": {"default": npu}, "cpu": {"default": cpu}, "gpu": {"default": cpu * 3}},
+    prof = CostModel("random", {"npu": {"default": npu}, "cpu": {"default": cpu}, "gpu": {"default": cpu * 3}},
                          {"npu": 10.0, "cpu": 5.0, "gpu": 8.0}, sync_us=sync)
     g = chunk_graph(cfg, prompt, chunk, lanes={"attn": attn_lane})
     results = {s: schedule(g, prof, s) for s in ("in-order", "ooo")}
@@ -113,11 +113,12 @@ def test_every_scheduled_plan_is_deadlock_free_on_the_agent(layers, prompt, chun
     shadowed = set(range(layers)) if shadow is True else set() if shadow is False else set(shadow) & set(range(layers))
     lin = {f"blk.{l}.{p}": ({"kind": "w8a8-shadow", "shadow": {"rows": "x"}} if l in shadowed and p.startswith("attn_")
                             and p != "attn_output" else {"kind": "w8a8"})
-           for l in range(layers) for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
+           for l in range(layers)
+           for p in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")}
     tensors = {n: f"{i:064x}" for i, n in enumerate(["token_embd.weight", "output_norm.weight"] + [
         f"blk.{l}.{t}.weight" for l in range(layers) for t in ("attn_norm", "ffn_norm")])}
     manifest = {"config": dataclasses.asdict(cfg), "tensors": tensors, "linears": lin}
-    prof = DeviceProfile("random", {"npu": {"default": npu}, "cpu": {"default": cpu}}, {"npu": 10.0, "cpu": 5.0})
+    prof = CostModel("random", {"npu": {"default": npu}, "cpu": {"default": cpu}}, {"npu": 10.0, "cpu": 5.0})
     sched = schedule(chunk_graph(cfg, prompt, chunk, shadow=sorted(shadowed)), prof, scheduler)
     validate(chunked_prefill_plan(manifest, sched), has_blob=lambda s: True)  # raises PlanError on a cycle
 
@@ -136,14 +137,44 @@ def test_schedule_cli(tmp_path):
     assert 0 < d["memory"]["saving"] < 1 and d["decision_us"] < 20
     doc = json.loads(out.read_text())
     assert len(doc["slots"]) == d["subgraphs"] and "c2.l0.attn" in doc["deps"]
-    bad = subprocess.run([sys.executable, "-m", "edgeprobe", "schedule", "--prompt-len", "600", "--device-profile", "x"],
+    assert d["cost_model"] == d["device_profile"] == "snapdragon-8gen3"  # the new field beside the old one
+    bad = subprocess.run([sys.executable, "-m", "edgeprobe", "schedule", "--prompt-len", "600", "--cost-model", "x"],
                          capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 2 and "unknown device profile" in bad.stderr
+    assert bad.returncode == 2 and "unknown cost model 'x'" in bad.stderr
+
+
+def test_device_profile_is_the_cost_models_old_name():
+    """Command lines and code written with the old word keep working: --device-profile sets what --cost-model sets,
+    and the old class and function names are the new ones."""
+    from edgeprobe import schedule as sch
+    from edgeprobe.cli import build_parser
+    from edgeprobe.schedule import cost, hetero, measure
+
+    for cmd in (["schedule", "--prompt-len", "8"], ["run"]):
+        old = build_parser().parse_args([*cmd, "--device-profile", "measured-real"])
+        new = build_parser().parse_args([*cmd, "--cost-model", "measured-real"])
+        assert vars(old) == vars(new) and new.cost_model == "measured-real"
+    assert (sch.DeviceProfile, sch.MeasuredProfile, sch.HeteroProfile) == (cost.CostModel, measure.MeasuredCostModel,
+                                                                           hetero.HeteroCostModel)
+    assert (sch.device_profile, sch.measure_profile) == (sch.cost_model, sch.measure_cost_model)
+    assert sch.PROFILES is sch.COST_MODELS and sch.HETERO_PROFILES is sch.HETERO_COST_MODELS
+    sched = schedule(chunk_graph(QWEN, 64, 32), SD, "in-order")
+    assert sched.profile is sched.cost_model is SD
+    meta = sched.to_trace().meta
+    assert meta["cost_model"] == meta["profile"] == "snapdragon-8gen3"
 
 
 def test_heterollm_solver_beats_padding_and_pipe_at_unaligned_lengths(smollm):
-    from edgeprobe.schedule.hetero import (ROW_ALIGN, SEQ_ALIGN, SNAPDRAGON_HETERO as P, candidates, compare_strategies,
-                                           pad_to_prebuilt, pipe_parts, solve)
+    from edgeprobe.schedule.hetero import (
+        ROW_ALIGN,
+        SEQ_ALIGN,
+        candidates,
+        compare_strategies,
+        pad_to_prebuilt,
+        pipe_parts,
+        solve,
+    )
+    from edgeprobe.schedule.hetero import SNAPDRAGON_HETERO as P
 
     assert pad_to_prebuilt(P, 300) == 512 and pad_to_prebuilt(P, 256) == 256 and pad_to_prebuilt(P, 2100) == 3072
     assert pipe_parts(P, 300) == (256, 32, 32) and pipe_parts(P, 525) == (512, 32)
@@ -170,7 +201,8 @@ def test_heterollm_solver_beats_padding_and_pipe_at_unaligned_lengths(smollm):
 
     shared = dataclasses.replace(P, slowdown_npu=3.0, slowdown_gpu=3.0)
     for m in (300, 525, 1000):
-        assert {c["strategy"] for c in compare_strategies(QWEN, m, shared)["choices"].values()} <= {"gpu", "npu-pad", "pipe"}
+        picked = {c["strategy"] for c in compare_strategies(QWEN, m, shared)["choices"].values()}
+        assert picked <= {"gpu", "npu-pad", "pipe"}
     assert "row-cut" in {c["strategy"] for c in compare_strategies(QWEN, 1000)["choices"].values()}
 
 
@@ -178,10 +210,10 @@ def test_this_host_prices_elementwise_ops_and_the_shadow_work_the_prune_rate_kee
     """Issue 19: at prune rate 0 the modelled makespan was half the measured one; elementwise ops were priced at a
     GEMM rate (a 64x1536 SwiGLU at 1.4 µs, measured ~0.4 ms) and the shadow GEMMs of every kept layer at FLOPs alone."""
     from edgeprobe import models
-    from edgeprobe.schedule import chunk_graph, device_profile, schedule
+    from edgeprobe.schedule import chunk_graph, cost_model, schedule
 
     cfg = models.load("smollm2-135m").config
-    prof = device_profile("this-host-emulated")
+    prof = cost_model("this-host-emulated")
     every = chunk_graph(cfg, 256, 64, shadow=True)  # prune rate 0: every layer keeps its outliers
     few = chunk_graph(cfg, 256, 64, shadow={0, 1, 2, 11, 28})  # 0.85: five layers keep them
     swiglu = next(o for o in every.ops if o["kind"] == "swiglu")
@@ -193,7 +225,7 @@ def test_this_host_prices_elementwise_ops_and_the_shadow_work_the_prune_rate_kee
 
 
 def test_a_measured_cost_model_is_not_moved_by_a_few_preempted_ops():
-    from edgeprobe.schedule.measure import MeasuredProfile
+    from edgeprobe.schedule.measure import MeasuredCostModel
 
     # 15 samples a shape at 3 shapes on t = 20 us + 1 us / kFLOP, and three ops stalled 3-4 ms (a CI machine's
     # preemption, as in a failed notebook run): least squares through the means predicted 2-5x the typical time
@@ -202,7 +234,7 @@ def test_a_measured_cost_model_is_not_moved_by_a_few_preempted_ops():
                 "us": true(16000 * c) * (1 + 0.05 * ((i % 5) - 2))} for c in (4, 8, 16) for i in range(15)]
     for s, stall in zip([s for s in samples if s["chunk"] == 16][0:5:2], (3500, 3900, 4100)):  # medians move a rank
         s["us"] = stall
-    prof = MeasuredProfile(samples)
+    prof = MeasuredCostModel(samples)
     a, b = prof.fits["cpu/shadow"]
     assert a == pytest.approx(20, abs=10) and b == pytest.approx(1e-3, rel=0.1)  # least squares: a = 0, b 3.2x
     assert prof.fit_error()["cpu/shadow"]["median"] < 0.1

@@ -1,6 +1,7 @@
 """The thin client of the device agent, like TVM's RPC session: request, send/wait, upload, load_model,
 put_plan, run, heartbeat and clock alignment, close. Ways to get one: `Client.local()` (an agent subprocess
-on a free loopback port), `Client.connect(url)`, `Client.ssh(...)` (deploy over SSH, talk through a tunnel).
+on a free loopback port, started by local_agent.py), `Client.connect(url)`, `Client.ssh(...)` (deploy over SSH,
+talk through a tunnel).
 
 Every call waits for exactly one final reply under its request's id; while waiting it expects the agent's
 progress or heartbeat messages and raises AgentLostError after HEARTBEAT_TIMEOUT_S of silence — never hangs.
@@ -10,12 +11,8 @@ sit on top of this in workflows.py; `edgeprobe.device.Device` is this client wit
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
 import subprocess
-import sys
-import tempfile
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -24,27 +21,25 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from edgeprobe_agent.protocol import (CHUNK_BYTES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NO_ID, PROTOCOL_VERSION, crc32,
-                                      pack, unpack)
+from edgeprobe_agent.protocol import (
+    CHUNK_BYTES,
+    HEARTBEAT_S,
+    HEARTBEAT_TIMEOUT_S,
+    NO_ID,
+    PROTOCOL_VERSION,
+    crc32,
+    pack,
+    unpack,
+)
 
-from .errors import EdgeprobeError
+from . import local_agent
+from .errors import AgentLostError, DeviceError
+from .local_agent import EMULATED_TIMEOUT_S, STDERR_TAIL_BYTES, StderrTail
 from .trace import Trace
 
-EMULATED_TIMEOUT_S = 60.0  # HEARTBEAT_TIMEOUT_S for an agent under qemu-aarch64 (Client.local(arch="arm64"))
-
-STDERR_TAIL_BYTES = 64 << 10  # what a local agent's stderr keeps for error messages
-
-
-class DeviceError(EdgeprobeError, RuntimeError):
-    """The agent answered a request with an error; `code` names it (see docs/protocol.md)."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(f"{message} [{code}]")
-        self.code = code
-
-
-class AgentLostError(EdgeprobeError, ConnectionError):
-    """The agent stopped answering (killed, network cut) within the heartbeat timeout."""
+# importable from here as before: the errors (errors.py) and the local agent's stderr tail (local_agent.py)
+__all__ = ["Client", "RunResult", "DeviceError", "AgentLostError", "StderrTail", "STDERR_TAIL_BYTES",
+           "EMULATED_TIMEOUT_S"]
 
 
 @dataclass
@@ -59,41 +54,6 @@ class RunResult:
     @property
     def logits(self) -> np.ndarray:
         return next(iter(self.outputs.values()))
-
-
-class StderrTail:
-    """A child's stderr drained on a thread into its last `limit` bytes: a chatty agent never blocks on a full
-    pipe, and its last words can be quoted when it dies."""
-
-    def __init__(self, stream, limit: int = STDERR_TAIL_BYTES):
-        self.limit = limit
-        self.seen = 0  # bytes drained in all
-        self._buf = bytearray()
-        self._lock = threading.Lock()  # the drain thread appends, any caller reads
-        self._thread = threading.Thread(target=self._drain, args=(stream,), daemon=True, name="agent-stderr")
-        self._thread.start()
-
-    def _drain(self, stream) -> None:
-        fd = stream.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except OSError:
-                break
-            if not chunk:
-                break
-            with self._lock:
-                self.seen += len(chunk)
-                self._buf += chunk
-                if len(self._buf) > self.limit:
-                    del self._buf[:len(self._buf) - self.limit]
-
-    def text(self, wait_s: float = 0.0) -> str:
-        """The tail so far; wait_s: first wait that long for the stream's end (after the process exited)."""
-        if wait_s:
-            self._thread.join(wait_s)
-        with self._lock:
-            return bytes(self._buf).decode("utf-8", "replace")
 
 
 class Client:
@@ -134,48 +94,13 @@ class Client:
         $EDGEPROBE_AGENT_STORE or <tmp>/edgeprobe-agent-store-<uid>[-arm64]; when another agent holds that one (a
         notebook, a second `edgeprobe run`), the first free sibling <store>-2, <store>-3, ... is used and `say`
         (default: a line on stderr) tells which."""
-        from . import arm64
-
-        options = {"store": store, "memory_budget_mb": memory_budget_mb, "startup_timeout_s": startup_timeout_s,
-                   "lanes": lanes, "npu_backend": npu_backend, "arch": arch}
-        argv, agent_path = arm64.interpreter(arch)
-        default = f"edgeprobe-agent-store-{os.getuid()}" + ("" if agent_path is None else "-arm64")
-        base = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE") or Path(tempfile.gettempdir()) / default)
-        env = None
-        if agent_path is not None:  # the emulated device sees only its own packages and the agent's
-            env = {**os.environ, "PYTHONPATH": str(agent_path)}
+        agent = local_agent.start(store, memory_budget_mb, startup_timeout_s, lanes, npu_backend, say, arch)
         try:
-            # concurrent hosts pick and lock a default store one at a time, so two never start on the same sibling
-            with (_pick_lock(base) if store is None else _no_lock()):
-                chosen = base if store is not None else _free_store(base)
-                if chosen != base:
-                    (say or (lambda m: print(m, file=sys.stderr)))(
-                        f"edgeprobe: the agent store {base} is in use by another agent; this run's agent uses {chosen} "
-                        "(uploads there once; pass --store / store= to choose)")
-                cmd = argv + ["-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store", str(chosen),
-                              "--parent-pid", str(os.getpid())]  # a killed host must not leave its agent holding the store
-                if memory_budget_mb is not None:
-                    cmd += ["--memory-budget", str(memory_budget_mb)]
-                if lanes is not None:
-                    cmd += ["--lanes", ",".join(lanes)]
-                if npu_backend is not None:
-                    cmd += ["--npu-backend", npu_backend]
-                proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-                tail = StderrTail(proc.stderr)
-                url = _read_listen_line(proc, startup_timeout_s, tail)
-            try:
-                # qemu-user runs the agent 20-50x slower, more on a loaded host: its replies wait longer
-                client = cls(url, process=proc, stderr=tail,
-                             timeout_s=HEARTBEAT_TIMEOUT_S if agent_path is None else EMULATED_TIMEOUT_S)
-            except BaseException:
-                proc.kill()  # no client holds it: it must not outlive this failed start
-                proc.wait(timeout=5)
-                raise
+            client = cls(agent.url, process=agent.process, stderr=agent.stderr, timeout_s=agent.timeout_s)
         except BaseException:
-            if agent_path is not None:
-                shutil.rmtree(agent_path, ignore_errors=True)
+            agent.kill()  # no client holds it: it must not outlive this failed start
             raise
-        client.store, client.local_options, client.agent_path = chosen, options, agent_path
+        client.store, client.local_options, client.agent_path = agent.store, agent.options, agent.agent_path
         return client
 
     @property
@@ -263,8 +188,8 @@ class Client:
                 raise AgentLostError(f"the local agent exited with status {self.process.returncode}; its stderr "
                                      f"ends:\n{self._stderr_tail(wait_s=2.0)}")
             if now - last > timeout:
-                raise AgentLostError(f"the agent at {self.url} sent nothing for {now - last:.1f} s (heartbeat timeout); "
-                                     f"it was killed or the connection was cut{self._stderr_note()}")
+                raise AgentLostError(f"the agent at {self.url} sent nothing for {now - last:.1f} s (heartbeat "
+                                     f"timeout); it was killed or the connection was cut{self._stderr_note()}")
 
     def _stderr_tail(self, wait_s: float = 0.0, chars: int = 4000) -> str:
         return self.stderr.text(wait_s)[-chars:] if self.stderr is not None else ""
@@ -317,7 +242,8 @@ class Client:
             todo += [(sha, arr, raw, i, n) for i in range(n) if i not in done]
         total = sum(min(chunk_bytes, len(raw) - i * chunk_bytes) for _, _, raw, i, _ in todo)
         sent = 0
-        bar = tqdm(total=total, unit="B", unit_scale=True, desc="upload", disable=not progress or not total, leave=False)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc="upload", disable=not progress or not total,
+                   leave=False)
         pending: dict[int, int] = {}  # request id -> bytes in flight
         for sha, arr, raw, i, n in todo:
             piece = np.frombuffer(raw[i * chunk_bytes:(i + 1) * chunk_bytes], np.uint8)
@@ -341,7 +267,8 @@ class Client:
         return self._remember(qm, self.request("load_model", manifest=_plain(qm.manifest))[0]["model_id"])
 
     def _remember(self, qm, model_id: str) -> str:
-        self._known = {k: v for k, v in self._known.items() if v["ref"]() is not None}  # not the manifests of dropped models
+        # not the manifests of dropped models
+        self._known = {k: v for k, v in self._known.items() if v["ref"]() is not None}
         self._known[id(qm)] = {"ref": weakref.ref(qm), "manifest": qm.manifest, "model_id": model_id, "plans": {}}
         return model_id
 
@@ -370,7 +297,8 @@ class Client:
             if isinstance(loaded, DeviceError):  # asked again: missing_blob is now mended, anything else raises
                 loaded = self.request("load_model", manifest=_plain(qm.manifest))
             self._remember(qm, loaded[0]["model_id"])
-            self._known[id(qm)]["plans"][key] = put[0]["plan_id"] if not isinstance(put, DeviceError) else self.put_plan(plan)
+            plan_id = put[0]["plan_id"] if not isinstance(put, DeviceError) else self.put_plan(plan)
+            self._known[id(qm)]["plans"][key] = plan_id
         plans = self._known[id(qm)]["plans"]
         if key not in plans:
             plans[key] = self.put_plan(build())
@@ -427,78 +355,6 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
-
-
-class _no_lock:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _pick_lock:
-    """An exclusive flock beside the default store, held while a host picks a store and its agent locks it."""
-
-    def __init__(self, base: Path):
-        base.parent.mkdir(parents=True, exist_ok=True)
-        self.path = base.parent / f".{base.name}.pick.lock"
-
-    def __enter__(self):
-        import fcntl
-
-        self.f = open(self.path, "a+")
-        fcntl.flock(self.f, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        self.f.close()  # closing the file releases the lock
-        return False
-
-
-def _store_held(root: Path) -> bool:
-    """Whether an agent holds root/.lock (the store's lock; device_agent.store._lock_store)."""
-    import fcntl
-
-    if not (root / ".lock").exists():
-        return False
-    with open(root / ".lock", "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-        return False
-
-
-def _free_store(base: Path, tries: int = 32) -> Path:
-    """base, or its first sibling base-2, base-3, ... that no agent holds."""
-    for i in range(1, tries + 1):
-        cand = base if i == 1 else base.with_name(f"{base.name}-{i}")
-        if not _store_held(cand):
-            return cand
-    raise DeviceError("store_busy", f"{tries} agent stores beside {base} are all in use; stop an agent or pass a "
-                                    "store of its own (--store DIR, Device.local(store=...))")
-
-
-def _read_listen_line(proc: subprocess.Popen, timeout_s: float, tail: StderrTail) -> str:
-    import selectors
-
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sel.select(timeout=0.2):
-            line = proc.stdout.readline().decode("utf-8", "replace")
-            if "listening on " in line:
-                return line.strip().split("listening on ", 1)[1]
-        if proc.poll() is not None:
-            raise DeviceError("agent_start", f"the local agent exited at start (status {proc.returncode}); its stderr "
-                                             f"ends:\n{tail.text(wait_s=2.0)[-2000:]}")
-    proc.kill()
-    proc.wait(timeout=5)
-    raise DeviceError("agent_start", f"the local agent did not report its address within {timeout_s:.0f} s; its "
-                                     f"stderr ends:\n{tail.text(wait_s=2.0)[-2000:]}")
 
 
 _LEAF = frozenset((str, int, float, bool, bytes, type(None)))

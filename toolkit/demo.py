@@ -64,7 +64,7 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     from .quant import quantize
     from .quant.report import accuracy_table
     from .schedule import ScheduleError, chunk_graph, schedule
-    from .schedule.measure import MeasuredProfile
+    from .schedule.measure import MeasuredCostModel
 
     if not isinstance(repeats, int) or repeats < 1:
         raise DemoError(f"repeats must be a positive number of runs per scheduler, got {repeats!r}")
@@ -129,20 +129,21 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     with _local_agent(cache / "agent-store", print_fn) as dev:
         # the cost model is fitted on the template's FLOPs: a new template version measures again; it is measured
         # at the chunk length the prefill runs and two shorter ones (64, 128, 256 for the default 256)
-        prof_path = cache / f"{tag}-profile-w8a8-shadow-{profile_tokens}-c{chunk}-g{GRAPH_VERSION}.json"
+        # (the file keeps its first name, "-profile-", so a cost model measured before is found)
+        cost_path = cache / f"{tag}-profile-w8a8-shadow-{profile_tokens}-c{chunk}-g{GRAPH_VERSION}.json"
         chunks = tuple(sorted({max(4, chunk // 4), max(4, chunk // 2), max(4, chunk)}))
-        prof, hit_p = _cached(prof_path, lambda: dev.measure_profile(qm, held, chunks=chunks, progress=progress),
-                              MeasuredProfile.from_json, lambda v, p: v.to_json(p))
+        cost, hit_p = _cached(cost_path, lambda: dev.measure_cost_model(qm, held, chunks=chunks, progress=progress),
+                              MeasuredCostModel.from_json, lambda v, p: v.to_json(p))
         print_fn(f"agent       {dev.url}: lanes {', '.join(dev.info['lanes'])} (npu emulated); cost model "
                  f"{'cached' if hit_p else 'measured'}")
         graph = chunk_graph(m.config, prompt_len, chunk, manifest=qm.manifest)
-        predicted = {s: schedule(graph, prof, s) for s in ("in-order", "ooo")}
-        dev.prefill_chunked(qm, tokens[:chunk], chunk, "in-order", profile=prof, progress=progress)  # warm
+        predicted = {s: schedule(graph, cost, s) for s in ("in-order", "ooo")}
+        dev.prefill_chunked(qm, tokens[:chunk], chunk, "in-order", cost_model=cost, progress=progress)  # warm
         # best of `repeats` alternating runs per scheduler: one run on two shared cores swings by ±15%
         runs: dict = {"in-order": [], "ooo": []}
         for _ in range(repeats):
             for s in runs:
-                runs[s].append(dev.prefill_chunked(qm, tokens, chunk, s, profile=prof, progress=False))
+                runs[s].append(dev.prefill_chunked(qm, tokens, chunk, s, cost_model=cost, progress=False))
         measured = {s: min(rs, key=lambda r: r.trace.metrics()["makespan_ms"]) for s, rs in runs.items()}
     step("report")
     mk = {s: r.trace.metrics() for s, r in measured.items()}  # of the kept runs
@@ -186,10 +187,10 @@ def _local_agent(store: Path, print_fn):
     or one left behind), on a temporary store of its own: slower (uploads again), never stuck."""
     import tempfile
 
-    from .client import _store_held
     from .device import Device, DeviceError
+    from .local_agent import store_held
 
-    if not _store_held(store):  # held now: go elsewhere at once (an agent given a held store waits 10 s, then refuses)
+    if not store_held(store):  # held now: go elsewhere at once (an agent given a held store waits 10 s, then refuses)
         try:
             return Device.local(store=store, startup_timeout_s=90)
         except DeviceError as e:  # taken since: the same way out

@@ -10,9 +10,15 @@ heartbeat messages and raises AgentLostError after HEARTBEAT_TIMEOUT_S of silenc
 from __future__ import annotations
 
 from . import workflows
-from .client import AgentLostError, Client, DeviceError, RunResult, StderrTail, _plain, _read_listen_line  # noqa: F401
-from .sampling import sample  # noqa: F401
-from .workflows import DecodeSession, Decoded  # noqa: F401
+from .client import Client, RunResult
+from .errors import AgentLostError, DeviceError
+from .local_agent import StderrTail
+from .sampling import sample
+from .workflows import Decoded, DecodeSession
+
+# users import these from here (edgeprobe.device is where a session starts); each lives in the module named above
+__all__ = ["Device", "open_device", "check_device_spec", "DEVICE_SPECS", "Client", "RunResult", "DeviceError",
+           "AgentLostError", "StderrTail", "DecodeSession", "Decoded", "sample"]
 
 
 class Device(Client):
@@ -25,7 +31,8 @@ class Device(Client):
     session = workflows.session
     generate = workflows.generate
     measure_linears = workflows.measure_linears
-    measure_profile = workflows.measure_profile
+    measure_cost_model = workflows.measure_cost_model
+    measure_profile = workflows.measure_cost_model  # the old name
 
 
 DEVICE_SPECS = "local, arm64, tcp://HOST:PORT or ssh://USER@HOST[:PORT]"

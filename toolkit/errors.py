@@ -59,3 +59,15 @@ class ClusterError(EdgeprobeError, RuntimeError):
 
 class FarmError(EdgeprobeError, RuntimeError):
     """Devices of a farm that could not be opened or used (each named with its reason)."""
+
+
+class DeviceError(EdgeprobeError, RuntimeError):
+    """The agent answered a request with an error; `code` names it (see docs/protocol.md)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{message} [{code}]")
+        self.code = code
+
+
+class AgentLostError(EdgeprobeError, ConnectionError):
+    """The agent stopped answering (killed, network cut) within the heartbeat timeout."""

@@ -196,11 +196,13 @@ class Farm:
         """The same layer-by-layer prefill (workflows.prefill) on every device."""
         return self.run(lambda dev: dev.prefill(qm, tokens, progress=False, **kw), len(tokens), concurrent)
 
-    def prefill_chunked(self, qm, tokens, chunk: int = 256, scheduler: str = "ooo", profile="this-host-emulated",
-                        concurrent: bool = True) -> FarmResult:
-        """The same chunked prefill plan (one schedule over `profile`) on every device."""
-        return self.run(lambda dev: dev.prefill_chunked(qm, tokens, chunk=chunk, scheduler=scheduler, profile=profile,
-                                                        progress=False), len(tokens), concurrent)
+    def prefill_chunked(self, qm, tokens, chunk: int = 256, scheduler: str = "ooo", cost_model="this-host-emulated",
+                        concurrent: bool = True, *, profile=None) -> FarmResult:
+        """The same chunked prefill plan (one schedule over `cost_model`) on every device. profile: the old name of
+        cost_model."""
+        cost_model = cost_model if profile is None else profile
+        return self.run(lambda dev: dev.prefill_chunked(qm, tokens, chunk=chunk, scheduler=scheduler,
+                                                        cost_model=cost_model, progress=False), len(tokens), concurrent)
 
     def close(self) -> None:
         for dev in self.devices.values():

@@ -45,7 +45,8 @@ def chunked_prefill_plan(manifest: dict, sched) -> dict:
         op["lane"] = lanes.get(op["group"], op["lane"])
     return order_by_schedule(placed, sched.slots, {"kind": "chunked-prefill", "tokens": g.prompt_len,
                                                    "chunk": g.chunk_len, "scheduler": sched.scheduler,
-                                                   "profile": sched.profile.name})
+                                                   "cost_model": sched.cost_model.name,
+                                                   "profile": sched.cost_model.name})  # the field's first name
 
 
 def shadow_layers(manifest: dict) -> list[int]:

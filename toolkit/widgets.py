@@ -56,10 +56,11 @@ class TimelineExplorer:
     so going back to a setting only re-runs; uploads are content-addressed, so only changed blobs travel."""
 
     def __init__(self, dev, model, prompt, calib=None, chunk: int | None = None, scheduler: str = "ooo",
-                 scheme: str = "w8a8-shadow", prune_rate: float = 0.85, profile="this-host-emulated",
-                 check_host: bool = True, run: bool = True, width: int = 940):
+                 scheme: str = "w8a8-shadow", prune_rate: float = 0.85, cost_model="this-host-emulated",
+                 check_host: bool = True, run: bool = True, width: int = 940, *, profile=None):
         W, go = _widgets()
-        self.dev, self.model, self.calib, self.profile, self.check_host = dev, model, calib, profile, check_host
+        cost_model = cost_model if profile is None else profile  # profile: cost_model's old name
+        self.dev, self.model, self.calib, self.cost_model, self.check_host = dev, model, calib, cost_model, check_host
         self.prompt = np.asarray(prompt, np.int32).reshape(-1)
         if len(self.prompt) < min(CHUNKS):
             raise ValueError(f"the prompt has {len(self.prompt)} tokens; give at least {min(CHUNKS)} to chunk it")
@@ -149,7 +150,7 @@ class TimelineExplorer:
                 res = dev.prefill(qm, self.prompt, progress=False)
             else:
                 res = dev.prefill_chunked(qm, self.prompt, chunk=s["chunk"], scheduler=s["scheduler"],
-                                          profile=self.profile, progress=False)
+                                          cost_model=self.cost_model, progress=False)
         except Exception as e:  # noqa: BLE001  (the panel must survive a bad setting or a lost agent)
             self.status.value = f"<b style='color:#b00'>{html.escape(_sentence(e))}</b>"
             self.button.disabled = False
@@ -178,7 +179,7 @@ class TimelineExplorer:
             self.figure.layout = new.layout
         bits = [f"makespan <b>{row['makespan_ms']:.0f} ms</b>"]
         if "predicted_makespan_ms" in row:
-            name = getattr(self.profile, "name", self.profile)
+            name = getattr(self.cost_model, "name", self.cost_model)
             bits.append(f"predicted {row['predicted_makespan_ms']:.0f} ms = <b>{row['predicted_over_measured']:.2f}× "
                         f"measured</b> ({html.escape(str(name))})")
         if row["flash_read_mb"] > 0.5:
@@ -192,6 +193,11 @@ class TimelineExplorer:
         self.button.disabled = False
         return res
 
+    @property
+    def profile(self):
+        """cost_model's old name, kept for code written against it."""
+        return self.cost_model
+
     def snapshot(self):
         """The panel's timeline as a plain plotly Figure: what an exported page (no widget JavaScript) can show."""
         import plotly.graph_objects as go
@@ -204,12 +210,12 @@ class TimelineExplorer:
         if s["scheduler"] != "layer":
             return None
         from .models import ModelConfig
-        from .schedule import ScheduleError, chunk_graph, device_profile, schedule
+        from .schedule import ScheduleError, chunk_graph, cost_model, schedule
 
         try:
             n = len(self.prompt)
             graph = chunk_graph(ModelConfig(**qm.manifest["config"]), n, n, manifest=qm.manifest)
-            return schedule(graph, device_profile(self.profile), "in-order").makespan_us / 1e3
+            return schedule(graph, cost_model(self.cost_model), "in-order").makespan_us / 1e3
         except (ScheduleError, ValueError, KeyError):
             return None
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .client import AgentLostError, Client, DeviceError, RunResult
+from .client import Client, RunResult
+from .errors import AgentLostError, DeviceError
 from .sampling import sample
 from .trace import Trace, flash_read_bytes, span_of
 
@@ -86,12 +87,14 @@ class DecodeSession:
         return self.logits_history[-1]
 
     def reorder(self, indices) -> None:
-        self.batch = self.dev.request("session_reorder", session=self.name, indices=[int(i) for i in indices])[0]["batch"]
+        reply = self.dev.request("session_reorder", session=self.name, indices=[int(i) for i in indices])[0]
+        self.batch = reply["batch"]
 
     def step(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         if len(tokens) != self.batch:
-            raise ValueError(f"the session holds {self.batch} sequences; step needs one token for each, got {len(tokens)}")
+            raise ValueError(f"the session holds {self.batch} sequences; step needs one token for each, "
+                             f"got {len(tokens)}")
         i = len(self.step_ms)
         r = self.dev.run(self._plan(1, self.batch), {"tokens": tokens}, title=f"decode step {i}", session=self.name,
                          advance=1, phase="decode")
@@ -107,7 +110,8 @@ class DecodeSession:
         one by one, and their bits are the same."""
         tokens = np.asarray(tokens, np.int32).reshape(-1)
         if len(tokens) != self.batch:
-            raise ValueError(f"the session holds {self.batch} sequences; step needs one token for each, got {len(tokens)}")
+            raise ValueError(f"the session holds {self.batch} sequences; step needs one token for each, "
+                             f"got {len(tokens)}")
         if n < 1:
             raise ValueError(f"n (decode steps) must be >= 1, got {n}")
         i0 = len(self.step_ms)
@@ -148,7 +152,8 @@ def prefill(dev: Client, qm, tokens, progress: bool = True, float_lane: str = "c
     from .plan import prefill_plan
 
     tokens = np.asarray(tokens, np.int32)
-    return _run_plan(dev, qm, ("prefill", len(tokens), float_lane), lambda: prefill_plan(qm.manifest, len(tokens), float_lane=float_lane),
+    return _run_plan(dev, qm, ("prefill", len(tokens), float_lane),
+                     lambda: prefill_plan(qm.manifest, len(tokens), float_lane=float_lane),
                      {"tokens": tokens}, f"prefill {len(tokens)} tokens, {qm.scheme}", progress)
 
 
@@ -169,16 +174,18 @@ def _run_plan(dev: Client, qm, key, build, inputs: dict, title: str, progress: b
 
 
 def prefill_chunked(dev: Client, qm, tokens, chunk: int = 256, scheduler: str = "ooo",
-                    profile="this-host-emulated", progress: bool = True) -> RunResult:
-    """Chunked prefill (mllm-NPU §3.2) laid out by a scheduler (§3.4) over `profile`: a named modelled
-    profile, a measured profile's .json, or a profile object (e.g. from `measure_profile`)."""
+                    cost_model="this-host-emulated", progress: bool = True, *, profile=None) -> RunResult:
+    """Chunked prefill (mllm-NPU §3.2) laid out by a scheduler (§3.4) over `cost_model`: a named modelled
+    cost model, a measured one's .json, or a cost model object (e.g. from `measure_cost_model`). profile: the
+    old name of cost_model."""
     from .models import ModelConfig
     from .plan import chunked_prefill_plan
-    from .schedule import chunk_graph, device_profile, schedule
+    from .schedule import chunk_graph, schedule
+    from .schedule import cost_model as named
 
     tokens = np.asarray(tokens, np.int32)
     graph = chunk_graph(ModelConfig(**qm.manifest["config"]), len(tokens), chunk, manifest=qm.manifest)
-    sched = schedule(graph, device_profile(profile), scheduler)
+    sched = schedule(graph, named(cost_model if profile is None else profile), scheduler)
     lacking = {g.lane for g in sched.graph.subgraphs} - set(dev.info.get("lanes", []))
     if lacking:
         from .schedule import ScheduleError
@@ -202,24 +209,25 @@ def session(dev: Client, qm, capacity: int, name: str = "decode", progress: bool
 def generate(dev: Client, qm, prompt, n: int, batch: int = 1, temperature: float = 0.0, seed: int = 0,
              on_step=None, progress: bool = True, split=None, ffn_flash=None, experts_flash=None,
              loop: str = "host", logits: str = "all") -> Decoded:
-    """Prefill `prompt` (token ids) once, fork it into `batch` sequences, then run `n` decode steps on the
+    """Prefill `prompt` (int token ids) once, fork it into `batch` sequences, then run `n` decode steps on the
     agent, its KV cache staying there. Each step feeds every sequence its next token, sampled on the host
     from the previous logits (greedy at temperature 0, else softmax(z / T) with `seed`), and gets
-    float32[batch, vocab] logits back. on_step(i, tokens[batch]) streams the tokens. The trace groups
-    events by "prefill" and "step{i}". split: HeteroLLM's partition of the decode steps' int8 GEMMs
-    between the gpu and npu lanes ({matmul: Choice}, schedule.hetero.decode_choices). ffn_flash: FFN neurons
-    read from flash ({"mode": "sparse" | "dense", "window": k}; needs neurons.add_bundles). experts_flash:
-    MoE experts read from flash through an expert buffer ({"capacity", "policy", "preload_n"}; EdgeMoE).
-    loop="agent" (greedy only): the agent loops over the n steps itself, feeding each the argmax of the last
-    (DecodeSession.greedy): one round trip for all of them, the same tokens and logits; on_step then runs
-    after the loop, once per step. logits="last": Decoded.logits keeps the prefill's and the last step's only;
-    with the loop on the agent, the reply then carries one step's logits instead of n (a 64-step loop of SmolLM2:
-    196 kB instead of 12.6 MB, ~0.2 ms a token here), as a runtime looping on a phone hands back its tokens."""
+    float32[batch, vocab] logits back. on_step(i, tokens[batch]) streams the tokens; the trace groups
+    events by "prefill" and "step{i}".
+    split: HeteroLLM's partition of the decode steps' int8 GEMMs between the gpu and npu lanes
+    ({matmul: Choice}, schedule.hetero.decode_choices). ffn_flash: FFN neurons read from flash (LLM in a flash;
+    {"mode": "sparse" | "dense", "window": k}, needs neurons.add_bundles). experts_flash: MoE experts read from
+    flash through an expert buffer (EdgeMoE; {"capacity", "policy", "preload_n"}).
+    loop="agent" (greedy only): the agent loops over the n steps itself (DecodeSession.greedy), one round trip
+    for all of them with the same tokens and logits, as a phone's runtime loops in-process; on_step then runs
+    after the loop. logits="last": keep only the prefill's and the last step's logits, so a loop on the agent
+    sends back one step's logits instead of n."""
     prompt = np.asarray(prompt, np.int32).reshape(-1)
     if n < 1 or batch < 1:
         raise ValueError(f"n (decode steps) and batch must be >= 1, got n={n}, batch={batch}")
     if loop not in ("host", "agent"):
-        raise ValueError(f"loop must be 'host' (the host samples each token) or 'agent' (greedy on the agent), got {loop!r}")
+        raise ValueError(f"loop must be 'host' (the host samples each token) or 'agent' (greedy on the agent), "
+                         f"got {loop!r}")
     if logits not in ("all", "last"):
         raise ValueError(f"logits must be 'all' (every step's) or 'last' (the last step's), got {logits!r}")
     if loop == "agent" and temperature > 0:
@@ -257,16 +265,17 @@ def generate(dev: Client, qm, prompt, n: int, batch: int = 1, temperature: float
 
 def measure_linears(dev: Client, qm, rows=(32, 64, 128, 256, 512, 1024), progress: bool = True):
     """HeteroLLM's profiler on this agent: int8 GEMM rates of the npu and gpu lanes and their hand-off,
-    as a HeteroProfile for the partition solver (and the samples). See schedule.measure."""
+    as a HeteroCostModel for the partition solver (and the samples). See schedule.measure."""
     from .schedule.measure import measure_linears as measure
 
     return measure(dev, qm, rows, progress=progress)
 
 
-def prefill_hetero(dev: Client, qm, tokens, profile, strategy: str = "solver", progress: bool = True) -> RunResult:
+def prefill_hetero(dev: Client, qm, tokens, cost_model=None, strategy: str = "solver", progress: bool = True, *,
+                   profile=None) -> RunResult:
     """Layer-by-layer prefill with every int8 GEMM partitioned between the gpu and npu lanes by HeteroLLM's
-    solver over `profile` (a HeteroProfile; measure one with measure_linears), or by one fixed strategy
-    (gpu, npu-pad, pipe, seq-cut, row-cut) as a baseline."""
+    solver over `cost_model` (a HeteroCostModel; measure one with measure_linears), or by one fixed strategy
+    (gpu, npu-pad, pipe, seq-cut, row-cut) as a baseline. profile: the old name of cost_model."""
     from .models import ModelConfig
     from .plan import prefill_plan
     from .schedule import ScheduleError, choices_for
@@ -276,7 +285,10 @@ def prefill_hetero(dev: Client, qm, tokens, profile, strategy: str = "solver", p
     if lacking:
         raise ScheduleError(f"HeteroLLM partitioning puts work on lanes {sorted(lacking)} that this agent lacks "
                             f"(it has {dev.info.get('lanes')}; the gpu lane needs OpenCL)")
-    choices = choices_for(ModelConfig(**qm.manifest["config"]), len(tokens), profile, strategy)
+    cost_model = cost_model if profile is None else profile
+    if cost_model is None:
+        raise TypeError("prefill_hetero needs a HeteroCostModel (measure one with measure_linears)")
+    choices = choices_for(ModelConfig(**qm.manifest["config"]), len(tokens), cost_model, strategy)
     dev.upload(qm, progress=progress)
     dev.load_model(qm)
     try:
@@ -285,14 +297,32 @@ def prefill_hetero(dev: Client, qm, tokens, profile, strategy: str = "solver", p
         raise ScheduleError(str(e)) from None
     res = dev.run(dev.put_plan(plan), {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, HeteroLLM {strategy}")
     res.trace.meta["partition"] = {k: c.strategy for k, c in choices.items()}
-    res.trace.meta["predicted_matmul_ms"] = sum(c.time_us for c in choices.values()) * qm.manifest["config"]["n_layers"] / 1e3
+    layers = qm.manifest["config"]["n_layers"]
+    res.trace.meta["predicted_matmul_ms"] = sum(c.time_us for c in choices.values()) * layers / 1e3
     return res
 
 
-def measure_profile(dev: Client, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, progress: bool = True,
-                    rounds: int = 2):
-    """Subgraph times of `qm` measured on this agent over a grid of chunk lengths: a MeasuredProfile
+def measure_cost_model(dev: Client, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, progress: bool = True,
+                       rounds: int = 2):
+    """Subgraph times of `qm` measured on this agent over a grid of chunk lengths: a MeasuredCostModel
     (HeteroLLM's "predicted" mode; `.with_mode("real")` for the measured table). See schedule.measure."""
-    from .schedule.measure import measure_profile as measure
+    from .schedule.measure import measure_cost_model as measure
 
     return measure(dev, qm, tokens, chunks, n_chunks, progress, rounds)
+
+
+measure_profile = measure_cost_model  # the old name, kept for code written against it
+
+
+def host_logits(qm, tokens, chunk: int | None = None) -> np.ndarray:
+    """The host's simulation of what the agent ran on `qm`: float32 logits of the last token, from one pass
+    (chunk None) or chunk by chunk through a KV cache, as a chunked prefill runs (a quantized model's rounding
+    makes the two differ slightly, so compare like with like). tokens: int[T]."""
+    from .forward import KVCache, forward
+
+    if not chunk:
+        return qm.forward(tokens, logits="last")
+    cache = KVCache(qm.model.config)
+    for i in range(0, len(tokens), chunk):
+        out = forward(qm.model, tokens[i:i + chunk], cache=cache, linear=qm.linear, logits="last")
+    return out

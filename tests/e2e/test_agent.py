@@ -499,7 +499,7 @@ def test_a_run_longer_than_the_heartbeat_timeout_completes(dev):
 
 
 def test_chunked_prefill_in_order_and_out_of_order_on_the_agent(dev, qm, heldout_ids):
-    from edgeprobe.cli import _host_logits
+    from edgeprobe.workflows import host_logits as _host_logits
 
     toks = heldout_ids[:96].astype(np.int32)
     host = _host_logits(qm, toks, 32)

@@ -1,11 +1,13 @@
 """Cost models: how long a subgraph takes on a lane. Every time from here is *modelled*, and says so.
 
-A DeviceProfile prices each op of a subgraph (graph.template's cost: kind and FLOPs — int8_linear, linear,
+A CostModel prices each op of a subgraph (graph.template's cost: kind and FLOPs — int8_linear, linear,
 float_sparse, attention, elementwise) at a per-lane, per-kind rate, plus a fixed launch cost per subgraph and a
 sync cost when a dependency crosses lanes.
 
-Named profiles are built from the papers' published numbers (documented per profile). Profiles measured on
+Named cost models are built from the papers' published numbers (documented per model). Cost models measured on
 an agent (HeteroLLM's "real" and "predicted" modes) live in measure.py and load here from their JSON files.
+("Profile" is a corpus statistic, edgeprobe.profile; DeviceProfile, PROFILES and device_profile are the old
+names of CostModel, COST_MODELS and cost_model, kept for code written against them.)
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from .graph import ScheduleError, Subgraph
 
 
 @dataclass(frozen=True)
-class DeviceProfile:
+class CostModel:
     name: str
     rates: dict            # lane -> {op kind: GFLOP/s (GOP/s for int8)}
     launch_us: dict        # lane -> fixed cost per subgraph, µs
@@ -28,10 +30,10 @@ class DeviceProfile:
     def rate(self, lane: str, kind: str) -> float:
         r = self.rates.get(lane)
         if r is None:
-            raise ScheduleError(f"device profile {self.name!r} has no lane {lane!r} (lanes: {', '.join(self.rates)})")
+            raise ScheduleError(f"cost model {self.name!r} has no lane {lane!r} (lanes: {', '.join(self.rates)})")
         rate = r.get(kind) or r.get("default")
         if rate is None:
-            raise ScheduleError(f"device profile {self.name!r} cannot price {kind!r} on {lane}")
+            raise ScheduleError(f"cost model {self.name!r} cannot price {kind!r} on {lane}")
         return rate
 
     def op_time_us(self, op: dict, lane: str | None = None) -> float:
@@ -44,7 +46,7 @@ class DeviceProfile:
         """A subgraph: its lane's launch cost plus each op's FLOPs at the lane's rate for the op's cost kind."""
         lane = lane or g.lane
         if lane not in self.rates:
-            raise ScheduleError(f"device profile {self.name!r} has no lane {lane!r} (lanes: {', '.join(self.rates)})")
+            raise ScheduleError(f"cost model {self.name!r} has no lane {lane!r} (lanes: {', '.join(self.rates)})")
         t = self.launch_us.get(lane, 0.0) + self.op_us.get(lane, 0.0) * len(g.costs)
         for kind, flops in g.costs:
             t += flops / (self.rate(lane, kind) * 1e3)
@@ -58,14 +60,15 @@ class DeviceProfile:
 # GPU (Adreno 750) as a fixed FP16 rate, 1 TFLOP/s effective (HeteroLLM §2: GPU prefill throughput is a
 # fraction of the NPU's). Sync: ~100 µs per cross-processor hand-off (HeteroLLM §4.2 measures syncs of tens
 # to hundreds of µs).
-SNAPDRAGON_8GEN3 = DeviceProfile(
+SNAPDRAGON_8GEN3 = CostModel(
     name="snapdragon-8gen3",
     rates={"npu": {"int8_linear": 2000.0, "default": 2000.0},
            "cpu": {"attention": 90.0, "float_sparse": 40.0, "default": 90.0, "int8_linear": 60.0},
            "gpu": {"attention": 1000.0, "float_sparse": 200.0, "default": 1000.0, "int8_linear": 1000.0}},
     launch_us={"npu": 50.0, "cpu": 20.0, "gpu": 30.0},
     sync_us=100.0,
-    source="modelled: calibrated to mllm-NPU §3.4 (Qwen1.5-1.8B, 256 tokens: NPU 315 ms, CPU about half) and HeteroLLM §2",
+    source="modelled: calibrated to mllm-NPU §3.4 (Qwen1.5-1.8B, 256 tokens: NPU 315 ms, CPU about half) and "
+           "HeteroLLM §2",
 )
 
 # This host's lanes as edgeprobe emulates them (2 cores): rates from bench/quant.py and bench/agent.py —
@@ -74,7 +77,7 @@ SNAPDRAGON_8GEN3 = DeviceProfile(
 # output elements) run at numpy's ≈0.3 G elements/s over their several passes, and every op pays ≈30 µs on its lane
 # thread (seen in agent traces: a 64×1536 SwiGLU takes ~0.4 ms, not the 1.4 µs a GEMM rate gives; the shadow GEMMs at
 # prune rate 0 are hundreds of such ops). For predictions that match the agent, measure.
-THIS_HOST = DeviceProfile(
+THIS_HOST = CostModel(
     name="this-host-emulated",
     rates={"npu": {"int8_linear": 70.0, "elementwise": 0.3, "default": 70.0},
            "cpu": {"attention": 30.0, "float_sparse": 5.0, "elementwise": 0.3, "default": 30.0, "int8_linear": 70.0},
@@ -85,22 +88,28 @@ THIS_HOST = DeviceProfile(
     source="modelled from this machine's benchmarks (bench/quant.py, bench/agent.py)",
 )
 
-PROFILES = {p.name: p for p in (SNAPDRAGON_8GEN3, THIS_HOST)}
+COST_MODELS = {m.name: m for m in (SNAPDRAGON_8GEN3, THIS_HOST)}
 
 
-def device_profile(name):
-    """A named modelled profile, or a measured one from its JSON file (…/profile.json). A profile object
-    passes through."""
+def cost_model(name):
+    """A named modelled cost model, or a measured one from its JSON file. A cost model object passes through."""
     if not isinstance(name, str):
         return name
     if name.endswith(".json"):
-        from .measure import MeasuredProfile
+        from .measure import MeasuredCostModel
 
-        return MeasuredProfile.from_json(name)
+        return MeasuredCostModel.from_json(name)
     if name in ("measured", "measured-real"):
-        raise ScheduleError(f"device profile {name!r} is measured on an agent: use `edgeprobe schedule --device-profile "
-                            f"{name}` (measures on a local agent and caches it), Device.measure_profile, or a saved .json")
-    if name not in PROFILES:
-        raise ScheduleError(f"unknown device profile {name!r}; choose one of {', '.join(PROFILES)}, measured, "
-                            "measured-real, or a measured profile's .json file")
-    return PROFILES[name]
+        raise ScheduleError(f"cost model {name!r} is measured on an agent: use `edgeprobe schedule --cost-model "
+                            f"{name}` (measures on a local agent and caches it), Device.measure_cost_model, or a saved "
+                            ".json")
+    if name not in COST_MODELS:
+        raise ScheduleError(f"unknown cost model {name!r}; choose one of {', '.join(COST_MODELS)}, measured, "
+                            "measured-real, or a measured cost model's .json file")
+    return COST_MODELS[name]
+
+
+# the old names (a device's speeds were once called its profile): notebooks and users' code import them
+DeviceProfile = CostModel
+PROFILES = COST_MODELS
+device_profile = cost_model

@@ -21,7 +21,7 @@ DEFAULT_LANES = DEFAULT_STAGE_LANES
 
 
 class ScheduleError(EdgeprobeError, ValueError):
-    """A chunking, schedule or device profile that cannot be used."""
+    """A chunking, schedule or cost model that cannot be used."""
 
 
 @dataclass

@@ -30,7 +30,7 @@ PREBUILT = (32, 64, 128, 256, 512, 1024)
 
 
 @dataclass(frozen=True)
-class HeteroProfile:
+class HeteroCostModel:
     """npu_gops: int8 GEMM rate of the NPU on a pre-built graph; gpu_gflops: the GPU's fixed rate;
     launch_us per kernel; sync_us per GPU-NPU hand-off. Named ones are modelled; measure.measure_linears
     fits one to an agent (modelled=False)."""
@@ -50,9 +50,9 @@ class HeteroProfile:
 
 # Snapdragon 8 Gen 3 as in cost.SNAPDRAGON_8GEN3 (NPU 2.0 TOP/s effective, GPU 1 TFLOP/s), sync ~100 µs
 # (HeteroLLM §4.2: usleep-based sync granularity 80–100 µs).
-SNAPDRAGON_HETERO = HeteroProfile("snapdragon-8gen3", npu_gops=2000.0, gpu_gflops=1000.0,
-                                  source="modelled: mllm-NPU §3.4 calibration, HeteroLLM §2 and §4.2")
-HETERO_PROFILES = {p.name: p for p in (SNAPDRAGON_HETERO,)}
+SNAPDRAGON_HETERO = HeteroCostModel("snapdragon-8gen3", npu_gops=2000.0, gpu_gflops=1000.0,
+                                    source="modelled: mllm-NPU §3.4 calibration, HeteroLLM §2 and §4.2")
+HETERO_COST_MODELS = {m.name: m for m in (SNAPDRAGON_HETERO,)}
 
 
 @dataclass(frozen=True)
@@ -65,15 +65,15 @@ class Choice:
     padded_rows: int = 0     # rows of padding the NPU computes for nothing
 
 
-def _npu_us(p: HeteroProfile, m: int, k: int, n: int) -> float:
+def _npu_us(p: HeteroCostModel, m: int, k: int, n: int) -> float:
     return p.npu_launch_us + 2.0 * m * k * n / (p.npu_gops * 1e3)
 
 
-def _gpu_us(p: HeteroProfile, m: int, k: int, n: int) -> float:
+def _gpu_us(p: HeteroCostModel, m: int, k: int, n: int) -> float:
     return 0.0 if m == 0 or n == 0 else p.gpu_launch_us + 2.0 * m * k * n / (p.gpu_gflops * 1e3)
 
 
-def _side_by_side(p: HeteroProfile, t_npu: float, t_gpu: float) -> float:
+def _side_by_side(p: HeteroCostModel, t_npu: float, t_gpu: float) -> float:
     """Time for NPU work t_npu and GPU work t_gpu (each alone) started together: while both run each goes
     at 1/slowdown of its speed, then the one left runs alone. max(t_npu, t_gpu) when slowdowns are 1."""
     a, b = t_npu * p.slowdown_npu, t_gpu * p.slowdown_gpu
@@ -82,14 +82,14 @@ def _side_by_side(p: HeteroProfile, t_npu: float, t_gpu: float) -> float:
     return b + (t_npu - b / p.slowdown_npu)
 
 
-def pad_to_prebuilt(p: HeteroProfile, m: int) -> int:
+def pad_to_prebuilt(p: HeteroCostModel, m: int) -> int:
     for L in p.prebuilt:
         if L >= m:
             return L
     return -(-m // p.prebuilt[-1]) * p.prebuilt[-1]  # beyond the largest graph: several of it
 
 
-def pipe_parts(p: HeteroProfile, m: int) -> tuple:
+def pipe_parts(p: HeteroCostModel, m: int) -> tuple:
     """Pre-built lengths covering m, largest first; the remainder padded to the smallest length >= it."""
     parts, left = [], m
     for L in sorted(p.prebuilt, reverse=True):
@@ -101,7 +101,7 @@ def pipe_parts(p: HeteroProfile, m: int) -> tuple:
     return tuple(parts)
 
 
-def candidates(p: HeteroProfile, m: int, k: int, n: int) -> list[Choice]:
+def candidates(p: HeteroCostModel, m: int, k: int, n: int) -> list[Choice]:
     """Every strategy's best variant for one matmul x[m, k] @ W[k, n]."""
     if m < 1 or k < 1 or n < 1:
         raise ScheduleError(f"matmul shape must be positive, got M={m}, K={k}, N={n}")
@@ -139,7 +139,7 @@ def candidates(p: HeteroProfile, m: int, k: int, n: int) -> list[Choice]:
     return out
 
 
-def solve(p: HeteroProfile, m: int, k: int, n: int) -> Choice:
+def solve(p: HeteroCostModel, m: int, k: int, n: int) -> Choice:
     """The fastest strategy for one matmul (ties: the simpler strategy, in candidates' order)."""
     return min(candidates(p, m, k, n), key=lambda c: c.time_us)
 
@@ -154,7 +154,7 @@ def model_matmuls(config) -> list[tuple[str, int, int]]:
 STRATEGIES = ("solver", "gpu", "npu-pad", "pipe", "seq-cut", "row-cut")
 
 
-def choices_for(config, prompt_len: int, p: HeteroProfile = SNAPDRAGON_HETERO, strategy: str = "solver") -> dict:
+def choices_for(config, prompt_len: int, p: HeteroCostModel = SNAPDRAGON_HETERO, strategy: str = "solver") -> dict:
     """{matmul name: Choice} for one prompt length: the solver's pick per shape, or one fixed strategy
     (a baseline; seq-cut / row-cut fall back to the solver's pick where the shape cannot be cut so)."""
     if strategy not in STRATEGIES:
@@ -172,7 +172,7 @@ def choices_for(config, prompt_len: int, p: HeteroProfile = SNAPDRAGON_HETERO, s
 DECODE_PREBUILT = (1, 2, 4, 8, 16)
 
 
-def decode_choices(config, batch: int, p: HeteroProfile = SNAPDRAGON_HETERO, strategy: str = "solver") -> dict:
+def decode_choices(config, batch: int, p: HeteroCostModel = SNAPDRAGON_HETERO, strategy: str = "solver") -> dict:
     """{matmul: Choice} for decode steps of `batch` sequences (M = batch rows): the NPU has graphs built for
     the decode batch sizes, so decode splits are row cuts (output channels) or one lane alone — HeteroLLM
     uses the two processors' memory bandwidth together."""
@@ -182,7 +182,7 @@ def decode_choices(config, batch: int, p: HeteroProfile = SNAPDRAGON_HETERO, str
                        strategy)
 
 
-def compare_strategies(config, prompt_len: int, p: HeteroProfile = SNAPDRAGON_HETERO) -> dict:
+def compare_strategies(config, prompt_len: int, p: HeteroCostModel = SNAPDRAGON_HETERO) -> dict:
     """Prefill matmul time (all layers) under the solver and under each fixed strategy, and the solver's
     choice per matmul — at one prompt length."""
     if prompt_len < 1:
@@ -196,8 +196,14 @@ def compare_strategies(config, prompt_len: int, p: HeteroProfile = SNAPDRAGON_HE
         for s, c in cands.items():
             totals[s] = totals.get(s, 0.0) + c.time_us * config.n_layers
         totals["solver"] = totals.get("solver", 0.0) + best.time_us * config.n_layers
-    return {"prompt_len": prompt_len, "profile": p.name, "modelled": p.modelled,
+    # "profile" is the field's first name (saved results read it); "cost_model" says the same
+    return {"prompt_len": prompt_len, "cost_model": p.name, "profile": p.name, "modelled": p.modelled,
             "total_ms": {s: t / 1e3 for s, t in totals.items()},
             "speedup_vs_padding": totals["npu-pad"] / totals["solver"],
             "speedup_vs_pipe": totals["pipe"] / totals["solver"],
             "choices": {n: c.__dict__ for n, c in choices.items()}}
+
+
+# the old names, kept for code written against them ("profile" now means a corpus statistic only)
+HeteroProfile = HeteroCostModel
+HETERO_PROFILES = HETERO_COST_MODELS

@@ -1,12 +1,12 @@
 """Cost models measured on the device agent: HeteroLLM's profiler in its "real" and "predicted" modes (§4.2).
 
-`measure_profile` runs in-order chunked prefills on the agent over a grid of chunk lengths (each a few chunks
+`measure_cost_model` runs in-order chunked prefills on the agent over a grid of chunk lengths (each a few chunks
 long, so attention sees a grid of key lengths), groups the trace's op events by subgraph and keeps the busy
 time of every subgraph — one sample per (lane, stage, tokens, keys). From those samples:
     real       the measured median of the exact (lane, stage, tokens, keys) when it was measured;
     predicted  a least-squares fit per (lane, stage) through each shape's median: t = a + b * FLOPs (a: the
                stage's fixed cost — norms, RoPE, residuals, launch; 1/b its effective rate), for any shape.
-Both answer `time_us(subgraph)` like a named DeviceProfile, so every scheduler runs on them unchanged; they
+Both answer `time_us(subgraph)` like a named CostModel, so every scheduler runs on them unchanged; they
 say `modelled: False`. `fit_error` reports the predicted mode's error on chunk lengths left out of its fit.
 
 `measure_linears` times single linears on the `npu` and `gpu` lanes over a grid of rows and fits the rates
@@ -46,7 +46,7 @@ def _fit(xs, ys) -> tuple[float, float]:
 
 
 @dataclass
-class MeasuredProfile:
+class MeasuredCostModel:
     """Subgraph times measured on an agent. samples: [{lane, stage, tokens, kv_len, flops, us}]."""
 
     samples: list
@@ -59,9 +59,9 @@ class MeasuredProfile:
 
     def __post_init__(self):
         if self.mode not in ("real", "predicted"):
-            raise ScheduleError(f"measured profile mode must be 'real' or 'predicted', got {self.mode!r}")
+            raise ScheduleError(f"a measured cost model's mode must be 'real' or 'predicted', got {self.mode!r}")
         if not self.samples:
-            raise ScheduleError("a measured profile needs samples; run measure_profile on an agent first")
+            raise ScheduleError("a measured cost model needs samples; run measure_cost_model on an agent first")
         if not self.fits:
             groups: dict = {}
             for s in self.samples:
@@ -76,8 +76,8 @@ class MeasuredProfile:
     def name(self) -> str:
         return f"measured-{self.mode}"
 
-    def with_mode(self, mode: str) -> "MeasuredProfile":
-        return MeasuredProfile(self.samples, mode, self.sync_us, self.source, self.fits, self.meta)
+    def with_mode(self, mode: str) -> "MeasuredCostModel":
+        return MeasuredCostModel(self.samples, mode, self.sync_us, self.source, self.fits, self.meta)
 
     def time_us(self, g: Subgraph, lane: str | None = None) -> float:
         lane = lane or g.lane
@@ -88,7 +88,7 @@ class MeasuredProfile:
         fit = self.fits.get(f"{lane}/{g.stage}")
         if fit is None:
             have = sorted(self.fits)
-            raise ScheduleError(f"the measured profile has no samples of stage {g.stage!r} on lane {lane!r} "
+            raise ScheduleError(f"the measured cost model has no samples of stage {g.stage!r} on lane {lane!r} "
                                 f"(it has {', '.join(have)}); measure on an agent with that lane")
         return fit[0] + fit[1] * g.flops
 
@@ -116,26 +116,27 @@ class MeasuredProfile:
     def to_json(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        # the file's kind keeps its first name: files already saved load, and older readers read new ones
         path.write_text(json.dumps({"kind": "edgeprobe-measured-profile", "version": 1, "mode": self.mode,
-                                    "sync_us": self.sync_us, "source": self.source, "fits": self.fits, "meta": self.meta,
-                                    "samples": self.samples}, indent=1))
+                                    "sync_us": self.sync_us, "source": self.source, "fits": self.fits,
+                                    "meta": self.meta, "samples": self.samples}, indent=1))
         return path
 
     @classmethod
-    def from_json(cls, path, mode: str | None = None) -> "MeasuredProfile":
+    def from_json(cls, path, mode: str | None = None) -> "MeasuredCostModel":
         path = Path(path)
         try:
             d = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            raise ScheduleError(f"cannot read a measured profile from {path}: {e}") from None
+            raise ScheduleError(f"cannot read a measured cost model from {path}: {e}") from None
         if not isinstance(d, dict) or d.get("kind") != "edgeprobe-measured-profile":
-            raise ScheduleError(f"{path} is not an edgeprobe measured profile (write one with "
-                                "`edgeprobe schedule --device-profile measured` or MeasuredProfile.to_json)")
+            raise ScheduleError(f"{path} is not an edgeprobe measured profile file (a measured cost model; write one "
+                                "with `edgeprobe schedule --cost-model measured` or MeasuredCostModel.to_json)")
         try:
             return cls(d["samples"], mode or d.get("mode", "predicted"), d.get("sync_us", 0.0), d.get("source", ""),
                        d.get("fits") or {}, d.get("meta") or {})
         except (KeyError, TypeError) as e:
-            raise ScheduleError(f"{path}: malformed measured profile ({e}); measure again") from None
+            raise ScheduleError(f"{path}: malformed measured cost model ({e}); measure again") from None
 
 
 def samples_from_run(res, chunk: int) -> list:
@@ -165,11 +166,11 @@ def cross_lane_sync_us(res) -> float:
     return float(np.median(gaps)) if gaps else 0.0
 
 
-def measure_profile(dev, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, progress: bool = True,
-                    rounds: int = 2) -> MeasuredProfile:
+def measure_cost_model(dev, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, progress: bool = True,
+                       rounds: int = 2) -> MeasuredCostModel:
     """Run in-order chunked prefills of `n_chunks` chunks at each chunk length on the agent `dev`, `rounds` times
     over the lengths (interleaved, so a slow minute of a shared machine does not land on one length alone), and
-    build a MeasuredProfile (predicted mode; `.with_mode("real")` for table lookups). tokens: int ids (real text,
+    build a MeasuredCostModel (predicted mode; `.with_mode("real")` for table lookups). tokens: int ids (real text,
     so shadow outliers are as in use), at least max(chunks) * n_chunks of them."""
     tokens = np.asarray(tokens, np.int32)
     need = max(chunks) * n_chunks
@@ -195,15 +196,15 @@ def measure_profile(dev, qm, tokens, chunks=(64, 128, 256), n_chunks: int = 3, p
     from ..plan import shadow_layers
 
     meta = {"model": qm.manifest.get("model"), "scheme": qm.scheme, "shadow_layers": shadow_layers(qm.manifest)}
-    return MeasuredProfile(samples, "predicted", float(np.median(syncs)), src, meta=meta)
+    return MeasuredCostModel(samples, "predicted", float(np.median(syncs)), src, meta=meta)
 
 
 def measure_linears(dev, qm, rows=(32, 64, 128, 256, 512, 1024), repeat: int = 2, progress: bool = True):
     """Time layer 0's int8 GEMMs alone on the agent's `npu` and `gpu` lanes over `rows` and fit HeteroLLM's
     solver inputs: per lane t = launch + FLOPs / rate (the GPU a fixed FLOP rate, §4.2), and the hand-off
     between lanes. Ops run one after another (chained) so they do not share the cores while timed.
-    Returns (HeteroProfile with modelled=False, samples [{lane, m, k, n, us}])."""
-    from .hetero import PREBUILT, HeteroProfile
+    Returns (HeteroCostModel with modelled=False, samples [{lane, m, k, n, us}])."""
+    from .hetero import PREBUILT, HeteroCostModel
 
     lanes = [l for l in ("npu", "gpu") if l in dev.info.get("lanes", [])]
     if len(lanes) < 2:
@@ -215,7 +216,8 @@ def measure_linears(dev, qm, rows=(32, 64, 128, 256, 512, 1024), repeat: int = 2
     for proj in ("attn_q", "attn_k", "ffn_up", "ffn_down"):
         rec = L[f"blk.0.{proj}"]
         if rec["kind"] not in W8A8_KINDS:
-            raise ScheduleError(f"measuring the partition solver's rates needs int8 linears; blk.0.{proj} is {rec['kind']!r}")
+            raise ScheduleError(f"measuring the partition solver's rates needs int8 linears; blk.0.{proj} is "
+                                f"{rec['kind']!r}")
         recs[proj] = rec
     M = max(rows)
     rng = np.random.default_rng(0)
@@ -227,7 +229,8 @@ def measure_linears(dev, qm, rows=(32, 64, 128, 256, 512, 1024), repeat: int = 2
             for proj, rec in recs.items():
                 for m in rows:
                     name = f"r{r}.{lane}.{proj}.{m}"
-                    ops.append({"name": name, "kind": "linear", "lane": lane, "inputs": [{"input": f"x{rec['shape'][1]}"}],
+                    ops.append({"name": name, "kind": "linear", "lane": lane,
+                                "inputs": [{"input": f"x{rec['shape'][1]}"}],
                                 "deps": [prev] if prev else [], "attrs": {"rec": rec, "part": "int8", "rows": [0, m]}})
                     meta[name] = (r, lane, m, int(rec["shape"][1]), int(rec["shape"][0]))
                     prev = name
@@ -275,9 +278,14 @@ def measure_linears(dev, qm, rows=(32, 64, 128, 256, 512, 1024), repeat: int = 2
     dur = lambda n: ev[n]["end_us"] - ev[n]["start_us"]
     slow = {lane: float(np.median([dur(c) / max(dur(a), 1e-9) for c, a, l in conc if l == lane])) for lane in lanes}
     rate = lambda lane: 1.0 / max(fits[lane][1], 1e-12) / 1e3  # FLOP/µs -> GFLOP/s
-    prof = HeteroProfile("measured", npu_gops=rate("npu"), gpu_gflops=rate("gpu"), npu_launch_us=fits["npu"][0],
+    cm = HeteroCostModel("measured", npu_gops=rate("npu"), gpu_gflops=rate("gpu"), npu_launch_us=fits["npu"][0],
                          gpu_launch_us=fits["gpu"][0], sync_us=float(np.median(gaps)), prebuilt=PREBUILT,
                          source=f"measured on agent {dev.url}: npu lane emulated on the CPU, gpu lane OpenCL "
                                 f"({dev.info.get('cpu', '?')}); rows {list(rows)}", modelled=False,
                          slowdown_npu=max(1.0, slow["npu"]), slowdown_gpu=max(1.0, slow["gpu"]))
-    return prof, samples
+    return cm, samples
+
+
+# the old names, kept for code written against them ("profile" now means a corpus statistic only)
+MeasuredProfile = MeasuredCostModel
+measure_profile = measure_cost_model

@@ -1,7 +1,7 @@
 """Schedulers for chunk graphs (mllm-NPU §3.4): in-order, the out-of-order heuristic (eq. 6), an exact optimum.
 
 All three produce a Schedule: for each subgraph its lane, start and end (µs), under the constraints of
-§3.4 — every dependency finished before a subgraph starts (plus the profile's sync cost when it crosses
+§3.4 — every dependency finished before a subgraph starts (plus the cost model's sync cost when it crosses
 lanes), and one subgraph at a time per lane (eq. 4).
 
 - in-order: each lane runs its subgraphs in chunk-major program order (chunk, layer, stage): the naive
@@ -19,7 +19,7 @@ import heapq
 import time
 from dataclasses import dataclass
 
-from .cost import DeviceProfile
+from .cost import CostModel
 from .graph import STAGES, ChunkGraph, ScheduleError
 
 MAX_EXACT = 12
@@ -30,10 +30,15 @@ SCHEDULERS = ("in-order", "ooo", "exact")
 class Schedule:
     scheduler: str
     graph: ChunkGraph
-    profile: DeviceProfile
+    cost_model: CostModel
     slots: dict              # name -> (lane, start_us, end_us)
     decision_us: float = 0.0  # mean wall time per scheduling decision (ooo)
     decisions: int = 0
+
+    @property
+    def profile(self) -> CostModel:
+        """The cost model's old name, kept for code written against it."""
+        return self.cost_model
 
     @property
     def makespan_us(self) -> float:
@@ -48,12 +53,12 @@ class Schedule:
 
     def to_trace(self):
         """A predicted Trace in the measured traces' format, op for op: each subgraph's slot shared among its
-        template ops in program order, in proportion to their modelled times (FLOPs for a measured profile),
+        template ops in program order, in proportion to their modelled times (FLOPs for a measured cost model),
         with the same names, kinds and groups as the agent's events (events marked modelled/predicted)."""
         from ..trace import Trace
 
-        g, ops_of = self.graph.by_name(), self.graph.ops_of()
-        op_time = getattr(self.profile, "op_time_us", None)
+        ops_of = self.graph.ops_of()
+        op_time = getattr(self.cost_model, "op_time_us", None)
         events = []
         for n, (lane, s, e) in sorted(self.slots.items(), key=lambda kv: kv[1][1]):
             ops = ops_of.get(n, [])
@@ -65,12 +70,14 @@ class Schedule:
                 events.append({"name": op["name"], "kind": op["kind"], "lane": lane, "layer": op["layer"],
                                "chunk": op["chunk"], "group": n, "start_us": t, "end_us": t + d,
                                "bytes_in": 0, "bytes_out": 4 * op["shape"][0] * op["shape"][1], "flops": op["cost"][1],
-                               "emulated": False, "modelled": self.profile.modelled, "predicted": True, "deps": deps,
+                               "emulated": False, "modelled": self.cost_model.modelled, "predicted": True, "deps": deps,
                                "shape": list(op["shape"])})
                 t += d
-        how = "modelled" if self.profile.modelled else "fitted to agent measurements"
-        return Trace(events, {"title": f"predicted: {self.scheduler} on {self.profile.name} ({how})",
-                              "modelled": self.profile.modelled, "predicted": True, "profile": self.profile.name,
+        how = "modelled" if self.cost_model.modelled else "fitted to agent measurements"
+        # "profile" is the meta field's first name (saved traces carry it); "cost_model" says the same
+        return Trace(events, {"title": f"predicted: {self.scheduler} on {self.cost_model.name} ({how})",
+                              "modelled": self.cost_model.modelled, "predicted": True,
+                              "cost_model": self.cost_model.name, "profile": self.cost_model.name,
                               "scheduler": self.scheduler})
 
     def check(self) -> None:
@@ -79,7 +86,8 @@ class Schedule:
         for n, (lane, s, e) in self.slots.items():
             for d in g[n].deps:
                 if self.slots[d][2] > s + 1e-6:
-                    raise AssertionError(f"{n} starts at {s:.1f} before its dependency {d} ends at {self.slots[d][2]:.1f}")
+                    raise AssertionError(f"{n} starts at {s:.1f} before its dependency {d} ends at "
+                                         f"{self.slots[d][2]:.1f}")
         by_lane: dict = {}
         for n, (lane, s, e) in self.slots.items():
             by_lane.setdefault(lane, []).append((s, e, n))
@@ -90,11 +98,11 @@ class Schedule:
                     raise AssertionError(f"{n1} and {n2} overlap on lane {lane}")
 
 
-def _prep(graph: ChunkGraph, profile: DeviceProfile):
+def _prep(graph: ChunkGraph, cost_model: CostModel):
     subs = graph.subgraphs
     names = [g.name for g in subs]
     index = {n: i for i, n in enumerate(names)}
-    dur = [profile.time_us(g) for g in subs]
+    dur = [cost_model.time_us(g) for g in subs]
     lanes = [g.lane for g in subs]
     deps = [[index[d] for d in g.deps] for g in subs]
     succ = [[] for _ in subs]
@@ -113,9 +121,9 @@ def _ready_time(i, deps, end, lanes, sync):
     return t
 
 
-def _list_schedule(graph, profile, pick) -> tuple[dict, int, float]:
+def _list_schedule(graph, cost_model, pick) -> tuple[dict, int, float]:
     """Event-driven list scheduling: when a lane is free, `pick(lane, ready)` chooses what it runs next."""
-    names, dur, lanes, deps, succ, order, rank = _prep(graph, profile)
+    names, dur, lanes, deps, succ, order, rank = _prep(graph, cost_model)
     n = len(names)
     missing = [len(d) for d in deps]
     end = [0.0] * n
@@ -131,7 +139,7 @@ def _list_schedule(graph, profile, pick) -> tuple[dict, int, float]:
         started = False
         for lane in lane_free:
             if lane_free[lane] <= t and ready[lane]:
-                cands = [i for i in ready[lane] if _ready_time(i, deps, end, lanes, profile.sync_us) <= t]
+                cands = [i for i in ready[lane] if _ready_time(i, deps, end, lanes, cost_model.sync_us) <= t]
                 if not cands:
                     continue
                 t0 = time.perf_counter()
@@ -153,7 +161,7 @@ def _list_schedule(graph, profile, pick) -> tuple[dict, int, float]:
         nxt = [e for e, _ in running[:1]]
         for lane in lane_free:
             for i in ready[lane]:
-                rt = _ready_time(i, deps, end, lanes, profile.sync_us)
+                rt = _ready_time(i, deps, end, lanes, cost_model.sync_us)
                 if rt > t:
                     nxt.append(rt)
             if ready[lane] and lane_free[lane] > t:
@@ -171,9 +179,9 @@ def _list_schedule(graph, profile, pick) -> tuple[dict, int, float]:
     return slots, decisions, dec_time
 
 
-def in_order(graph: ChunkGraph, profile: DeviceProfile) -> Schedule:
+def in_order(graph: ChunkGraph, cost_model: CostModel) -> Schedule:
     """Each lane runs its own subgraphs strictly in program order (waiting when the next is not ready)."""
-    names, dur, lanes, deps, succ, order, rank = _prep(graph, profile)
+    names, dur, lanes, deps, succ, order, rank = _prep(graph, cost_model)
     queues: dict = {}
     for i in order:
         queues.setdefault(lanes[i], []).append(i)
@@ -187,11 +195,11 @@ def in_order(graph: ChunkGraph, profile: DeviceProfile) -> Schedule:
             return head
         return None
 
-    slots, dec, dt = _list_schedule(graph, profile, pick)
-    return Schedule("in-order", graph, profile, slots, dt / max(dec, 1) * 1e6, dec)
+    slots, dec, dt = _list_schedule(graph, cost_model, pick)
+    return Schedule("in-order", graph, cost_model, slots, dt / max(dec, 1) * 1e6, dec)
 
 
-def out_of_order(graph: ChunkGraph, profile: DeviceProfile) -> Schedule:
+def out_of_order(graph: ChunkGraph, cost_model: CostModel) -> Schedule:
     """mllm-NPU's online heuristic (eq. 6)."""
     def pick(lane, cands, ctx):
         names, dur, lanes, deps, succ, order, rank, missing = ctx
@@ -209,18 +217,18 @@ def out_of_order(graph: ChunkGraph, profile: DeviceProfile) -> Schedule:
                 best, best_key = i, key
         return best
 
-    slots, dec, dt = _list_schedule(graph, profile, pick)
-    return Schedule("ooo", graph, profile, slots, dt / max(dec, 1) * 1e6, dec)
+    slots, dec, dt = _list_schedule(graph, cost_model, pick)
+    return Schedule("ooo", graph, cost_model, slots, dt / max(dec, 1) * 1e6, dec)
 
 
-def exact(graph: ChunkGraph, profile: DeviceProfile, max_subgraphs: int = MAX_EXACT) -> Schedule:
+def exact(graph: ChunkGraph, cost_model: CostModel, max_subgraphs: int = MAX_EXACT) -> Schedule:
     """Minimum makespan by branch and bound (small instances only)."""
-    names, dur, lanes, deps, succ, order, rank = _prep(graph, profile)
+    names, dur, lanes, deps, succ, order, rank = _prep(graph, cost_model)
     n = len(names)
     if n > max_subgraphs:
         raise ScheduleError(f"the exact scheduler handles at most {max_subgraphs} subgraphs; this graph has {n} "
                             "(use a shorter prompt, fewer layers, or the ooo heuristic)")
-    sync = profile.sync_us
+    sync = cost_model.sync_us
     lane_work = {l: sum(dur[i] for i in range(n) if lanes[i] == l) for l in set(lanes)}
     best = {"mk": float("inf"), "slots": None}
     end = [0.0] * n
@@ -249,11 +257,11 @@ def exact(graph: ChunkGraph, profile: DeviceProfile, max_subgraphs: int = MAX_EX
             lane_free[l] = old
 
     dfs(0, 0, {l: 0.0 for l in lane_work}, dict(lane_work), 0.0)
-    return Schedule("exact", graph, profile, best["slots"])
+    return Schedule("exact", graph, cost_model, best["slots"])
 
 
-def schedule(graph: ChunkGraph, profile: DeviceProfile, scheduler: str = "ooo") -> Schedule:
+def schedule(graph: ChunkGraph, cost_model: CostModel, scheduler: str = "ooo") -> Schedule:
     fns = {"in-order": in_order, "ooo": out_of_order, "exact": exact}
     if scheduler not in fns:
         raise ScheduleError(f"unknown scheduler {scheduler!r}; choose one of {', '.join(fns)}")
-    return fns[scheduler](graph, profile)
+    return fns[scheduler](graph, cost_model)

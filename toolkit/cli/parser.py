@@ -1,0 +1,224 @@
+"""The `edgeprobe` argument parser. Subcommands, flags and defaults are a contract: extend them, never rename or
+remove them (a renamed flag keeps its old spelling as an alias)."""
+from __future__ import annotations
+
+import argparse
+
+from .agent import cmd_agent, cmd_kernels
+from .demo import cmd_demo
+from .evaluate import cmd_eval, cmd_generate
+from .profile import cmd_profile
+from .quant import cmd_quantize
+from .run import cmd_run
+from .schedule import cmd_schedule
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Names the schemes in --scheme/--schemes help from the registry itself, imported only when help is printed
+    (the registry pulls in the kernels: a second of imports no other command line should pay)."""
+
+    def _get_help_string(self, action):
+        text = super()._get_help_string(action)
+        if action.dest in ("scheme", "schemes"):
+            from ..quant.schemes import SCHEMES
+
+            text += f" (choices: {', '.join(SCHEMES)})"
+        return text
+
+
+def _cmd(sub, name: str, help: str, description: str | None = None) -> argparse.ArgumentParser:
+    """A subcommand whose --help opens with what it does (its one-line help, unless a longer description is given)."""
+    return sub.add_parser(name, help=help, description=description or help[:1].upper() + help[1:] + ".",
+                          formatter_class=_HelpFormatter)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="edgeprobe", description="Profile, quantize, schedule and run LLMs for phones.",
+                                 formatter_class=_HelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    e = _cmd(sub, "eval", help="perplexity of a model on a text (non-overlapping windows)")
+    e.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
+    e.add_argument("--text", help="UTF-8 text file (default: the bundled held-out corpus)")
+    e.add_argument("--window", type=int, default=512, help="window length in tokens (default 512)")
+    e.add_argument("--max-windows", type=int, default=None, help="evaluate at most this many windows")
+    e.add_argument("--scheme", default="float", help="quantization scheme to simulate (default float)")
+    e.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
+    e.set_defaults(fn=cmd_eval)
+
+    g = _cmd(sub, "generate", help="continue a prompt (greedy unless --temperature > 0)",
+                       description="Continue a prompt on the host with the float forward pass and a KV cache: greedy "
+                                   "unless --temperature > 0 (then sampled with --seed). Prints the prompt and its "
+                                   "continuation, or with --json the tokens and prefill/decode tokens per second.")
+    g.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("-n", type=int, default=32, help="tokens to generate (default 32)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples softmax(z / T)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    g.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    g.set_defaults(fn=cmd_generate)
+
+    q = _cmd(sub, "quantize", help="quantize a model; --report prints the accuracy table of every scheme",
+                       description="Quantize a model. --report: perplexity, top-1 agreement and bytes of every scheme "
+                                   "on the same held-out text (calibrated on the bundled training corpus). --out DIR "
+                                   "--scheme S: write one quantized model (manifest.json + sha256-named blobs).")
+    q.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
+    q.add_argument("--report", action="store_true", help="accuracy table: every scheme on the same text")
+    q.add_argument("--text", help="evaluation text (default: the bundled held-out corpus)")
+    q.add_argument("--schemes", help="comma-separated schemes for the report (default: all)")
+    q.add_argument("--scheme", help="scheme to write with --out")
+    q.add_argument("--out", help="folder for the quantized model: manifest.json + blobs/")
+    q.add_argument("--window", type=int, default=512, help="evaluation window in tokens (default 512)")
+    q.add_argument("--max-windows", type=int, default=8, help="windows of the text to evaluate (default 8)")
+    q.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens from the training corpus")
+    q.add_argument("--prune-rate", type=float, default=0.85, help="w8a8-shadow: layers whose outliers are dropped")
+    q.add_argument("--coverage", type=float, default=0.8, help="w8a8-shadow: hot-channel coverage")
+    q.add_argument("--tolerance", type=float, default=0.05,
+                   help="moe-mixed: tolerated perplexity increase P for the per-expert widths (default 0.05)")
+    q.add_argument("--json", action="store_true", help="--report as one JSON object")
+    q.add_argument("--no-progress", action="store_true", help="no progress bars")
+    q.set_defaults(fn=cmd_quantize)
+
+    p = _cmd(sub, "profile", help="profile activation outliers, FFN sparsity or MoE expert routing on a corpus")
+    kinds = p.add_subparsers(dest="what", required=True, metavar="{outliers,sparsity,experts}")
+    p_help = {"outliers": ("activation outliers per layer and channel (mllm-NPU Fig. 10-12)", 32768, 512),
+              "sparsity": ("FFN activation sparsity, sliding windows, a neuron predictor (LLM in a flash)", 16384, 512),
+              "experts": ("MoE expert routing: co-activation paths, preload predictor, buffers (EdgeMoE)", 32768, 256)}
+    for what, (text, tokens, window) in p_help.items():
+        npz = what if what != "experts" else "coactivation"
+        pk = kinds.add_parser(what, help=text, description=f"Profile {text} on a corpus; writes {npz}.npz, "
+                              "summary.json and figures as HTML.", formatter_class=_HelpFormatter)
+        pk.add_argument("--model", default=None, help=f"default {'tiny-moe' if what == 'experts' else 'smollm2-135m'}")
+        pk.add_argument("--corpus", help="UTF-8 text file (default: the bundled training corpus)")
+        pk.add_argument("--tokens", type=int, default=None, help=f"tokens to profile (default {tokens})")
+        pk.add_argument("--window", type=int, default=None, help=f"tokens per inference window (default {window})")
+        pk.add_argument("--out", required=True, help="output folder: .npz, summary.json, figures as HTML")
+        pk.add_argument("--json", action="store_true", help="print the summary as one JSON line, last")
+        pk.add_argument("--no-progress", action="store_true", help="no progress bars")
+        pk.add_argument("--ray", metavar="ADDRESS", default=None,
+                        help="shard the corpus's windows over a Ray cluster: local (this machine's cores), auto, "
+                             "HOST:PORT of a `ray start --head`, or ray://HOST:PORT; summary.json equals the "
+                             "single-process run's, shards.json says where each shard ran")
+        pk.add_argument("--shards", type=int, default=None,
+                        help="--ray: shards per pass (default 4 per CPU of the cluster, at most one per window)")
+        pk.set_defaults(fn=cmd_profile, what=what, percentile=99.99, prune_rate=0.85, coverage=0.8, eps=0.01, bits=4.0,
+                        rank=32, no_predictor=False, heldout=None, heldout_tokens=8192, bit_widths=False)
+        if what == "outliers":
+            pk.add_argument("--percentile", type=float, default=99.99, help="clip = this percentile of |x|")
+            pk.add_argument("--prune-rate", type=float, default=0.85,
+                            help="fraction of layers whose outliers are pruned")
+            pk.add_argument("--coverage", type=float, default=0.8, help="hot-channel coverage")
+        elif what == "sparsity":
+            pk.add_argument("--eps", type=float, default=0.01, help="allowed relative FFN output error")
+            pk.add_argument("--bits", type=float, default=4.0, help="weight bits for flash traffic")
+            pk.add_argument("--rank", type=int, default=32, help="predictor rank")
+            pk.add_argument("--no-predictor", action="store_true", help="skip the low-rank predictor")
+        else:
+            pk.add_argument("--heldout",
+                            help="held-out text for predictor and cache (default: bundled held-out corpus)")
+            pk.add_argument("--heldout-tokens", type=int, default=8192, help="held-out tokens replayed (default 8192)")
+            pk.add_argument("--bit-widths", action="store_true",
+                            help="also measure per-expert INT2 sensitivity and width selections (EdgeMoE §3.2)")
+
+    r = _cmd(sub, "run", help="run a quantized prefill on a device agent and bring the trace back")
+    r.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
+    r.add_argument("--scheme", default="w8a8-shadow", help="quantization scheme run on the agent (default w8a8-shadow)")
+    r.add_argument("--prompt-file", help="UTF-8 prompt text (default: the bundled held-out corpus)")
+    r.add_argument("--prompt-len", type=int, default=None,
+                   help="tokens of the prompt to prefill (default 256); a shorter prompt file is prefilled whole")
+    r.add_argument("--device", action="append", default=None,
+                   help="local | arm64 (a local agent in an emulated arm64 Python, no numba) | tcp://HOST:PORT | "
+                        "ssh://USER@HOST[:PORT]; repeat it (--device A --device B) to run the same prefill on every "
+                        "device at once and print a comparison table (default local)")
+    r.add_argument("--sequential", action="store_true",
+                   help="several --device: run them one after another, not at once (agents sharing this host's cores "
+                        "slow each other)")
+    r.add_argument("--store", default=None,
+                   help="--device local / arm64: the agent's blob store (its flash). Default $EDGEPROBE_AGENT_STORE, "
+                        "else <tmp>/edgeprobe-agent-store-<uid>; when another agent holds that one, a free sibling "
+                        "(<store>-2, ...) is used and said")
+    r.add_argument("--scheduler", default="layer", choices=["layer", "in-order", "ooo", "hetero"],
+                   help="layer: one layer-by-layer pass; in-order / ooo: chunked prefill scheduled by mllm-NPU §3.4; "
+                        "hetero: every int8 GEMM partitioned between the gpu and npu lanes by HeteroLLM's solver "
+                        "(rates measured on the agent first)")
+    r.add_argument("--chunk", type=int, default=256, help="chunk length for --scheduler in-order|ooo (default 256)")
+    r.add_argument("--cost-model", "--device-profile", dest="cost_model", default="this-host-emulated",
+                   help="cost model the in-order/ooo scheduler plans with: a named one (snapdragon-8gen3, "
+                        "this-host-emulated), measured, measured-real, or a measured cost model's .json (default "
+                        "this-host-emulated); --device-profile is its old name")
+    r.add_argument("--partition", default="solver", choices=["solver", "gpu", "npu-pad", "pipe", "seq-cut", "row-cut"],
+                   help="--scheduler hetero: the solver's choice per matmul, or one strategy for all (baselines)")
+    r.add_argument("--decode", type=int, default=None, metavar="N",
+                   help="after the prefill, run N decode steps on the agent (its KV cache stays there)")
+    r.add_argument("--batch", type=int, default=1, help="--decode: sequences decoded together (test-time scaling)")
+    r.add_argument("--temperature", type=float, default=0.0, help="--decode: 0 = greedy, else sampled")
+    r.add_argument("--decode-loop", default="host", choices=["host", "agent"],
+                   help="--decode: the host samples each token (a round trip per token; any temperature), or the agent "
+                        "loops greedily itself (one request for all steps, as a phone's runtime does)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--npu-backend", default="numba", choices=["numba", "hvx"],
+                   help="the npu lane's kernels: numba (NPU semantics on this CPU) or hvx (Hexagon v67 HVX code under "
+                        "qemu-hexagon; the JSON then adds logits_max_abs_diff_vs_numba, logits_cosine_vs_numba and "
+                        "top1_equals_numba from a second, numba run)")
+    r.add_argument("--ssh-key", help="private key for --device ssh://")
+    r.add_argument("--known-hosts", help="known_hosts file that must hold the device's host key (ssh)")
+    r.add_argument("--trace", help="write the trace as Chrome/Perfetto JSON here")
+    r.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    r.add_argument("--no-progress", action="store_true")
+    r.set_defaults(fn=cmd_run)
+
+    s = _cmd(sub, "schedule", help="chunk a prompt and schedule its subgraphs (mllm-NPU §3.2, §3.4), predicted",
+                       description="Cut a prompt into chunks, build the chunk-shared subgraph DAG (mllm-NPU §3.2) and "
+                                   "order it on the lanes (§3.4) over a cost model: prints the predicted makespan, its "
+                                   "ratio to in-order, lane busy % and the memory chunk-shared graphs save. Nothing "
+                                   "runs on an agent (except to measure a 'measured' cost model); `edgeprobe run "
+                                   "--scheduler` runs it.")
+    s.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
+    s.add_argument("--prompt-len", type=int, required=True, help="prompt tokens to schedule")
+    s.add_argument("--chunk", type=int, default=256, help="chunk length in tokens (default 256)")
+    s.add_argument("--scheduler", default="ooo", choices=["in-order", "ooo", "exact"],
+                   help="in-order, ooo (mllm-NPU eq. 6, default) or exact (branch and bound, <= 12 subgraphs)")
+    s.add_argument("--cost-model", "--device-profile", dest="cost_model", default="snapdragon-8gen3",
+                   help="a named modelled cost model (snapdragon-8gen3, this-host-emulated); measured (fitted to "
+                        "subgraph times measured on a local agent, HeteroLLM's predicted mode) or measured-real (the "
+                        "measured times themselves where measured); or a measured cost model's .json; "
+                        "--device-profile is its old name")
+    s.add_argument("--remeasure", action="store_true",
+                   help="measure again instead of using the cached measured cost model")
+    s.add_argument("--no-progress", action="store_true", help="no progress bars")
+    s.add_argument("--out", help="write the schedule (slots, dependencies, metrics) as JSON here")
+    s.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    s.set_defaults(fn=cmd_schedule)
+
+    a = _cmd(sub, "agent", help="start a device agent here (same as python -m edgeprobe_agent)")
+    a.add_argument("--bind", default="tcp://127.0.0.1:5555")
+    a.add_argument("--store", default=str(__import__("pathlib").Path.home() / ".cache" / "edgeprobe" / "agent-store"))
+    a.add_argument("--memory-budget", type=float, default=None, help="MB of blobs kept resident")
+    a.add_argument("--curve-keys", help="folder with server.key_secret; required off loopback")
+    a.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: all this machine has)")
+    a.add_argument("--npu-backend", default="numba", choices=["numba", "hvx"],
+                   help="the npu lane's kernels: numba (NPU semantics) or hvx (Hexagon code under qemu-hexagon)")
+    a.set_defaults(fn=cmd_agent)
+
+    k = _cmd(sub, "kernels", help="check a backend's kernels against their numpy references")
+    k.add_argument("action", choices=["check"])
+    k.add_argument("--backend", default="numba", choices=["numba", "hvx", "opencl"],
+                   help="numba: NPU semantics on this CPU; hvx: Hexagon v67 HVX code under qemu-hexagon; "
+                        "opencl: the gpu lane")
+    k.add_argument("--seed", type=int, default=0, help="random cases' seed")
+    k.add_argument("--json", action="store_true", help="print one JSON object: {kernels: {name: {cases, bit_exact, "
+                                                       "max_abs_err}}, ok}")
+    k.set_defaults(fn=cmd_kernels)
+
+    d = _cmd(sub, "demo", help="the main job: profile, quantize, schedule, run on a local agent, report")
+    d.add_argument("--model", default="smollm2-135m")
+    d.add_argument("--out", default="out", help="folder for report.html, trace.json, summary.json (and .cache/)")
+    d.add_argument("--prompt-len", type=int, default=1024, help="prompt of the scheduled prefill")
+    d.add_argument("--chunk", type=int, default=256, help="chunk length of the scheduled prefill")
+    d.add_argument("--profile-tokens", type=int, default=8192, help="training-corpus tokens profiled for outliers")
+    d.add_argument("--max-windows", type=int, default=8, help="held-out windows of 512 for the perplexity")
+    d.add_argument("--repeats", type=int, default=2, help="runs per scheduler on the agent; the best is reported")
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(fn=cmd_demo)
+    return ap

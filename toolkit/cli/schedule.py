@@ -1,0 +1,68 @@
+"""`edgeprobe schedule`: a prompt's chunk graph ordered on the lanes over a cost model, predicted only."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .common import prepared_model, say_for
+
+
+def cmd_schedule(args) -> int:
+    from .. import models
+    from ..schedule import ScheduleError, cache, chunk_graph, cost_model, schedule
+
+    model = models.load(args.model)
+    shadow = True
+    try:
+        hit = None
+        if args.cost_model in cache.MEASURED and not args.remeasure:
+            hit = cache.cached(args.cost_model, args.model, "w8a8-shadow")
+        if hit is not None:
+            cost = hit
+            shadow = cost.meta.get("shadow_layers", True)
+        elif args.cost_model in cache.MEASURED:  # measured on a local agent, over the held-out corpus
+            from ..corpus import read_corpus
+            from ..device import Device
+            from ..plan import shadow_layers
+
+            qm = prepared_model(model, "w8a8-shadow", not args.no_progress, say=say_for(args))
+            shadow = shadow_layers(qm.manifest)  # the graph the measured agent runs
+            with Device.local() as dev:
+                cost = cache.resolve(args.cost_model, args.model, qm, dev,
+                                     model.tokenizer.encode(read_corpus("heldout")), not args.no_progress,
+                                     remeasure=True)
+        else:
+            cost = cost_model(args.cost_model)
+    except ScheduleError as e:
+        print(f"edgeprobe: error: {e}", file=sys.stderr)
+        return 2
+    graph = chunk_graph(model.config, args.prompt_len, args.chunk, shadow=shadow)
+    sched = schedule(graph, cost, args.scheduler)
+    base = schedule(graph, cost, "in-order") if args.scheduler != "in-order" else sched
+    mem = graph.memory()
+    out = {"model": args.model, "prompt_len": args.prompt_len, "chunk": args.chunk, "scheduler": args.scheduler,
+           # device_profile, profile_source: the fields' first names (a contract); cost_model says the same
+           "device_profile": cost.name, "cost_model": cost.name, "modelled": cost.modelled,
+           "profile_source": cost.source,
+           "prediction_error": cost.fit_error() if hasattr(cost, "fit_error") else None,
+           "subgraphs": len(graph.subgraphs), "makespan_ms": sched.makespan_us / 1e3,
+           "makespan_vs_in_order": sched.makespan_us / base.makespan_us,
+           "lanes": {k: round(v, 2) for k, v in sched.busy().items()}, "decision_us": sched.decision_us,
+           "memory": {k: mem[k] for k in ("chunk_graphs_bytes", "chunk_shared_bytes", "saving", "shared_subgraphs",
+                                          "subgraphs_per_chunk")}, "out": args.out}
+    if args.out:
+        from pathlib import Path
+
+        doc = {**out, "slots": {n: {"lane": l, "start_us": s, "end_us": e} for n, (l, s, e) in sched.slots.items()},
+               "deps": {g.name: g.deps for g in graph.subgraphs}}
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(doc))
+    if args.json:
+        print(json.dumps(out))
+    else:
+        busy = ", ".join(f"{k} {v:.0f}%" for k, v in out["lanes"].items())
+        how = "modelled" if cost.modelled else "measured"
+        print(f"{args.scheduler} on {cost.name} ({how}): makespan {out['makespan_ms']:.1f} ms "
+              f"({out['makespan_vs_in_order']:.2f}x in-order), busy {busy}; {len(graph.subgraphs)} subgraphs, "
+              f"{sched.decision_us:.1f} us per decision; chunk-shared graphs save {100 * mem['saving']:.0f}% memory")
+    return 0

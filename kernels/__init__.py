@@ -14,8 +14,9 @@ def _prefer_tbb() -> str | None:
     loaded by path: the wheel puts it in the environment's lib/, outside the loader's search path). TBB steals work,
     so a parallel kernel finishes on the cores it actually gets; numba's OpenMP layer splits every loop statically
     and waits for each thread's share: beside busy processes on 2 cores, in-process SmolLM2 decode steps took
-    0.5-1.6 s under OpenMP and 28-79 ms under TBB (issue 17). A layer the user (or the agent: device_agent/__main__.py)
-    chose with NUMBA_THREADING_LAYER is kept; "tbb" there gets its library loaded. Returns the library loaded, or None."""
+    0.5-1.6 s under OpenMP and 28-79 ms under TBB (issue 17). A layer the user (or the agent:
+    device_agent/__main__.py) chose with NUMBA_THREADING_LAYER is kept; "tbb" there gets its library loaded.
+    Returns the library loaded, or None."""
     if os.environ.get("NUMBA_THREADING_LAYER", "tbb") != "tbb":
         return None
     try:

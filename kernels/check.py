@@ -135,8 +135,8 @@ def _backend_kernels(backend: str):
             q, d = unpack_superblocks(blocks)
             return lut16_dequant(q, d).reshape(-1)
 
-        return {"gemm_s8s32": gemm_s8s32, "gemm_s8s32_numba": gemm_s8s32_numba, "quantize_per_tensor": quantize_per_tensor,
-                "w8a8_linear": w8a8, "q4_tile_dequant": dequant,
+        return {"gemm_s8s32": gemm_s8s32, "gemm_s8s32_numba": gemm_s8s32_numba,
+                "quantize_per_tensor": quantize_per_tensor, "w8a8_linear": w8a8, "q4_tile_dequant": dequant,
                 "gemm_f16w_seq": lambda x, w16: gemm_f16w_seq(x, np.ascontiguousarray(w16.T, np.float32)),
                 "exp_lut": lambda bits: exp_lut(bits.view(np.float16))}
     if backend == "hvx":
@@ -156,8 +156,9 @@ def _backend_kernels(backend: str):
             from .opencl_gemm import shared
             g = shared()
         except Exception as e:  # no pyopencl, no ICD, no device
-            raise BackendUnavailable(f"the opencl backend needs pyopencl and an OpenCL device ({type(e).__name__}: {e}); "
-                                     "Debian: apt-get install pocl-opencl-icd ocl-icd-libopencl1; pip install pyopencl") from None
+            raise BackendUnavailable(f"the opencl backend needs pyopencl and an OpenCL device "
+                                     f"({type(e).__name__}: {e}); Debian: apt-get install pocl-opencl-icd "
+                                     "ocl-icd-libopencl1; pip install pyopencl") from None
         return {"gemm_s8s32": lambda a, b: g.gemm_s8s32(a, np.ascontiguousarray(b.T)),
                 "gemm_f32": g.gemm_f32, "gemm_f16w": g.gemm_f16w}
     raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -17,6 +17,7 @@ from .lut import _f16_values, exp_table
 
 try:
     import numba
+
     from .lut import _f32_to_f16_bits
 except ImportError:
     numba = None

@@ -254,7 +254,8 @@ if VNNI:
                         for i in range(4):
                             for j in range(4):
                                 n = n0 + j
-                                y[m0 + i, n] = np.float32(r[4 * i + j] - off[n - n_lo] + _tail(xq, w, m0 + i, n, KV)) * scale[n]
+                                y[m0 + i, n] = np.float32(r[4 * i + j] - off[n - n_lo]
+                                                          + _tail(xq, w, m0 + i, n, KV)) * scale[n]
                     for n in range(n4, n_hi):  # a chunk's last N % 4 channels
                         for m in range(m0, m0 + 4):
                             y[m, n] = np.float32(_dot_q8(w[n], xq[m])) * scale[n]

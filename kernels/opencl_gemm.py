@@ -36,8 +36,10 @@ __kernel void NAME(__global const float4 *x, __global const WTYPE *w, __global f
 }
 """
 
-SOURCE = (_FLOAT_GEMM.replace("NAME", "gemm_f32").replace("WTYPE", "float4").replace("LOAD_B", "w[(size_t)n * K4 + k]")
-          + _FLOAT_GEMM.replace("NAME", "gemm_f16w").replace("WTYPE", "half").replace("LOAD_B", "vload_half4((size_t)n * K4 + k, w)")
+SOURCE = (_FLOAT_GEMM.replace("NAME", "gemm_f32").replace("WTYPE", "float4")
+          .replace("LOAD_B", "w[(size_t)n * K4 + k]")
+          + _FLOAT_GEMM.replace("NAME", "gemm_f16w").replace("WTYPE", "half")
+          .replace("LOAD_B", "vload_half4((size_t)n * K4 + k, w)")
           + r"""
 // c[m, n] = sum_k a[m, k] * w[n, k], int8 x int8 -> int32; char16 widened to short16 (K % 16 == 0)
 __kernel void gemm_s8s32(__global const char16 *a, __global const char16 *w, __global int *c,
@@ -92,8 +94,8 @@ class OpenCLGemm:
             buf = self._weights.get(key)
             if buf is None:
                 arr = np.ascontiguousarray(make())
-                buf = self._weights[key] = (self.cl.Buffer(self.ctx, self.cl.mem_flags.READ_ONLY | self.cl.mem_flags.COPY_HOST_PTR,
-                                                           hostbuf=arr), arr.shape)
+                flags = self.cl.mem_flags.READ_ONLY | self.cl.mem_flags.COPY_HOST_PTR
+                buf = self._weights[key] = (self.cl.Buffer(self.ctx, flags, hostbuf=arr), arr.shape)
             return buf
 
     def _run(self, kernel: str, x: np.ndarray, wbuf, N: int, kdiv: int, out_dtype) -> np.ndarray:
@@ -119,7 +121,8 @@ class OpenCLGemm:
         """x float32[M, K] @ w float16[N, K]^T (half storage, FP32 math) -> float32[M, N]."""
         K = x.shape[1]
         Kp = -(-K // 4) * 4
-        wbuf, _ = self._weight(("f16", key if key is not None else id(w16)), lambda: _pad(np.asarray(w16, np.float16), Kp))
+        wbuf, _ = self._weight(("f16", key if key is not None else id(w16)),
+                               lambda: _pad(np.asarray(w16, np.float16), Kp))
         return self._run("gemm_f16w", _pad(np.asarray(x, np.float32), Kp), wbuf, w16.shape[0], 4, np.float32)
 
     def gemm_s8s32(self, a: np.ndarray, w: np.ndarray, key=None) -> np.ndarray:

@@ -6,8 +6,8 @@ vpmaddubsw multiplies 32 unsigned by 32 signed bytes into 16 int16 pair sums in 
 carrying w's sign (vpsignb), every pair sum stays exact (|w| <= 128, |a| <= 127: 2 * 128 * 127 < 2^15), and
 vpmaddwd against ones widens them to int32: 5 instructions per 32 bytes. The sums are the same integers, so the
 kernels' bits do not change. A prefill GEMM (`dot4x2_s8_avx2`) keeps a 4 x 2 block of such dots in registers:
-1.4-3x the float32 BLAS path on int8 codes here (bench/quant.py). `AVX2` says whether this CPU has it (numba's cache is keyed by the CPU's features,
-so a kernel compiled here is never loaded on a CPU without them).
+1.4-3x the float32 BLAS path on int8 codes here (bench/quant.py). `AVX2` says whether this CPU has it (numba's cache
+is keyed by the CPU's features, so a kernel compiled here is never loaded on a CPU without them).
 
 With AVX-512 VNNI (Intel since Ice Lake, AMD since Zen 4), vpdpbusd multiplies 64 unsigned by 64 signed bytes and
 adds each 4 products into 16 int32 lanes, exactly (no int16 saturation), in one instruction. The activations are
@@ -48,8 +48,10 @@ if AVX2:
         """LLVM IR for every sum over k < n of int32(a_i[k]) * int32(w_j[k]) (pa, pw: int8 pointers, n an int64 multiple
         of 32) -> int32 values, row-major over (i, j): each 32 bytes of w_j are made |w_j| once for all the a_i."""
         i64 = ir.IntType(64)
-        v32i8, v16i16, v8i32 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(ir.IntType(32), 8)
-        fn = lambda ret, params, name: cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, params), name)
+        v32i8, v16i16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(16), 16)
+        v8i32 = ir.VectorType(ir.IntType(32), 8)
+        fn = lambda ret, params, name: cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ret, params), name)
         psign = fn(v32i8, [v32i8, v32i8], "llvm.x86.avx2.psign.b")
         absb = fn(v32i8, [v32i8, ir.IntType(1)], "llvm.abs.v32i8")
         maddubs = fn(v16i16, [v32i8, v32i8], "llvm.x86.avx2.pmadd.ub.sw")
@@ -65,7 +67,8 @@ if AVX2:
             for i, p in enumerate(pa):
                 x = load(p, off)
                 for j, w8 in enumerate(ws):
-                    pairs = builder.call(maddubs, [unsigned[j], builder.call(psign, [x, w8])])  # 16 exact int16 pair sums of |w| * a*sign(w)
+                    # 16 exact int16 pair sums of |w| * a*sign(w)
+                    pairs = builder.call(maddubs, [unsigned[j], builder.call(psign, [x, w8])])
                     acc = accs[i * len(pw) + j]
                     builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])), acc)
         return [builder.call(reduce, [builder.load(acc)]) for acc in accs]
@@ -79,12 +82,14 @@ if AVX2:
             m0, n0, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[2:], sig.args[2:]))
             row = lambda arr, r, k: builder.gep(arr.data, [builder.mul(builder.add(r, ir.Constant(ir.IntType(64), k)),
                                                                        builder.extract_value(arr.strides, 0))])
-            vals = emit(context, builder, [row(aa, m0, i) for i in range(rows)], [row(ww, n0, j) for j in range(cols)], n)
+            vals = emit(context, builder, [row(aa, m0, i) for i in range(rows)],
+                        [row(ww, n0, j) for j in range(cols)], n)
             return context.make_tuple(builder, sig.return_type, vals)
         return codegen
 
     def _c_arrays(ok_ndim, *ts, dtype=types.int8):
-        return all(isinstance(t, types.Array) and t.dtype == dtype and t.ndim == ok_ndim and t.layout == "C" for t in ts)
+        return all(isinstance(t, types.Array) and t.dtype == dtype and t.ndim == ok_ndim and t.layout == "C"
+                   for t in ts)
 
     def _emit_dots_vnni(context, builder, pa: list, pw: list, n):
         """LLVM IR for every sum over k < n of int32(a_i[k]) * int32(w_j[k]) (pa: uint8 pointers, pw: int8 pointers,
@@ -93,9 +98,12 @@ if AVX2:
         i64, i32 = ir.IntType(64), ir.IntType(32)
         vbytes, vacc = ir.VectorType(ir.IntType(8), VNNI_STEP), ir.VectorType(i32, VNNI_STEP // 4)
         # the <16 x i32> operand form: LLVM releases that declare <64 x i8> upgrade it when they read the IR
-        dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vacc, [vacc] * 3), "llvm.x86.avx512.vpdpbusd.512")
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(vacc, [0] * vacc.count)) for _ in range(len(pa) * len(pw))]
-        load = lambda p, off: builder.bitcast(builder.load(builder.bitcast(builder.gep(p, [off]), vbytes.as_pointer()), align=1), vacc)
+        dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vacc, [vacc] * 3),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+        accs = [cgutils.alloca_once_value(builder, ir.Constant(vacc, [0] * vacc.count))
+                for _ in range(len(pa) * len(pw))]
+        load = lambda p, off: builder.bitcast(
+            builder.load(builder.bitcast(builder.gep(p, [off]), vbytes.as_pointer()), align=1), vacc)
         with cgutils.for_range(builder, builder.sdiv(n, ir.Constant(i64, VNNI_STEP))) as loop:
             off = builder.mul(loop.index, ir.Constant(i64, VNNI_STEP))
             ws = [load(p, off) for p in pw]

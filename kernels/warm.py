@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-
 try:
     import numba as _numba
 except ImportError:
@@ -33,7 +32,8 @@ def _ro(a: np.ndarray) -> np.ndarray:
 
 
 def warm() -> list[str]:
-    """Call each numba kernel of the agent's lanes once on tiny inputs; returns the names warmed (none without numba)."""
+    """Call each numba kernel of the agent's lanes once on tiny inputs; returns the names warmed
+    (none without numba)."""
     try:
         import numba
     except ImportError:
@@ -58,7 +58,8 @@ def _warm() -> list[str]:
     done.append("build_team")
     linear_w8a8_gemv(x, 0.5, np.ones((8, 64), np.int8), np.ones(8, np.float32))  # the runner's own copies: writable
     done.append("linear_w8a8_gemv")
-    linear_w8a8_gemv_group(x, np.ones(2, np.float32), np.zeros(8, np.int32), np.ones((8, 64), np.int8), np.ones(8, np.float32))
+    linear_w8a8_gemv_group(x, np.ones(2, np.float32), np.zeros(8, np.int32), np.ones((8, 64), np.int8),
+                           np.ones(8, np.float32))
     done.append("linear_w8a8_gemv_group")
     as_f32(_ro(np.ones((8, 64), np.int8)))
     done.append("as_f32")

@@ -7,8 +7,16 @@ from edgeprobe_kernels.flash_attention import flash_attention_f16, flash_attenti
 from edgeprobe_kernels.int8_gemm import EXACT_K, gemm_s8s32, gemm_s8s32_numba, gemm_s8s32_ref, quantize_per_tensor
 from edgeprobe_kernels.lut import exp_lut, exp_lut_max_error, lut16_dequant, lut16_dequant_ref, q4_quantize_groups
 from edgeprobe_kernels.shadow import extract_outliers, shadow_gemm, shadow_gemm_ref
-from edgeprobe_kernels.tiles import (SUPER_BYTES, dequantize_tiles, dequantize_tiles_t, from_tiles, pack_superblocks,
-                                     quantize_tiles, to_tiles, unpack_superblocks)
+from edgeprobe_kernels.tiles import (
+    SUPER_BYTES,
+    dequantize_tiles,
+    dequantize_tiles_t,
+    from_tiles,
+    pack_superblocks,
+    quantize_tiles,
+    to_tiles,
+    unpack_superblocks,
+)
 
 rng = np.random.default_rng(0)
 
@@ -144,7 +152,7 @@ def test_the_one_pass_shadow_delta_is_the_numpy_paths_bits_and_counts(M):
     slot[hot], slot[cold] = np.arange(3), -1 - np.arange(len(cold))
     blobs = {"slot": slot, "hot": w.T[hot].copy(), "cold": w.T[cold].copy()}
     rec = {"shape": [N, K], "shadow": True, "clip": clip, "slot": "slot", "hot": "hot", "cold": "cold"}
-    fast_c, slow_c = {}, {}
+    fast_c = {}
     fast = shadow_delta(rec, blobs.__getitem__, fast_c)(x)
     rows, cols, vals = extract_outliers(x, clip)
     slow = np.zeros((M, N), np.float32)

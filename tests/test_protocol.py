@@ -7,8 +7,17 @@ import msgpack
 import numpy as np
 import pytest
 
-from edgeprobe_agent.protocol import (ERRORS, NO_ID, AgentError, ProtocolError, check_request, error_reply, pack,
-                                      request_id, unpack)
+from edgeprobe_agent.protocol import (
+    ERRORS,
+    NO_ID,
+    AgentError,
+    ProtocolError,
+    check_request,
+    error_reply,
+    pack,
+    request_id,
+    unpack,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -219,7 +219,8 @@ def main() -> None:
                             lr=args.lr, betas=(0.9, 0.95))
     warm = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
+        opt, lambda s: min(1.0, (s + 1) / warm)
+        * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))))
     E, k = a["num_local_experts"], a["num_experts_per_tok"]
     log = open(args.out / "training_log.jsonl", "w")
     t0 = time.time()

@@ -20,7 +20,8 @@ from .weights import LazyWeights, default_cache_dir, file_sha256
 
 SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
 HALVES_ARCHS = ("gemma3", "qwen2", "qwen3")  # llama.cpp runs these with NEOX RoPE: Q/K rows stay in the halves layout
-# llama.cpp's values for Gemma 3 files that lack the keys (src/llama-model.cpp): 5 local layers to 1 global, local RoPE base
+# llama.cpp's values for Gemma 3 files that lack the keys (src/llama-model.cpp): 5 local layers to 1 global, local
+# RoPE base
 GEMMA3_SWA_PATTERN, GEMMA3_ROPE_LOCAL = 6, 10000.0
 _MAGIC = b"GGUF"
 
@@ -174,7 +175,8 @@ def _check_tensors(cfg: ModelConfig, reader: gguf.GGUFReader, path: Path) -> Non
             expect.update({f"blk.{i}.ffn_gate.weight": (cfg.ffn, h), f"blk.{i}.ffn_up.weight": (cfg.ffn, h),
                            f"blk.{i}.ffn_down.weight": (h, cfg.ffn)})
         if cfg.qk_norm:
-            expect.update({f"blk.{i}.attn_q_norm.weight": (cfg.head_dim,), f"blk.{i}.attn_k_norm.weight": (cfg.head_dim,)})
+            expect.update({f"blk.{i}.attn_q_norm.weight": (cfg.head_dim,),
+                           f"blk.{i}.attn_k_norm.weight": (cfg.head_dim,)})
         if cfg.post_norms:
             expect.update({f"blk.{i}.post_attention_norm.weight": (h,), f"blk.{i}.post_ffw_norm.weight": (h,)})
     check_ffn_shapes(cfg, shapes, path)

@@ -21,7 +21,8 @@ from .tokenizer import Tokenizer
 def _pre_tokenizer_name(tok: Tokenizer) -> str:
     """The llama.cpp `tokenizer.ggml.pre` name of a byte-level BPE tokenizer's pre-tokenizer."""
     pre = json.loads(tok.hf.to_str()).get("pre_tokenizer") or {}
-    kinds = [p.get("type") for p in pre.get("pretokenizers", [])] if pre.get("type") == "Sequence" else [pre.get("type")]
+    kinds = ([p.get("type") for p in pre.get("pretokenizers", [])] if pre.get("type") == "Sequence"
+             else [pre.get("type")])
     if kinds == ["ByteLevel"]:
         return "gpt-2"
     if kinds == ["Digits", "ByteLevel"] and pre["pretokenizers"][0].get("individual_digits"):

@@ -133,7 +133,8 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
                                     "or a Mixtral-layout MoE")
     moe = {}
     if model_type == "mixtral":
-        moe = dict(n_experts=int(cfg.get("num_local_experts", 0)), n_experts_used=int(cfg.get("num_experts_per_tok", 0)),
+        moe = dict(n_experts=int(cfg.get("num_local_experts", 0)),
+                   n_experts_used=int(cfg.get("num_experts_per_tok", 0)),
                    expert_ffn=int(cfg.get("intermediate_size", 0)), norm_topk=True)
         if moe["n_experts"] < 1:
             raise ModelFormatError(f"{path}/config.json: a mixtral config needs num_local_experts >= 1")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def _go():
+def plotly_go():
     import plotly.graph_objects as go
 
     return go
@@ -15,8 +15,8 @@ SPARSITY_KINDS = ("inactive", "frequency", "window")
 
 
 def outlier_figure(st, kind: str = "channels"):
-    go = _go()
-    from .outliers import TENSOR_POINTS
+    go = plotly_go()
+    points = st.POINTS  # from the stats, not outliers.py: that module draws with this one
 
     if kind not in OUTLIER_KINDS:
         raise ValueError(f"unknown outlier figure {kind!r}; choose one of {OUTLIER_KINDS}")
@@ -26,16 +26,17 @@ def outlier_figure(st, kind: str = "channels"):
     if kind == "channels":  # Fig. 10
         cpl = st.channels_per_layer()
         fig = go.Figure()
-        for p in TENSOR_POINTS:
+        for p in points:
             fig.add_bar(x=layers, y=cpl[f"{p}_per_window"], name=p,
                         customdata=cpl[f"{p}_pct_window"],
                         hovertemplate="layer %{x}<br>%{y:.1f} channels (%{customdata:.2f}%)<extra>" + p + "</extra>")
         fig.add_scatter(x=layers, y=cpl["pct_window"], name="% of channels (mean)", yaxis="y2",
                         mode="lines+markers", line=dict(color="black"))
-        fig.update_layout(barmode="group", title=f"Outlier channels per layer per {st.windows and st.tokens // st.windows}-token "
+        window = st.windows and st.tokens // st.windows
+        fig.update_layout(barmode="group", title=f"Outlier channels per layer per {window}-token "
                           f"inference (mllm-NPU Fig. 10)<br><sup>{title_tail}</sup>",
                           xaxis_title="layer", yaxis_title="channels with an outlier",
-                          yaxis2=_right_axis("% of channels"), legend=_legend_below())
+                          yaxis2=_right_axis("% of channels"), legend=legend_below())
         return fig
     if kind == "share":  # Fig. 11
         fig = go.Figure()
@@ -44,7 +45,7 @@ def outlier_figure(st, kind: str = "channels"):
             idx = np.unique(np.geomspace(1, len(cum), 400).astype(int)) - 1
             return 100 * (idx + 1) / len(cum), 100 * cum[idx]
 
-        for p in TENSOR_POINTS:
+        for p in points:
             x, y = curve(st.channel_share([n for n in st.names if n.endswith(p)]))
             fig.add_scatter(x=x, y=y, name=p, mode="lines")
         x, y = curve(st.channel_share())
@@ -52,9 +53,11 @@ def outlier_figure(st, kind: str = "channels"):
         fig.add_scatter(x=x, y=y, name="all tensors", mode="lines", line=dict(color="black", width=3))
         fig.add_hline(y=80, line_dash="dot", annotation_text=f"80% of outliers from {pct:.2f}% of channels")
         fig.update_layout(title=f"Share of outliers by channel rank (mllm-NPU Fig. 11)<br><sup>{title_tail}</sup>",
-                          xaxis_title="channels, ranked by outlier count (%)", yaxis_title="cumulative share of outliers (%)",
-                          xaxis=dict(type="log", tickvals=[0.01, 0.1, 1, 10, 100], ticktext=["0.01", "0.1", "1", "10", "100"]),
-                          legend=_legend_below())
+                          xaxis_title="channels, ranked by outlier count (%)",
+                          yaxis_title="cumulative share of outliers (%)",
+                          xaxis=dict(type="log", tickvals=[0.01, 0.1, 1, 10, 100],
+                                     ticktext=["0.01", "0.1", "1", "10", "100"]),
+                          legend=legend_below())
         return fig
     if kind == "importance":  # Fig. 12
         imp = st.layer_importance()
@@ -67,13 +70,13 @@ def outlier_figure(st, kind: str = "channels"):
         top = np.log10(max(float(imp.max()), 2.0)) * 1.05
         fig.update_layout(title=f"Outlier importance per layer (mllm-NPU Fig. 12)<br><sup>{title_tail}</sup>",
                           xaxis_title="layer", yaxis=dict(title="max |x| / clip (1 = no outlier)", type="log",
-                                                          range=[0, top]), legend=_legend_below())
+                                                          range=[0, top]), legend=legend_below())
         return fig
     # histogram: per layer, share of values by |x| / clip octave (rows) at the ffn_act input
     edges = st.params["ratio_edges"]
     z = []
     for i in layers:
-        h = sum(st.arrays[f"blk.{i}.{p}"]["hist"].sum(axis=0) for p in TENSOR_POINTS)
+        h = sum(st.arrays[f"blk.{i}.{p}"]["hist"].sum(axis=0) for p in points)
         with np.errstate(divide="ignore"):
             z.append(np.where(h > 0, np.log10(np.maximum(h, 1)), np.nan))  # empty cells stay blank
     labels = [f"{lo:g}–{hi:g}" for lo, hi in zip(edges[:-1], edges[1:])] + [f"≥{edges[-1]:g}"]
@@ -85,7 +88,7 @@ def outlier_figure(st, kind: str = "channels"):
 
 
 def sparsity_figure(st, kind: str = "inactive"):
-    go = _go()
+    go = plotly_go()
     if kind not in SPARSITY_KINDS:
         raise ValueError(f"unknown sparsity figure {kind!r}; choose one of {SPARSITY_KINDS}")
     L = st.n_layers
@@ -98,7 +101,7 @@ def sparsity_figure(st, kind: str = "inactive"):
                         mode="lines+markers")
         fig.update_layout(title=f"FFN neurons below the per-layer threshold<br><sup>{tail}</sup>", xaxis_title="layer",
                           yaxis_title="inactive (%)", yaxis2=_right_axis("FFN output error, relative L2 (%)"),
-                          legend=_legend_below())
+                          legend=legend_below())
         return fig
     if kind == "frequency":
         z = np.array([np.sort(st.frequency(i))[::-1] for i in layers])
@@ -116,7 +119,8 @@ def sparsity_figure(st, kind: str = "inactive"):
                         subplot_titles=("neurons resident in DRAM", "neurons loaded from flash per token"))
     fig.add_scatter(x=w["k"], y=w["resident"], name="resident", mode="lines+markers", row=1, col=1)
     fig.add_scatter(x=w["k"], y=w["new"], name="loaded per token", mode="lines+markers", row=2, col=1,
-                    customdata=w["bytes"] / 1024, hovertemplate="k=%{x}: %{y:.1f} neurons, %{customdata:.1f} KiB<extra></extra>")
+                    customdata=w["bytes"] / 1024,
+                    hovertemplate="k=%{x}: %{y:.1f} neurons, %{customdata:.1f} KiB<extra></extra>")
     fig.update_yaxes(title_text="neurons per layer", row=1, col=1)
     fig.update_yaxes(title_text="neurons per token per layer", type="log", row=2, col=1)
     fig.update_xaxes(title_text="window k (tokens)", dtick=1, row=2, col=1)
@@ -129,7 +133,7 @@ def _right_axis(title: str) -> dict:
     return dict(title=title, overlaying="y", side="right", rangemode="tozero", showgrid=False, tickmode="auto")
 
 
-def _legend_below() -> dict:
+def legend_below() -> dict:
     return dict(orientation="h", yanchor="top", y=-0.18, xanchor="left", x=0)
 
 

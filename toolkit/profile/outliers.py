@@ -100,6 +100,7 @@ class OutlierStats(Profile):
     """Per-channel outlier statistics of every linear input. Build with `OutlierStats.for_model`."""
 
     KIND: ClassVar[str] = "outliers"
+    POINTS: ClassVar[tuple] = TENSOR_POINTS  # the hook points profiled in each layer (figures draw one series each)
     # field: how shards combine. chmax float32[C]; count, count_fixed int64[C]; hist int64[C, bins];
     # tok_hist int64[C+1] tokens by number of outlier channels; win_channels int64[1] sum over windows
     # of channels with an outlier in that window.

@@ -48,9 +48,11 @@ class Plan:
     signals: set = field(default_factory=set)   # ops another lane waits for (the only ones that need an Event)
     steps: dict = field(default_factory=dict)   # name -> what running it needs, parsed once (see __post_init__)
     readers: dict = field(default_factory=dict)  # name -> how many input references of other ops read its output
+    registry: dict | None = None  # op kind -> fn, over OPS (a host running the template's float ops, with its hooks)
 
     def __post_init__(self):
         lane = {n: self.ops[n]["lane"] for n in self.order}
+        registry = self.registry or OPS
         self.deps = {n: sorted(self.parents[n]) for n in self.order}
         # a lane runs in order, so a parent on the same lane placed earlier is done already; one placed later
         # would be a cycle, which validate refuses
@@ -66,7 +68,7 @@ class Plan:
                 if "op" in r:
                     self.readers[r["op"]] = self.readers.get(r["op"], 0) + 1
             refs = [next(iter(r.items())) for r in op.get("inputs", [])]
-            self.steps[n] = (op["kind"], OPS[op["kind"]], op.get("attrs", {}), refs, _gathered(op),
+            self.steps[n] = (op["kind"], registry[op["kind"]], op.get("attrs", {}), refs, _gathered(op),
                              {"name": n, "kind": op["kind"], "lane": lane[n], "layer": op.get("layer", -1),
                               "chunk": op.get("chunk", 0), "deps": self.deps[n], "group": op.get("group", n)},
                              self.waits[n], [key for src, key in refs if src == "op"],
@@ -90,8 +92,10 @@ def _gathered(op: dict) -> frozenset:
     return frozenset(out)
 
 
-def validate(plan, has_blob, lanes=LANES) -> Plan:
-    """Check a plan fully before running anything: kinds, lanes, references, blobs, cycles, lane orders."""
+def validate(plan, has_blob, lanes=LANES, registry: dict | None = None) -> Plan:
+    """Check a plan fully before running anything: kinds, lanes, references, blobs, cycles, lane orders.
+    registry: op kind -> fn to run instead of OPS (the host's float pass: its linears, LM head and hooks)."""
+    kinds = registry or OPS
     if not isinstance(plan, dict) or not isinstance(plan.get("ops"), list) or not plan["ops"]:
         raise PlanError("bad_plan", "a plan is a map with a non-empty list 'ops'")
     ops, order = {}, []
@@ -101,9 +105,9 @@ def validate(plan, has_blob, lanes=LANES) -> Plan:
         name = op["name"]
         if name in ops:
             raise PlanError("bad_plan", f"op name {name!r} is used twice")
-        if op.get("kind") not in OPS:
+        if op.get("kind") not in kinds:
             raise PlanError("unknown_op", f"op {name!r} has unknown kind {str(op.get('kind'))[:40]!r}; "
-                                          f"this agent runs {', '.join(sorted(OPS))}")
+                                          f"this agent runs {', '.join(sorted(kinds))}")
         if op.get("lane") not in lanes:
             raise PlanError("unknown_lane", f"op {name!r} asks for lane {str(op.get('lane'))[:20]!r}; this agent "
                                             f"has lanes {', '.join(lanes)}")
@@ -154,7 +158,7 @@ def validate(plan, has_blob, lanes=LANES) -> Plan:
     outputs = plan.get("outputs") or [order[-1]]
     if not isinstance(outputs, list) or any(o not in ops for o in outputs):
         raise PlanError("unknown_ref", "outputs must name ops of the plan")
-    return Plan(ops, order, lo, outputs, parents)
+    return Plan(ops, order, lo, outputs, parents, registry=registry)
 
 
 def _check_acyclic(edges: dict) -> None:

@@ -325,3 +325,16 @@ def route(logits: np.ndarray, k: int, norm_topk: bool = True) -> tuple[np.ndarra
     if norm_topk:
         w = w / w.sum(axis=1, keepdims=True)
     return experts.astype(np.int64), w.astype(np.float32)
+
+
+def mix_experts(x: np.ndarray, experts: np.ndarray, weights: np.ndarray, expert) -> np.ndarray:
+    """The routed experts' outputs mixed by their router weights (EdgeMoE §3.3: each expert sees only its rows).
+
+    x float32[N, hidden], experts int64[N, k] and weights float32[N, k] (route's); expert(e, rows of x) ->
+    float32[rows, hidden]. Experts run in ascending order; a token picks an expert at most once, so its rows are
+    unique and += is a scatter-add. -> float32[N, hidden]."""
+    y = np.zeros_like(x)
+    for e in np.unique(experts):
+        rows, slot = np.nonzero(experts == e)
+        y[rows] += weights[rows, slot, None] * expert(int(e), x[rows])
+    return y

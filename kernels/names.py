@@ -1,4 +1,5 @@
-"""Tensor names and op kinds: one table that the forward pass, the graph template and the agent import.
+"""Tensor names, hook points and op kinds: one table that the forward pass, the graph template, the profilers,
+the quantizers and the agent import.
 
 Tensor names follow GGUF (llama.cpp's gguf-py `constants.py`): `blk.{i}.attn_q.weight` etc. A *linear*
 is named without `.weight` ("blk.0.attn_q"); an expert's slice of a stacked tensor is
@@ -29,6 +30,35 @@ def weight(name: str) -> str:
 def matmul_of(linear: str) -> str:
     """"blk.3.attn_q" -> "attn_q": the per-layer matmul a HeteroLLM partition choice is keyed by."""
     return linear.rsplit(".", 1)[-1]
+
+
+# Hook points: where the host's forward pass shows an activation x float32[rows, features] to a hook (which may
+# replace it), named blk.{i}.<point> (out_norm alone), each at the output of a template op (last name part)
+ATTN_IN_HOOK = "attn_in"      # input of Q/K/V: attn_norm's output              [N, hidden]
+ATTN_OUT_HOOK = "attn_out"    # input of the output projection: the attention's [N, n_heads * head_dim]
+FFN_IN_HOOK = "ffn_in"        # input of gate/up: ffn_norm's output              [N, hidden]
+FFN_ACT_HOOK = "ffn_act"      # input of down: act(gate) * up                    [N, ffn]
+ROUTER_HOOK = "router"        # MoE router logits (edgeprobe.forward.RouterLogits) [N, n_experts]
+OUT_NORM_HOOK = "out_norm"    # input of the LM head: output_norm's output      [N, hidden]
+LAYER_HOOKS = (ATTN_IN_HOOK, ATTN_OUT_HOOK, FFN_IN_HOOK, FFN_ACT_HOOK, ROUTER_HOOK)  # per layer, in execution order
+HOOK_OPS = {ATTN_IN_HOOK: ("attn_norm",), ATTN_OUT_HOOK: ("attention",), FFN_IN_HOOK: ("ffn_norm",),
+            FFN_ACT_HOOK: ("swiglu", "geglu"), ROUTER_HOOK: ("moe_ffn",), OUT_NORM_HOOK: ("output_norm",)}
+_HOOK_OF_OP = {op: point for point, ops in HOOK_OPS.items() for op in ops}
+
+
+def hook_point(op_name: str) -> str | None:
+    """The hook point at a template op's output: "blk.3.swiglu" -> "blk.3.ffn_act", "output_norm" -> "out_norm",
+    None for an op without one (the router's point is inside moe_ffn: its logits, not the op's output)."""
+    head, _, last = op_name.rpartition(".")
+    point = _HOOK_OF_OP.get(last)
+    if point is None:
+        return None
+    return f"{head}.{point}" if head else point
+
+
+def layer_of(name: str) -> int:
+    """blk(3, ...) -> 3: the layer of a linear, a hook point or a tensor of the blk.{i} family."""
+    return int(name.split(".")[1])
 
 
 # op kind -> what it computes (x: float32[rows, features]); the agent's registry must match these keys

@@ -1,10 +1,12 @@
-"""The one forward pass: a float32 Llama-family decoder in numpy, with a KV cache and hook points.
+"""The host's float pass: the template's ops (graph.template) run in-process by the agent's executor, with hooks.
 
-Every later stage goes through here: profilers read activations at the hook points, quantizers
-replace them (a hook may return a new array) or replace the linears (`linear=`), MoE models plug
-their FFN into `FFN_KINDS`. There is no second transformer anywhere in edgeprobe.
+Every later stage goes through here: profilers read activations at the hook points, quantizers replace them (a
+hook may return a new array) or replace the linears (`linear=`). The layer structure is the template's alone: this
+module supplies the host's linear (float, or the caller's), its LM head and the hooks, as op functions over the
+agent's registry (graph.local.float_plan / run_float).
 
-Hook points, each seeing x: float32[batch*tokens, features] (rows in batch-major order):
+Hook points (edgeprobe_kernels.names, the one table), each seeing x: float32[batch*tokens, features] (rows in
+batch-major order), at the output of the template op named in names.HOOK_OPS:
     blk.{i}.attn_in   input of Q/K/V (after attn_norm)         [N, hidden]
     blk.{i}.attn_out  input of the output projection           [N, n_heads*head_dim]
     blk.{i}.ffn_in    input of gate/up (after ffn_norm)        [N, hidden]
@@ -12,6 +14,7 @@ Hook points, each seeing x: float32[batch*tokens, features] (rows in batch-major
     blk.{i}.router    MoE router logits (MoE models)           [N, n_experts], a RouterLogits whose
                       .experts int64[N, k] and .weights float32[N, k] are the routing they imply
     out_norm          input of the LM head (after output_norm) [N, hidden]
+A dict of hooks may also name any other op of the template ("blk.1.ffn_moe_sum": a MoE layer's FFN output).
 """
 from __future__ import annotations
 
@@ -20,25 +23,31 @@ from typing import Callable, Mapping, Union
 
 import numpy as np
 
-from edgeprobe_kernels.llama_ops import GATED_ACTS, apply_rope, attention, head_rms_norm, rms_norm, route
+from edgeprobe_agent.ops import OPS
+from edgeprobe_kernels import names as N
+from edgeprobe_kernels.llama_ops import GATED_ACTS, mix_experts, route  # noqa: F401  (route: re-exported)
 from edgeprobe_kernels.llama_ops import rope_tables as _rope_tables
-from edgeprobe_kernels.names import ATTN_LINEARS, FFN_LINEARS
-from edgeprobe_kernels.names import ROUTERS  # noqa: F401  (re-exported: router linears stay float)
+from edgeprobe_kernels.names import (
+    ATTN_LINEARS,
+    FFN_LINEARS,
+    ROUTERS,  # noqa: F401  (re-exported: router linears stay float)
+)
 
 from .errors import TokenRangeError
+from .graph.local import HostRaised, float_plan, run_float
 from .models import Model, ModelConfig
 
 HookFn = Callable[[str, np.ndarray], Union[np.ndarray, None]]
 Hooks = Union[HookFn, Mapping[str, HookFn], None]
 LinearFn = Callable[[str, np.ndarray], np.ndarray]
 
-HOOK_POINTS = ("attn_in", "attn_out", "ffn_in", "ffn_act", "router")
+HOOK_POINTS = N.LAYER_HOOKS  # per layer, in execution order (out_norm after the last layer)
 
 
 def hook_names(config: ModelConfig) -> list[str]:
     """Every hook point name of a model, in execution order."""
-    per = [p for p in HOOK_POINTS if p != "router" or config.n_experts]
-    return [f"blk.{i}.{p}" for i in range(config.n_layers) for p in per] + ["out_norm"]
+    per = [p for p in HOOK_POINTS if p != N.ROUTER_HOOK or config.n_experts]
+    return [N.blk(i, p) for i in range(config.n_layers) for p in per] + [N.OUT_NORM_HOOK]
 
 
 def _hook(hooks: Hooks, name: str, x: np.ndarray) -> np.ndarray:
@@ -82,6 +91,14 @@ class KVCache:
                 if o is not None:
                     a[:, :, :self.length] = o[:, :, :self.length]
                 store.append(a)
+
+    def write(self, layer: int, start: int, k: np.ndarray, v: np.ndarray):
+        """k, v: float32[batch, T, n_kv_heads, head_dim] at positions start..start+T-1 (reserved) -> the layer's
+        whole keys and values (the attention op reads the first start+T), as the agent's KVSession.write."""
+        T = k.shape[1]
+        self.k[layer][:, :, start:start + T] = k.transpose(0, 2, 1, 3)
+        self.v[layer][:, :, start:start + T] = v.transpose(0, 2, 1, 3)
+        return self.k[layer], self.v[layer]
 
     def reorder(self, indices) -> None:
         """New batch row j = old row indices[j]: fork one prompt into candidates, or keep surviving beams."""
@@ -140,14 +157,6 @@ def linear_names(config: ModelConfig) -> list[str]:
     return out
 
 
-def dense_ffn(model: Model, i: int, x: np.ndarray, hooks: Hooks, linear: LinearFn) -> np.ndarray:
-    """Gated FFN (Shazeer 2020): down(act(gate(x)) * up(x)), act silu (SwiGLU) or tanh-GELU (GeGLU, Gemma);
-    x: float32[N, hidden]."""
-    act = GATED_ACTS[model.config.act_fn](linear(f"blk.{i}.ffn_gate", x), linear(f"blk.{i}.ffn_up", x))
-    act = _hook(hooks, f"blk.{i}.ffn_act", act)
-    return linear(f"blk.{i}.ffn_down", act)
-
-
 class RouterLogits(np.ndarray):
     """Router logits float32[N, n_experts] that also carry the routing they imply:
     `.experts` int64[N, k] (the chosen experts, best first) and `.weights` float32[N, k]."""
@@ -175,37 +184,78 @@ def swiglu(linear: LinearFn, prefix: str, suffix: str, x: np.ndarray) -> np.ndar
 
 
 def moe_ffn(model: Model, i: int, x: np.ndarray, hooks: Hooks, linear: LinearFn) -> np.ndarray:
-    """Mixture-of-experts FFN (Mixtral / OLMoE / Qwen-MoE style); x: float32[N, hidden].
+    """The routed experts of layer i's MoE FFN (Mixtral / OLMoE / Qwen-MoE; the template's moe_ffn op, its shared
+    expert being ops of their own); x: float32[N, hidden] -> float32[N, hidden].
 
-    A softmax router picks top-k SwiGLU experts per token and mixes their outputs by the (optionally
-    renormalized) router probabilities; an optional shared expert runs on every token, scaled by
-    sigmoid(ffn_gate_inp_shexp · x) when that gate exists (Qwen-MoE). Each expert's GEMM sees only
-    the rows routed to it, as on a device that loads just the chosen experts (EdgeMoE §3.3).
+    A softmax router picks top-k SwiGLU experts per token and mixes their outputs by the (optionally renormalized)
+    router probabilities (edgeprobe_kernels.llama_ops.route, mix_experts: the agent's code). Each expert's GEMM sees
+    only the rows routed to it, as on a device that loads just the chosen experts (EdgeMoE §3.3).
     """
     c = model.config
     logits = linear(f"blk.{i}.ffn_gate_inp", x)
-    experts, weights = _router_hook(hooks, f"blk.{i}.router", logits, c.n_experts_used, c.norm_topk)
-    y = np.zeros_like(x)
-    for e in range(c.n_experts):
-        rows, slot = np.nonzero(experts == e)
-        if len(rows) == 0:
-            continue
-        # a token picks an expert at most once, so rows are unique and += is a scatter-add
-        y[rows] += weights[rows, slot, None] * swiglu(linear, f"blk.{i}.", f"_exps.{e}", x[rows])
-    if c.shared_expert_ffn:
-        s = swiglu(linear, f"blk.{i}.", "_shexp", x)
-        if c.shared_expert_gate:
-            s *= 1.0 / (1.0 + np.exp(-linear(f"blk.{i}.ffn_gate_inp_shexp", x)))
-        y += s
-    return y
+    experts, weights = _router_hook(hooks, N.blk(i, N.ROUTER_HOOK), logits, c.n_experts_used, c.norm_topk)
+    return mix_experts(x, experts, weights, lambda e, xr: swiglu(linear, f"blk.{i}.", f"_exps.{e}", xr))
 
 
-# FFN implementations by kind: dense SwiGLU or mixture of experts, in the one forward pass.
-FFN_KINDS: dict[str, Callable] = {"dense": dense_ffn, "moe": moe_ffn}
+@dataclass
+class _Host:
+    """What the host's op functions read in one forward call."""
+    model: Model
+    hooks: Hooks
+    linear: LinearFn
+    head: object
 
 
-def ffn_kind(config: ModelConfig) -> str:
-    return "moe" if config.n_experts else "dense"
+def _user(fn, *args):
+    """A call into the caller's code (linear, head, hook): its error is raised as it was, not as an op failure."""
+    try:
+        return fn(*args)
+    except HostRaised:
+        raise
+    except Exception as e:
+        raise HostRaised(e) from None
+
+
+def _seen(hooks: Hooks, attrs: dict, out: np.ndarray) -> np.ndarray:
+    """An op's output through its hook: the hook point's (callable hooks see only those), or the op's name's."""
+    point = attrs.get("hook")
+    if callable(hooks):
+        return _user(_hook, hooks, point, out) if point else out
+    name = point if point in hooks else attrs["op"] if attrs["op"] in hooks else None
+    return out if name is None else _user(_hook, hooks, name, out)
+
+
+def _hooked(fn):
+    def run(inp, attrs, ctx):
+        out = fn(inp, attrs, ctx)
+        hooks = ctx.host.hooks
+        return out if hooks is None else _seen(hooks, attrs, out)
+    return run
+
+
+def _op_linear(inp, attrs, ctx):
+    return _user(ctx.host.linear, attrs["linear"], inp[0])
+
+
+def _op_moe_ffn(inp, attrs, ctx):
+    h = ctx.host
+    return _user(moe_ffn, h.model, int(attrs["moe_layer"]), inp[0], h.hooks, h.linear)
+
+
+def _op_lm_head(inp, attrs, ctx):
+    """x float32[rows, hidden] -> logits float32[rows or batch, vocab] through the caller's head (a quantized model's
+    Q8_0 head) or x @ output_weight^T."""
+    x, B = inp[0], int(attrs.get("batch", 1))
+    if attrs.get("last_only", True):
+        x = np.ascontiguousarray(x.reshape(B, x.shape[0] // B, x.shape[1])[:, -1])
+    head = ctx.host.head
+    return _user(head, x) if head else x @ inp[1].T
+
+
+# the agent's registry, with the host's linears, LM head and MoE router (its hook, the caller's linears), and every
+# op's output offered to the hooks
+HOST_OPS = {kind: _hooked(fn) for kind, fn in {**OPS, "linear": _op_linear, "moe_ffn": _op_moe_ffn,
+                                                "lm_head": _op_lm_head}.items()}
 
 
 def _as_batch(tokens, vocab: int) -> tuple[np.ndarray, bool]:
@@ -247,59 +297,16 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
     if start + T > c.context_length:
         raise TokenRangeError(f"{start + T} positions exceed the model's context length {c.context_length}; "
                               "use shorter windows or reset the cache")
-    linear = linear or float_linear(model)
-    head = head or model.head
-    W = model.weights
-    x = np.asarray(W["token_embd.weight"][toks.reshape(-1)], dtype=np.float32)  # [N, hidden]
-    if c.embed_scale != 1.0:
-        x = x * np.float32(c.embed_scale)  # Gemma: embeddings times sqrt(hidden)
-    tables = {th: _rope_tables(c.head_dim, th, start, T, c.rope_freq_factors) for th in {c.theta(i) for i in range(c.n_layers)}}
+    if logits not in ("all", "last", "none"):
+        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+    plan = float_plan(c, T, B, cache is not None, logits, HOST_OPS)
     if cache is not None:
         cache.reserve(start + T)
-    ffn = FFN_KINDS[ffn_kind(c)]
-    d = c.head_dim
-    for i in range(c.n_layers):
-        h = rms_norm(x, W[f"blk.{i}.attn_norm.weight"], c.rms_eps)
-        h = _hook(hooks, f"blk.{i}.attn_in", h)
-        q, k, v = linear(f"blk.{i}.attn_q", h), linear(f"blk.{i}.attn_k", h), linear(f"blk.{i}.attn_v", h)
-        if c.attn_bias:  # Qwen2: biases on Q, K and V
-            q, k, v = (y + W[f"blk.{i}.{n}.bias"] for y, n in ((q, "attn_q"), (k, "attn_k"), (v, "attn_v")))
-        if c.qk_norm:  # Gemma 3: each query and key head RMS-normalized before RoPE
-            q = head_rms_norm(q, W[f"blk.{i}.attn_q_norm.weight"], c.rms_eps, d)
-            k = head_rms_norm(k, W[f"blk.{i}.attn_k_norm.weight"], c.rms_eps, d)
-        q, k = q.reshape(B, T, c.n_heads, d), k.reshape(B, T, c.n_kv_heads, d)
-        v = v.reshape(B, T, c.n_kv_heads, d)
-        cos, sin = tables[c.theta(i)]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            cache.k[i][:, :, start:start + T] = k.transpose(0, 2, 1, 3)
-            cache.v[i][:, :, start:start + T] = v.transpose(0, 2, 1, 3)
-            kk, vv = cache.k[i], cache.v[i]  # whole: attention() reads the first start + T positions
-        else:
-            kk, vv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-        a = attention(q, kk, vv, start, c.window(i))
-        a = _hook(hooks, f"blk.{i}.attn_out", a)
-        o = linear(f"blk.{i}.attn_output", a)
-        if c.post_norms:
-            o = rms_norm(o, W[f"blk.{i}.post_attention_norm.weight"], c.rms_eps)
-        x = x + o
-        h = rms_norm(x, W[f"blk.{i}.ffn_norm.weight"], c.rms_eps)
-        h = _hook(hooks, f"blk.{i}.ffn_in", h)
-        f = ffn(model, i, h, hooks, linear)
-        if c.post_norms:
-            f = rms_norm(f, W[f"blk.{i}.post_ffw_norm.weight"], c.rms_eps)
-        x = x + f
+    W = model.weights
+    get = lambda name: model.output_weight if name == N.OUTPUT else W[name]
+    host = _Host(model, hooks, linear or float_linear(model), head or model.head)
+    out = run_float(plan, get, toks.reshape(-1), cache, host)
     if cache is not None:
         cache.length = start + T
-    x = rms_norm(x, W["output_norm.weight"], c.rms_eps)
-    x = _hook(hooks, "out_norm", x)
-    if logits == "none":
-        out = x.reshape(B, T, -1)
-    elif logits == "last":
-        last = x.reshape(B, T, -1)[:, -1]
-        out = head(np.ascontiguousarray(last)) if head else last @ model.output_weight.T
-    elif logits == "all":
-        out = (head(x) if head else x @ model.output_weight.T).reshape(B, T, -1)
-    else:
-        raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
+    out = out.reshape(B, -1) if logits == "last" else out.reshape(B, T, -1)
     return out[0] if single else out

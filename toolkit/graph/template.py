@@ -18,8 +18,8 @@ Each op is a dict the agent executes (`edgeprobe_agent.executor`) with tags the 
     lane     only where the computation itself fixes it (a HeteroLLM split's pieces); placement does the rest
 
 The agent's plan (graph.place), the chunk graph the schedulers order (schedule.graph: ops grouped by
-`group`, dependencies from the ops' data edges) and the cost model all derive from these ops; `forward.py`
-is the numpy reference they must equal (tests/test_graph.py).
+`group`, dependencies from the ops' data edges), the cost model and the host's float pass (`forward.py`, run
+in-process by graph.local with hooks at the ops named in names.HOOK_OPS) all derive from these ops.
 """
 from __future__ import annotations
 
@@ -45,13 +45,15 @@ class Weights:
     """What the template's weight references point at: a QuantizedModel manifest (blob shas, records) or, for
     a graph built from a config alone (scheduling before quantizing), names and stand-in int8 records.
 
-    shadow (config only): layers whose linears keep float shadow outliers (w8a8-shadow); True = all."""
+    shadow (config only): layers whose linears keep float shadow outliers (w8a8-shadow); True = all.
+    floats (config only): every linear a float record (the host's float pass, graph.local.run_float)."""
 
-    def __init__(self, config, manifest: dict | None = None, shadow=True):
+    def __init__(self, config, manifest: dict | None = None, shadow=True, floats: bool = False):
         import dataclasses
 
         self.config = dict(config) if isinstance(config, dict) else dataclasses.asdict(config)
         self.manifest = manifest
+        self.floats = floats
         L = self.config["n_layers"]
         self.shadow = set(range(L)) if shadow is True else set() if shadow in (False, None) else set(shadow)
 
@@ -85,7 +87,9 @@ class Weights:
             if linear not in L:
                 raise GraphError(f"the manifest has no linear {linear!r}; quantize the model again")
             return L[linear]
-        layer = int(linear.split(".")[1])
+        layer = N.layer_of(linear)
+        if self.floats:
+            return {"kind": "float", "shape": list(self.shape(linear))}
         if linear.endswith(N.ROUTERS):
             kind = "float"
         else:

@@ -56,7 +56,6 @@ ACCURACY_SCHEMES = ["float", "w8a8", "w8a8-shadow", "w8a8c-shadow", "q4_0-tile"]
 def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: int = 1024, chunk: int = 256,
              profile_tokens: int = 8192, eval_windows: int | None = 8, accuracy_windows: int = 4,
              print_fn=print, progress: bool = True, repeats: int = 2) -> dict:
-    from .device import Device
     from .graph import GRAPH_VERSION
     from .profile.jobs import profile_outliers, profile_sparsity
     from .profile.outliers import OutlierStats
@@ -78,7 +77,8 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     free = shutil.disk_usage(cache).free
     if free < FREE_BYTES_NEEDED:
         raise DemoError(f"only {free / 1e9:.2f} GB free under {cache.resolve()}; the demo needs about "
-                        f"{FREE_BYTES_NEEDED / 1e9:.1f} GB (agent store, profiles, report): free some space or pass out=")
+                        f"{FREE_BYTES_NEEDED / 1e9:.1f} GB (agent store, profiles, report): free some space or pass "
+                        "out=")
     timings: dict = {}
 
     def step(name):
@@ -101,7 +101,8 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     ev, hit_e = _cached(cache / f"{tag}-eval-{eval_windows}.json",
                     lambda: perplexity(m, held, window=512, max_windows=eval_windows, progress=progress).__dict__,
                     *_JSON_IO)
-    print_fn(f"held-out    perplexity {ev['perplexity']:.3f} over {ev['tokens_scored']} tokens{' (cached)' if hit_e else ''}")
+    print_fn(f"held-out    perplexity {ev['perplexity']:.3f} over {ev['tokens_scored']} tokens"
+             f"{' (cached)' if hit_e else ''}")
     step("profiles")
     # v3: the profile also holds the p99.1 clips w8a8c-shadow quantizes with
     outl, hit_o = _cached(cache / f"{tag}-outliers-{profile_tokens}-v3.npz",
@@ -220,8 +221,9 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     rows += [(f"prefill {s['prompt_len']} / chunk {s['chunk']}, in-order", f"{s['in_order_ms']:.0f} ms measured{best}, "
               f"{s['predicted_in_order_ms']:.0f} ms predicted"),
              ("  out-of-order", f"{s['ooo_ms']:.0f} ms measured, {s['predicted_ooo_ms']:.0f} ms predicted"),
-             ("  out-of-order / in-order", f"{s['ooo_vs_in_order']:.2f} (this run; the README's 0.69–0.75 is bench/schedule.py, "
-                                           "best of 3 on a quiet host: the ratio grows when other work shares the cores)"),
+             ("  out-of-order / in-order", f"{s['ooo_vs_in_order']:.2f} (this run; the README's 0.69–0.75 is "
+                                           "bench/schedule.py, best of 3 on a quiet host: the ratio grows when other "
+                                           "work shares the cores)"),
              ("  lanes busy (out-of-order)", ", ".join(f"{k} {v:.0f}%" for k, v in s["busy_pct_ooo"].items())),
              ("chunk-shared graphs save", f"{100 * s['chunk_shared_memory_saving']:.0f}% memory"),
              ("report / trace", f"{s['report']} / {s['trace']}")]

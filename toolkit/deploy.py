@@ -194,9 +194,9 @@ def deploy_ssh(host: str, user: str, key_path, port: int = 22, python: str = "py
     said = [l for l in log.splitlines() if l.startswith("edgeprobe-agent: error:")]
     if said:  # the agent named the problem itself (missing packages with their install command, a bad option)
         raise DeployError(f"the agent did not start on {host} ({python}): {said[-1][len('edgeprobe-agent: error: '):]}")
-    raise DeployError(f"the agent did not start on {host}: {log[-800:] or 'no output'}; the device needs Python {python!r} "
-                      "with numpy, pyzmq and msgpack (numba optional; Termux: pkg install python python-numpy libzmq; "
-                      "pip install pyzmq msgpack)")
+    raise DeployError(f"the agent did not start on {host}: {log[-800:] or 'no output'}; the device needs Python "
+                      f"{python!r} with numpy, pyzmq and msgpack (numba optional; Termux: pkg install python "
+                      "python-numpy libzmq; pip install pyzmq msgpack)")
 
 
 def start_local_sshd(folder, sshd: str | None = None):

@@ -158,7 +158,8 @@ class Farm:
                     try:
                         opened[name] = fut.result()
                     except Exception as e:  # noqa: BLE001 - every device's reason is reported below
-                        failed[name] = str(e) if isinstance(e, (EdgeprobeError, ValueError)) else f"{type(e).__name__}: {e}"
+                        known = isinstance(e, (EdgeprobeError, ValueError))
+                        failed[name] = str(e) if known else f"{type(e).__name__}: {e}"
         except BaseException:  # Ctrl-C: the pool has waited for every open; close what opened
             for fut in futures.values():
                 if fut.done() and not fut.cancelled() and fut.exception() is None:

@@ -29,7 +29,8 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
                     ffn_flash=ffn_flash, experts_flash=experts_flash)
     kind = "decode" if session and n_tokens == 1 else "prefill"
     decode = kind == "decode" and split is None
-    plan = place_by_kind(ops, float_lane, {"kind": kind, "tokens": n_tokens, "batch": batch, "scheme": manifest["scheme"]},
+    plan = place_by_kind(ops, float_lane,
+                         {"kind": kind, "tokens": n_tokens, "batch": batch, "scheme": manifest["scheme"]},
                          decode=decode)
     return fuse_step(fuse_layers(plan)) if decode else plan  # a decode step: its layers one op on the cpu lane
 
@@ -70,8 +71,9 @@ def attach_expert_streaming(qm, predictor=None) -> None:
                 shas |= weight_blobs(rec)
     qm.manifest["streamed_blobs"] = sorted(shas)
     if predictor is not None:
-        qm.manifest["expert_predictor"] = {k: (qm.store.put(np.asarray(v), f"expert_predictor.{k}") if np.ndim(v) else int(v))
-                                           for k, v in predictor.to_arrays().items()}
+        qm.manifest["expert_predictor"] = {
+            k: (qm.store.put(np.asarray(v), f"expert_predictor.{k}") if np.ndim(v) else int(v))
+            for k, v in predictor.to_arrays().items()}
         qm.manifest["blobs"] = qm.store.meta
 
 

@@ -38,7 +38,7 @@ def code_version() -> str:
 
 
 def cache_root() -> Path:
-    """$EDGEPROBE_PREPARED_CACHE, else <edgeprobe cache>/prepared (the cache is $EDGEPROBE_CACHE or ~/.cache/edgeprobe)."""
+    """$EDGEPROBE_PREPARED_CACHE, else <edgeprobe cache>/prepared ($EDGEPROBE_CACHE or ~/.cache/edgeprobe)."""
     import os
 
     from .models import default_cache_dir

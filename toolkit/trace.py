@@ -104,7 +104,8 @@ class Trace:
                 "args": {"name": name or self.meta.get("title", "edgeprobe agent")}},
                {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": pid}}]
         for lane, t in tid.items():
-            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": t, "args": {"name": self.lane_label(lane)}})
+            out.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": t,
+                        "args": {"name": self.lane_label(lane)}})
             out.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": t, "args": {"sort_index": t}})
         by_name = {e["name"]: e for e in self.events}
         flow = (pid - 1) << 32  # arrows of different processes never share an id (one trace: 1, 2, ... as ever)
@@ -169,7 +170,8 @@ class Trace:
                         base=[(groups[n][1] - t0) / 1e3 for n in names], orientation="h", name=label, opacity=opacity,
                         customdata=names, hovertemplate="%{customdata}<br>%{base:.1f} ms + %{x:.2f} ms<extra></extra>")
         errs = np.array([r["error"] for r in rows if np.isfinite(r["error"])])
-        sub = (f"{len(rows)} matched groups; median |error| {100 * np.median(np.abs(errs)):.0f}%" if len(errs) else "no matched groups")
+        sub = (f"{len(rows)} matched groups; median |error| {100 * np.median(np.abs(errs)):.0f}%" if len(errs)
+               else "no matched groups")
         fig.update_layout(barmode="overlay", title=(title or "measured vs predicted") + f"<br><sup>{sub}</sup>",
                           xaxis_title="time (ms)", height=360, legend=dict(orientation="h", y=-0.25))
         return fig, rows
@@ -186,11 +188,13 @@ class Trace:
             ev = [e for e in self.events if e["kind"] == kind]
             fig.add_bar(
                 y=[self.lane_label(e["lane"]) for e in ev], x=[(e["end_us"] - e["start_us"]) / 1e3 for e in ev],
-                base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", name=kind, marker_color=kind_color(kind),
+                base=[(e["start_us"] - t0) / 1e3 for e in ev], orientation="h", name=kind,
+                marker_color=kind_color(kind),
                 customdata=[[e["name"], str(e.get("shape", "")), e.get("bytes_in", 0) / 1e3, e.get("flops", 0) / 1e6,
                              f"emulated ({e['emulated']})" if isinstance(e.get("emulated"), str)
                              else "emulated" if e.get("emulated") else ""] for e in ev],
-                hovertemplate="%{customdata[0]} %{customdata[4]}<br>%{base:.2f} ms + %{x:.3f} ms<br>out %{customdata[1]}, "
+                hovertemplate="%{customdata[0]} %{customdata[4]}<br>%{base:.2f} ms + %{x:.3f} ms<br>"
+                              "out %{customdata[1]}, "
                               "in %{customdata[2]:.0f} kB, %{customdata[3]:.1f} MFLOP<extra>" + kind + "</extra>")
         m = self.metrics()
         busy = ", ".join(f"{l} {v['busy_pct']:.0f}%" for l, v in m["lanes"].items())
@@ -210,7 +214,8 @@ def write_chrome_json(path, traces: dict) -> Path:
     out = []
     for pid, (name, trace) in enumerate(traces.items(), 1):
         out += trace.chrome_events(pid, t0, name)
-    other = next(iter(traces.values())).meta if len(traces) == 1 else {"processes": {n: t.meta for n, t in traces.items()}}
+    other = (next(iter(traces.values())).meta if len(traces) == 1
+             else {"processes": {n: t.meta for n, t in traces.items()}})
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms", "otherData": other}))

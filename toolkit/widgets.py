@@ -125,7 +125,8 @@ class TimelineExplorer:
         key = (scheme, round(prune_rate, 4) if scheme == "w8a8-shadow" else None)
         if key not in self._qms:
             if scheme in ("w8a8", "w8a8-shadow") and self.calib is None:
-                raise ValueError(f"{scheme} needs a calibration profile: TimelineExplorer(..., calib=calibration_profile(...))")
+                raise ValueError(f"{scheme} needs a calibration profile: "
+                                 "TimelineExplorer(..., calib=calibration_profile(...))")
             kw = {"prune_rate": prune_rate} if scheme == "w8a8-shadow" else {}
             prof = self.calib if scheme in ("w8a8", "w8a8-shadow") else None
             self._qms[key] = quantize(self.model, scheme, prof, **kw)
@@ -246,7 +247,8 @@ class TimelineExplorer:
     @staticmethod
     def describe(s: dict) -> str:
         """A one-line name of a setting, e.g. "w8a8-shadow (prune 0.85), ooo, chunk 256"."""
-        parts = [s["scheme"] + (f" (prune {s['prune_rate']:.2f})" if s["scheme"] == "w8a8-shadow" else ""), s["scheduler"]]
+        prune = f" (prune {s['prune_rate']:.2f})" if s["scheme"] == "w8a8-shadow" else ""
+        parts = [s["scheme"] + prune, s["scheduler"]]
         if s["scheduler"] != "layer":
             parts.append(f"chunk {s['chunk']}")
         return ", ".join(parts)

@@ -17,11 +17,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import hvx_bridge
-from .linear_records import shadow_delta
+from .linear_records import scheme_of, shadow_delta
 from .tiles import from_tiles
 
-HVX_KINDS = {"w8a8", "w8a8-shadow", "smoothquant", "q4_0-tile"}  # the npu lane's record kinds (NPU_KINDS)
-EXACT_KINDS = HVX_KINDS                                            # bit-identical with the numba backend
+HVX_SCHEMES = {"w8a8", "w8a8-shadow", "smoothquant", "q4_0-tile"}  # the npu lane's record schemes (NPU_KINDS)
+EXACT_SCHEMES = HVX_SCHEMES                                          # bit-identical with the numba backend
 
 
 def _w8a8(rec, get, cols=None, smooth=None, dsp=None):
@@ -45,14 +45,14 @@ def _q4_0_tile(rec, get, dsp=None):
 
 def runner(rec: dict, part: str, get, cols=None, dsp=None):
     """The hvx runner of a linear record (part "all" | "int8" | "shadow"), or None when it is not NPU work."""
-    kind = rec.get("kind")
-    if part == "shadow" or kind not in HVX_KINDS:
+    scheme = scheme_of(rec)
+    if part == "shadow" or scheme not in HVX_SCHEMES:
         return None
-    if part == "int8" or kind == "w8a8":
+    if part == "int8" or scheme == "w8a8":
         return _w8a8(rec, get, cols, dsp=dsp)
-    if kind == "smoothquant":
+    if scheme == "smoothquant":
         return _w8a8(rec, get, smooth=np.asarray(get(rec["smooth"]), np.float32), dsp=dsp)
-    if kind == "w8a8-shadow":
+    if scheme == "w8a8-shadow":
         base = _w8a8(rec, get, dsp=dsp)
         if not rec["shadow"]:
             return base

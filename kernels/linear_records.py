@@ -1,9 +1,10 @@
 """Runners of quantized-linear records: manifest record + blobs -> linear(x), as the device computes it.
 
 A record is the JSON a scheme's builder (`edgeprobe.quant.schemes`) writes into a QuantizedModel's
-manifest; its blobs are raw arrays named by sha256. The host simulation and the device agent run the
-same functions from here, so they compute the same thing. Each `run_<kind>(rec, get, counters)`
-takes `get(sha) -> array` and a counters dict (events such as outliers and cold rows read), and
+manifest; its field `scheme` names the recipe (w8a8, q4_0-tile, ...; `scheme_of` also reads the `kind` of
+records saved before the field was renamed). Its blobs are raw arrays named by sha256. The host simulation and
+the device agent run the same functions from here, so they compute the same thing. Each `run_<scheme>(rec, get,
+counters)` takes `get(sha) -> array` and a counters dict (events such as outliers and cold rows read), and
 returns linear(x: float32[M, K], counters=<that dict>) -> float32[M, N]. A caller that keeps one runner
 across many runs (the agent) passes each call's own counters, so every run counts only its own events.
 """
@@ -13,17 +14,31 @@ import numpy as np
 
 from . import int8_gemm
 from .f16_gemm import gemm_f16w_seq
-from .int8_gemm import GEMV_M, gemm_codes_f32, gemm_s8s32, linear_w8a8_gemv, quantize_per_tensor, quantize_per_tensor_f32
+from .int8_gemm import (
+    GEMV_M,
+    gemm_codes_f32,
+    gemm_s8s32,
+    linear_w8a8_gemv,
+    quantize_per_tensor,
+    quantize_per_tensor_f32,
+)
 from .intn import dequantize_channels
 from .lut import lut16_dequant
 from .shadow import extract_outliers, shadow_delta_onepass, shadow_gemm
 from .tiles import dequantize_tiles_t
 
-
 SMALL_M = 32
-W8A8_KINDS = {"w8a8", "w8a8-shadow", "w8a8c-shadow"}  # an int8 GEMM with a per-tensor activation scale
-SHADOW_KINDS = {"w8a8-shadow", "w8a8c-shadow"}        # plus mllm-NPU's float shadow GEMM of the outliers
+W8A8_SCHEMES = {"w8a8", "w8a8-shadow", "w8a8c-shadow"}  # an int8 GEMM with a per-tensor activation scale
+SHADOW_SCHEMES = {"w8a8-shadow", "w8a8c-shadow"}        # plus mllm-NPU's float shadow GEMM of the outliers
+W8A8_KINDS, SHADOW_KINDS = W8A8_SCHEMES, SHADOW_SCHEMES  # their names before records said `scheme`
 WEIGHT_FIELDS = ("w", "wt", "codes", "scales", "blocks")  # record fields naming a linear's weight blobs
+
+
+def scheme_of(rec: dict) -> str | None:
+    """The record's scheme name: its `scheme` field, else the `kind` field that manifests, plans and agents used
+    for it before (saved files and wire messages are contracts: an old record still loads and runs)."""
+    s = rec.get("scheme")
+    return rec.get("kind") if s is None else s
 
 
 def weight_blobs(rec: dict) -> set:
@@ -62,11 +77,12 @@ def run_w8a8(rec, get, counters, cols=None, keep_f32: bool = False, layout=None)
         return k_major[0]
 
     wf = int8_gemm.as_f32(wt()) if keep_f32 and not int8_gemm.GEMM_INT8 else None
-    rows_major = []  # (int8[N, K], float32[N] scales), made at the first call that needs them (two lanes racing make equal copies)
+    rows_major = []  # (int8[N, K], float32[N] scales), made at the first call needing them (racing lanes: equal copies)
 
     def linear(x, counters=counters):
         small = x.shape[0] <= GEMV_M
-        if (small and int8_gemm.numba is not None) or int8_gemm.GEMM_INT8:  # without numba the BLAS paths below: no transposed copy
+        # without numba the BLAS paths below: no transposed copy
+        if (small and int8_gemm.numba is not None) or int8_gemm.GEMM_INT8:
             if not rows_major:
                 w = layout(rec["wt"]) if layout is not None and cols is None else int8_gemm.rows_major(wt())
                 rows_major.append((w, np.array(np.broadcast_to(scale, w.shape[0]), np.float32)))
@@ -175,7 +191,8 @@ def shadow_delta(rec, get, counters):
             if n_out:
                 counters["outliers"] = counters.get("outliers", 0) + n_out
                 counters["cold_rows_read"] = counters.get("cold_rows_read", 0) + n_cold
-                counters["cold_bytes_read"] = counters.get("cold_bytes_read", 0) + int(n_cold * cold.shape[1] * cold.itemsize)
+                counters["cold_bytes_read"] = (counters.get("cold_bytes_read", 0)
+                                               + int(n_cold * cold.shape[1] * cold.itemsize))
             return y
         y = np.zeros((x.shape[0], N), np.float32)
         rows, cols, vals = extract_outliers(x, clip)
@@ -184,7 +201,8 @@ def shadow_delta(rec, get, counters):
             cold_ch = np.unique(cols[slot[cols] < 0])
             counters["outliers"] = counters.get("outliers", 0) + len(rows)
             counters["cold_rows_read"] = counters.get("cold_rows_read", 0) + len(cold_ch)
-            counters["cold_bytes_read"] = counters.get("cold_bytes_read", 0) + int(len(cold_ch) * cold.shape[1] * cold.itemsize)
+            counters["cold_bytes_read"] = (counters.get("cold_bytes_read", 0)
+                                           + int(len(cold_ch) * cold.shape[1] * cold.itemsize))
         return y
     return delta
 

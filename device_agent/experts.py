@@ -19,7 +19,7 @@ from edgeprobe_kernels.expert_cache import ExpertCache, preload_scores
 from edgeprobe_kernels.linear_records import RUNNERS, weight_blobs
 from edgeprobe_kernels.llama_ops import route, swiglu_act
 
-from .ops import OpError, _arr
+from .ops.registry import OpError, _arr
 
 PROJ = ("gate", "up", "down")
 

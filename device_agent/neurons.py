@@ -13,7 +13,7 @@ import numpy as np
 
 from edgeprobe_kernels.llama_ops import swiglu_act
 
-from .ops import OpError, _arr
+from .ops.registry import OpError, _arr
 
 
 class NeuronWindow:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .ops import OpError
+from .ops.registry import OpError
 
 
 @dataclass

@@ -6,7 +6,6 @@ import sys
 import time
 
 from ..errors import EdgeprobeError
-from ..workflows import host_logits
 from .common import prepared_model, say_for
 
 
@@ -153,6 +152,7 @@ def _reference_fields(args, res, info: dict, ref) -> dict:
 def _run_one(args, model, ids, tokens, say) -> int:
     from ..device import open_device
     from ..schedule import ScheduleError
+    from ..workflows import host_logits
 
     n, progress = len(tokens), not args.no_progress
     try:
@@ -217,6 +217,7 @@ def _run_farm(args, specs, model, ids, tokens, say) -> int:
     with a process per device. Exit 1 when a device failed mid-run (its row says why), 2 when one cannot be used."""
     from ..device import open_device
     from ..farm import Farm
+    from ..workflows import host_logits
 
     n, progress = len(tokens), not args.no_progress
     try:

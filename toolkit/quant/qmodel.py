@@ -3,8 +3,9 @@
 On disk, a folder:
   manifest.json   format "edgeprobe-quantized", format_version 1, scheme, model {name, sha256},
                   config (ModelConfig fields), tokenizer (blob id of its JSON), tensors {name: blob id}
-                  for the float tensors (embedding, norms), linears {name: record} (schemes.py says what
-                  each kind's record holds), blobs {sha256: {dtype, shape, nbytes, role}}, params, bytes
+                  for the float tensors (embedding, norms), linears {name: record} (a record's `scheme` names
+                  its recipe, schemes.py says what each holds; records saved before name it `kind`, still read),
+                  head (a q8_0 record, or null), blobs {sha256: {dtype, shape, nbytes, role}}, params, bytes
   blobs/<sha256>  raw little-endian array bytes; verified against the name on load
 """
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from edgeprobe_kernels.linear_records import scheme_of
 from edgeprobe_kernels.q8_0 import QK, matmul_q8_0, quantize_q8_0
 
 from .. import __version__
@@ -25,7 +28,7 @@ from ..models import Model, ModelConfig, Tokenizer
 from ..models.weights import LazyWeights
 from ..profile.outliers import CHANNEL_CLIP_PERCENTILE
 from .blobs import BlobStore
-from .schemes import MOE_ONLY, NEEDS_PROFILE, SCHEMES, build_float, input_point
+from .schemes import MOE_ONLY, NEEDS_PROFILE, SCHEMES, build_float, input_point, record
 
 FORMAT, FORMAT_VERSION = "edgeprobe-quantized", 1
 
@@ -63,7 +66,7 @@ class QuantizedModel:
         run = self._runners.get(name)
         if run is None:
             rec = self.manifest["linears"][name]
-            run = self._runners[name] = SCHEMES[rec["kind"]][1](rec, self.store.get, self.counters)
+            run = self._runners[name] = SCHEMES[scheme_of(rec)][1](rec, self.store.get, self.counters)
         return run(x)
 
     def head(self, x: np.ndarray) -> np.ndarray:
@@ -188,7 +191,7 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
     # its losses with the float head, and its scheme computes what the study measured
     if scheme not in ("float", "moe-mixed") and c.hidden % QK == 0:
         codes, scales = quantize_q8_0(np.asarray(model.output_weight, np.float32))
-        head = {"kind": "q8_0", "codes": store.put(codes, "head"), "scales": store.put(scales, "head")}
+        head = record("q8_0", {"codes": store.put(codes, "head"), "scales": store.put(scales, "head")})
     tok = (store.put(np.frombuffer(json.dumps(model.tokenizer.to_json()).encode(), np.uint8), "tokenizer")
            if model.tokenizer is not None else None)  # a toy model built in code has no tokenizer
     manifest = {

@@ -65,6 +65,7 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         d, f = r["delta_vs_float_pct"], r.get("channels_in_float_pct")
         lines.append(f"{r['scheme']:<13} {r['perplexity']:8.3f} {('' if d is None else f'{d:+.2f}%'):>9} "
-                     f"{100 * r['top1_agreement']:6.2f}% {('' if f is None else f'{f:.2f}%'):>9} {r['weight_bytes'] / 1e6:11.1f} "
-                     f"{r['shadow_resident_bytes'] / 1e6:14.2f} {r['shadow_flash_bytes'] / 1e6:16.1f} {r['tok_per_s']:7.0f}")
+                     f"{100 * r['top1_agreement']:6.2f}% {('' if f is None else f'{f:.2f}%'):>9} "
+                     f"{r['weight_bytes'] / 1e6:11.1f} {r['shadow_resident_bytes'] / 1e6:14.2f} "
+                     f"{r['shadow_flash_bytes'] / 1e6:16.1f} {r['tok_per_s']:7.0f}")
     return "\n".join(lines)

@@ -27,6 +27,12 @@ def input_point(linear_name: str) -> str:
     return f"{blk}.{i}.{INPUT_POINT[op]}"
 
 
+def record(scheme: str, fields: dict) -> dict:
+    """A manifest record: `scheme` names the recipe its runner computes (linear_records.RUNNERS), fields its blobs and
+    numbers. It also carries the same name as `kind`, the field's name before, for readers that still look there."""
+    return {"scheme": scheme, "kind": scheme, **fields}
+
+
 def _w_scale(w: np.ndarray) -> float:
     return max(float(np.abs(w).max()), 1e-12) / 127.0
 
@@ -34,9 +40,7 @@ def _w_scale(w: np.ndarray) -> float:
 # ---- float ----------------------------------------------------------------------------------------
 
 def build_float(name, w, ctx, store: BlobStore) -> dict:
-    return {"kind": "float", "shape": list(w.shape), "w": store.put(w.astype(np.float32), "weight")}
-
-
+    return record("float", {"shape": list(w.shape), "w": store.put(w.astype(np.float32), "weight")})
 
 
 # ---- w8a8: per-tensor int8 weights and activations (no outlier handling) --------------------------
@@ -44,10 +48,8 @@ def build_float(name, w, ctx, store: BlobStore) -> dict:
 def build_w8a8(name, w, ctx, store) -> dict:
     sw = _w_scale(w)
     clip = ctx["clips"][input_point(name)]
-    return {"kind": "w8a8", "shape": list(w.shape), "wt": store.put(quantize_per_tensor(w.T, sw), "weight"),
-            "scale_w": sw, "scale_a": clip / 127.0}
-
-
+    return record("w8a8", {"shape": list(w.shape), "wt": store.put(quantize_per_tensor(w.T, sw), "weight"),
+                           "scale_w": sw, "scale_a": clip / 127.0})
 
 
 # ---- w8a8-shadow: mllm-NPU eq. 1 -------------------------------------------------------------------
@@ -55,7 +57,8 @@ def build_w8a8(name, w, ctx, store) -> dict:
 def build_shadow(name, w, ctx, store) -> dict:
     rec = build_w8a8(name, w, ctx, store)
     layer = int(name.split(".")[1])
-    rec.update(kind="w8a8-shadow", clip=ctx["clips"][input_point(name)], shadow=layer not in ctx["pruned_layers"])
+    rec.update(record("w8a8-shadow", {}), clip=ctx["clips"][input_point(name)],
+               shadow=layer not in ctx["pruned_layers"])
     return _add_shadow(rec, name, w, ctx, store)
 
 
@@ -75,8 +78,6 @@ def _add_shadow(rec, name, w, ctx, store) -> dict:
     return rec
 
 
-
-
 # ---- w8a8c-shadow: per-output-channel int8 weight scales (QNN/HTP's axis quantization), per-tensor int8
 # activations clipped at CHANNEL_CLIP_PERCENTILE, every outlier above the clip in the float shadow GEMM --------
 
@@ -86,12 +87,10 @@ def build_channel_shadow(name, w, ctx, store) -> dict:
     sw = (np.maximum(np.abs(w).max(axis=1), 1e-12) / 127.0).astype(np.float32)  # float32[N]
     wq = np.clip(np.rint(w / sw[:, None]), -127, 127).astype(np.int8)
     clip = ctx["clips_ch"][input_point(name)]
-    rec = {"kind": "w8a8c-shadow", "shape": list(w.shape), "wt": store.put(np.ascontiguousarray(wq.T), "weight"),
-           "scale_w_ch": store.put(sw, "weight-scales"), "scale_a": clip / 127.0, "clip": clip, "shadow": True,
-           "clip_percentile": ctx["clip_percentile_ch"]}
+    rec = record("w8a8c-shadow", {"shape": list(w.shape), "wt": store.put(np.ascontiguousarray(wq.T), "weight"),
+                                  "scale_w_ch": store.put(sw, "weight-scales"), "scale_a": clip / 127.0, "clip": clip,
+                                  "shadow": True, "clip_percentile": ctx["clip_percentile_ch"]})
     return _add_shadow(rec, name, w, ctx, store)
-
-
 
 
 # ---- smoothquant: per-channel smoothing s_j = max|X_j|^a / max|W_j|^(1-a), then per-tensor W8A8 ----
@@ -105,10 +104,9 @@ def build_smoothquant(name, w, ctx, store) -> dict:
     ws = w * s[None, :]
     sw = _w_scale(ws)
     clip = float((act_max / s).max())  # SmoothQuant: static per-tensor scale from the smoothed max
-    return {"kind": "smoothquant", "shape": list(w.shape), "wt": store.put(quantize_per_tensor(ws.T, sw), "weight"),
-            "smooth": store.put(s, "smooth-scales"), "scale_w": sw, "scale_a": clip / 127.0, "alpha": a}
-
-
+    return record("smoothquant", {"shape": list(w.shape), "wt": store.put(quantize_per_tensor(ws.T, sw), "weight"),
+                                  "smooth": store.put(s, "smooth-scales"), "scale_w": sw, "scale_a": clip / 127.0,
+                                  "alpha": a})
 
 
 # ---- llm-int8: outlier feature columns (|x| > 6) in float, the rest int8 vector-wise ---------------
@@ -116,10 +114,8 @@ def build_smoothquant(name, w, ctx, store) -> dict:
 def build_llm_int8(name, w, ctx, store) -> dict:
     sw = np.maximum(np.abs(w).max(axis=1), 1e-12).astype(np.float32) / 127.0
     wq = np.clip(np.rint(w / sw[:, None]), -127, 127).astype(np.int8)
-    return {"kind": "llm-int8", "shape": list(w.shape), "wt": store.put(np.ascontiguousarray(wq.T), "weight"),
-            "scale_w_rows": store.put(sw, "weight-scales"), "threshold": ctx["int8_threshold"]}
-
-
+    return record("llm-int8", {"shape": list(w.shape), "wt": store.put(np.ascontiguousarray(wq.T), "weight"),
+                               "scale_w_rows": store.put(sw, "weight-scales"), "threshold": ctx["int8_threshold"]})
 
 
 # ---- q4_0: ggml Q4_0 groups of 32 along K, W4A16 ---------------------------------------------------
@@ -132,21 +128,16 @@ def build_q4_0(name, w, ctx, store) -> dict:
     wp = np.zeros((N, Kp), np.float32)
     wp[:, :K] = w
     blocks = gguf.quants.quantize(wp, gguf.GGMLQuantizationType.Q4_0)  # uint8[N, Kp/32 * 18]
-    return {"kind": "q4_0", "shape": [N, K], "padded_k": Kp, "blocks": store.put(blocks, "weight")}
-
-
-
-
+    return record("q4_0", {"shape": [N, K], "padded_k": Kp, "blocks": store.put(blocks, "weight")})
 
 
 # ---- q4_0-tile: HMX tile layout, then tile-group Q4_0 (NPU test-time scaling §5.1) -----------------
 
 def build_q4_0_tile(name, w, ctx, store) -> dict:
     N, K = w.shape
-    return {"kind": "q4_0-tile", "shape": [N, K], "tile": TILE, "padded": [padded(K), padded(N)],
-            "padding": padded(K) != K or padded(N) != N, "blocks": store.put(quantize_tiles(w), "weight")}
-
-
+    return record("q4_0-tile", {"shape": [N, K], "tile": TILE, "padded": [padded(K), padded(N)],
+                                "padding": padded(K) != K or padded(N) != N,
+                                "blocks": store.put(quantize_tiles(w), "weight")})
 
 
 # ---- moe-mixed: per-expert INT2/4/8 widths, per-channel linear quantization (EdgeMoE §3.2) ----------
@@ -155,10 +146,8 @@ def build_moe_mixed(name, w, ctx, store) -> dict:
     """Experts at the width ctx["expert_bits"][name] chose (INT2/4/8); every other linear at INT8."""
     bits = int(ctx["expert_bits"].get(name, ctx.get("other_bits", 8)))
     codes, scales = quantize_channels(w, bits)
-    return {"kind": "moe-mixed", "shape": list(w.shape), "bits": bits, "codes": store.put(codes, "weight"),
-            "scales": store.put(scales, "weight-scales")}
-
-
+    return record("moe-mixed", {"shape": list(w.shape), "bits": bits, "codes": store.put(codes, "weight"),
+                                "scales": store.put(scales, "weight-scales")})
 
 
 # Scheme names are a contract (CLI, manifests): add, never rename.

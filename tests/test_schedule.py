@@ -154,6 +154,9 @@ def test_device_profile_is_the_cost_models_old_name():
         old = build_parser().parse_args([*cmd, "--device-profile", "measured-real"])
         new = build_parser().parse_args([*cmd, "--cost-model", "measured-real"])
         assert vars(old) == vars(new) and new.cost_model == "measured-real"
+        sub = build_parser()._subparsers._group_actions[0].choices[cmd[0]]
+        flag = next(a for a in sub._actions if a.dest == "cost_model")
+        assert flag.option_strings == ["--cost-model", "--device-profile"]
     assert (sch.DeviceProfile, sch.MeasuredProfile, sch.HeteroProfile) == (cost.CostModel, measure.MeasuredCostModel,
                                                                            hetero.HeteroCostModel)
     assert (sch.device_profile, sch.measure_profile) == (sch.cost_model, sch.measure_cost_model)

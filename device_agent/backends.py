@@ -23,6 +23,36 @@ def numba_available() -> bool:
     return True
 
 
+def opencl_devices() -> list[dict]:
+    """The OpenCL devices pyopencl finds ([] without pyopencl or an ICD): the gpu lane's, hello's `opencl`."""
+    try:
+        import pyopencl as cl
+    except ImportError:
+        return []
+    try:
+        return [{"platform": p.name, "device": d.name, "fp16": "cl_khr_fp16" in d.extensions,
+                 "compute_units": d.max_compute_units} for p in cl.get_platforms() for d in p.get_devices()]
+    except Exception:  # no ICD installed: no GPU lane
+        return []
+
+
+def opencl_unavailable() -> str | None:
+    """Why there is no gpu lane here (None when pyopencl finds a device), naming what to install or check."""
+    try:
+        import pyopencl as cl
+    except ImportError:
+        return "pyopencl is not installed (pip install pyopencl; Termux: pkg install ocl-icd opencl-headers first)"
+    try:
+        if any(p.get_devices() for p in cl.get_platforms()):
+            return None
+        err = ""
+    except Exception as e:  # ocl-icd raises PLATFORM_NOT_FOUND_KHR when no .icd file names a driver
+        err = f" ({type(e).__name__}: {str(e)[:120]})"
+    return (f"pyopencl found no OpenCL device{err}: no ICD names a driver it can load (Debian: pocl-opencl-icd; on a "
+            "phone under Termux the vendor's /vendor/lib64/libOpenCL.so must be named in $PREFIX/etc/OpenCL/vendors "
+            "and be loadable from Termux; see README, On a real phone)")
+
+
 def lane_kernels(lane: str, chosen: str | None) -> str | None:
     """What computes on `lane` under backend `chosen`: numba, numpy (numba missing) or opencl. The kernels pick numba
     whenever it imports; the hvx backend runs only NPU work as Hexagon code (those events say "hvx" themselves)."""
@@ -44,8 +74,6 @@ def _why_not(lane: str, name: str, opencl=None) -> str | None:
 
         return hvx_bridge.unavailable_reason()
     if name == "opencl":
-        from .server import opencl_devices, opencl_unavailable
-
         if opencl is None:
             opencl = opencl_devices()
         return None if opencl else opencl_unavailable()

@@ -38,12 +38,26 @@ import numpy as np
 import zmq
 
 from . import __version__
-from .backends import check_backend, lane_backends, lane_kernels
+from .backends import check_backend, lane_backends, lane_kernels, opencl_devices, opencl_unavailable
 from .executor import EMULATED_LANES, LANES, Cancelled, Context, execute, validate
 from .ops import OpError, RunnerCache
-from .protocol import (ALLOWED_DTYPES, HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, MAX_STEPS, NO_ID, PROTOCOL_VERSION, AgentError,
-                       ProtocolError, check_request, error_reply, is_shape, pack, request_id, unpack_frames,
-                       unpack_header)
+from .protocol import (
+    ALLOWED_DTYPES,
+    HEARTBEAT_S,
+    HEARTBEAT_TIMEOUT_S,
+    MAX_STEPS,
+    NO_ID,
+    PROTOCOL_VERSION,
+    AgentError,
+    ProtocolError,
+    check_request,
+    error_reply,
+    is_shape,
+    pack,
+    request_id,
+    unpack_frames,
+    unpack_header,
+)
 from .session import KVSession
 from .store import FlashStore, StoreError, check_sha, now_us
 
@@ -57,35 +71,6 @@ def is_loopback(url: str) -> bool:
         return True
     host = url.split("://", 1)[-1].rsplit(":", 1)[0]
     return host in LOOPBACK
-
-
-def opencl_devices() -> list[dict]:
-    try:
-        import pyopencl as cl
-    except ImportError:
-        return []
-    try:
-        return [{"platform": p.name, "device": d.name, "fp16": "cl_khr_fp16" in d.extensions,
-                 "compute_units": d.max_compute_units} for p in cl.get_platforms() for d in p.get_devices()]
-    except Exception:  # no ICD installed: no GPU lane
-        return []
-
-
-def opencl_unavailable() -> str | None:
-    """Why there is no gpu lane here (None when pyopencl finds a device), naming what to install or check."""
-    try:
-        import pyopencl as cl
-    except ImportError:
-        return "pyopencl is not installed (pip install pyopencl; Termux: pkg install ocl-icd opencl-headers first)"
-    try:
-        if any(p.get_devices() for p in cl.get_platforms()):
-            return None
-        err = ""
-    except Exception as e:  # ocl-icd raises PLATFORM_NOT_FOUND_KHR when no .icd file names a driver
-        err = f" ({type(e).__name__}: {str(e)[:120]})"
-    return (f"pyopencl found no OpenCL device{err}: no ICD names a driver it can load (Debian: pocl-opencl-icd; on a "
-            "phone under Termux the vendor's /vendor/lib64/libOpenCL.so must be named in $PREFIX/etc/OpenCL/vendors and "
-            "be loadable from Termux; see README, On a real phone)")
 
 
 def numba_version() -> str | None:
@@ -268,7 +253,8 @@ class Agent:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         if curve_secret:
-            self.sock.curve_secretkey, self.sock.curve_publickey, self.sock.curve_server = curve_secret, curve_public, True
+            self.sock.curve_secretkey, self.sock.curve_publickey = curve_secret, curve_public
+            self.sock.curve_server = True
         self.sock.bind(bind)
         self.url = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.outbox = _Outbox()
@@ -308,7 +294,8 @@ class Agent:
             if now - last_hb >= HEARTBEAT_S:
                 last_hb = now
                 if self._host_gone():
-                    print(f"edgeprobe-agent: the host process {self.parent_pid} is gone; stopping", file=sys.stderr, flush=True)
+                    print(f"edgeprobe-agent: the host process {self.parent_pid} is gone; stopping", file=sys.stderr,
+                          flush=True)
                     break
                 for r in self.runs.values():
                     self._send(r.ident, pack({"id": r.rid, "final": False, "event": "heartbeat", "clock_us": now_us()}))
@@ -359,7 +346,8 @@ class Agent:
         try:
             frames = pack(header, arrays)
         except Exception as e:
-            header = error_reply(header.get("id"), "internal", f"the reply could not be packed ({type(e).__name__}: {e})")
+            header = error_reply(header.get("id"), "internal",
+                                 f"the reply could not be packed ({type(e).__name__}: {e})")
             frames = pack(header)
         if header.get("ok"):
             self.served += 1
@@ -424,7 +412,8 @@ class Agent:
     def do_hello(self, ident, rid, h, arrays):
         cl = opencl_devices()
         return {"agent_version": __version__, "protocol": PROTOCOL_VERSION, "lanes": self.lanes,
-                "lanes_missing": self.lanes_missing, "emulated_lanes": list(self.emulated), "emulator": self.emulator, "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
+                "lanes_missing": self.lanes_missing, "emulated_lanes": list(self.emulated), "emulator": self.emulator,
+                "backends": lane_backends({"npu": self.npu_backend}, self.lanes, cl),
                 "cpu": platform.processor() or platform.machine(),
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
                 "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),
@@ -478,7 +467,7 @@ class Agent:
             raise ProtocolError("bad_request", "put_blob's 'shape' must be a list of non-negative ints")
         chunk = h["chunk"]
 
-        def done(result):  # called from the store's threads: once the chunk is written and hashed, or the blob committed
+        def done(result):  # from the store's threads: once the chunk is written and hashed, or the blob committed
             if isinstance(result, StoreError):
                 self.outbox.put(("final", ident, error_reply(rid, result.code, str(result)), ()))
             else:
@@ -494,8 +483,8 @@ class Agent:
             raise ProtocolError("bad_request", "load_model needs 'manifest', a quantized model manifest with 'blobs'")
         missing = [s for s in m["blobs"] if not self.store.has(check_sha(s))]
         if missing:
-            raise StoreError("missing_blob", f"{len(missing)} blobs of this model are not uploaded (e.g. {missing[0][:12]}); "
-                                             "upload them first")
+            raise StoreError("missing_blob", f"{len(missing)} blobs of this model are not uploaded "
+                                             f"(e.g. {missing[0][:12]}); upload them first")
         model_id = _content_id(m)
         self.models.setdefault(model_id, m)  # as put_plan: the first copy stays
         return {"model_id": model_id, "blobs": len(m["blobs"]),
@@ -516,7 +505,8 @@ class Agent:
         if not isinstance(c, dict) or not all(isinstance(c.get(k), int) and c[k] > 0 for k in keys):
             raise ProtocolError("bad_request", f"the model's manifest has no config with positive {', '.join(keys)}")
         if cap > c["context_length"]:
-            raise ProtocolError("bad_request", f"capacity {cap} exceeds the model's context length {c['context_length']}")
+            raise ProtocolError("bad_request",
+                                f"capacity {cap} exceeds the model's context length {c['context_length']}")
         old = self.sessions.get(sid)
         if old is not None and self._busy(old):
             raise ProtocolError("busy", f"session {sid!r} has a run in flight; it cannot be replaced now")
@@ -527,13 +517,15 @@ class Agent:
             resident = sum(int(b.get("nbytes", 0)) for s_, b in m["blobs"].items() if s_ not in streamed)
             others = sum(x.nbytes for k, x in self.sessions.items() if k != sid)
             if resident > budget:
-                raise ProtocolError("memory_budget", f"the model's resident weights need {resident / 1e6:.1f} MB but the "
-                                                     f"memory budget is {budget / 1e6:.1f} MB; raise --memory-budget")
+                raise ProtocolError("memory_budget", f"the model's resident weights need {resident / 1e6:.1f} MB but "
+                                                     f"the memory budget is {budget / 1e6:.1f} MB; "
+                                                     "raise --memory-budget")
             if resident + others + need > budget:
                 raise ProtocolError("memory_budget", f"a KV cache for batch {batch} x {cap} positions needs "
                                                      f"{need / 1e6:.1f} MB; the budget of {budget / 1e6:.1f} MB leaves "
-                                                     f"{max(budget - resident - others, 0) / 1e6:.1f} MB beside the resident "
-                                                     "weights and other sessions; lower the batch or raise --memory-budget")
+                                                     f"{max(budget - resident - others, 0) / 1e6:.1f} MB beside the "
+                                                     "resident weights and other sessions; lower the batch or raise "
+                                                     "--memory-budget")
         if old is not None:
             old.close()  # its I/O thread
         self.sessions[sid] = KVSession(c["n_layers"], c["n_kv_heads"], c["head_dim"], batch, cap)
@@ -585,7 +577,8 @@ class Agent:
             # runner cache remembers records and fused ops per object, so every copy stayed alive through it
             # (~2,800 objects a generate for SmolLM2), and the GC's full passes walked them all
             plan = self.plans.setdefault(plan_id, plan)
-            return {"plan_id": plan_id, "ops": len(plan.order), "lanes": {k: len(v) for k, v in plan.lane_order.items()}}
+            return {"plan_id": plan_id, "ops": len(plan.order),
+                    "lanes": {k: len(v) for k, v in plan.lane_order.items()}}
         self._off_loop(ident, rid, "plan", work, commit)
         return None  # validated off the loop; the loop files it and replies
 
@@ -608,7 +601,8 @@ class Agent:
             raise ProtocolError("bad_id", f"request id {rid} is already running")
         steps, keep = h.get("steps", 1), h.get("keep", "last")
         if not isinstance(steps, int) or isinstance(steps, bool) or not 1 <= steps <= MAX_STEPS:
-            raise ProtocolError("bad_request", f"'steps' must be an integer from 1 to {MAX_STEPS}, got {str(steps)[:20]}")
+            raise ProtocolError("bad_request",
+                                f"'steps' must be an integer from 1 to {MAX_STEPS}, got {str(steps)[:20]}")
         if keep not in ("last", "all"):
             raise ProtocolError("bad_request", f"'keep' must be 'last' or 'all', got {str(keep)[:20]!r}")
         loop = "steps" in h  # a decode loop, even of one step: its reply has the loop's form (fed, step_counters)
@@ -640,9 +634,9 @@ class Agent:
 
     @staticmethod
     def _steps(run: _Run, plan, inputs, ctx: Context, on_op, flash: _FlashLog) -> tuple[dict, list, dict]:
-        """The run's passes of the plan on this thread: one, or the `steps` of a greedy decode loop, each fed the argmax of
-        the last one's logits float32[batch, vocab] as int32[batch], at the next positions of the session (whose
-        length the loop moves on only after the whole run: a failed step leaves the cache as it was). A loop's
+        """The run's passes of the plan on this thread: one, or the `steps` of a greedy decode loop, each fed the
+        argmax of the last one's logits float32[batch, vocab] as int32[batch], at the next positions of the session
+        (whose length the loop moves on only after the whole run: a failed step leaves the cache as it was). A loop's
         events carry "step"; its reply adds "fed" int32[batch, steps] (every step's tokens) and "step_counters"."""
         if not run.loop:
             outs, events = execute(plan, inputs, ctx, run.cancel, on_op)
@@ -707,8 +701,9 @@ class Agent:
                 if run.session is not None:
                     run.session.settle()  # reads this run started (expert preloads) end before its reply
             t1 = now_us()
-            header = {"id": run.rid, "final": True, "ok": True, "outputs": list(outs), "events": events + flash.events(),
-                      "counters": {k: int(v) for k, v in ctx.counters.items()}, "start_us": t0, "end_us": t1, **more}
+            header = {"id": run.rid, "final": True, "ok": True, "outputs": list(outs),
+                      "events": events + flash.events(), "counters": {k: int(v) for k, v in ctx.counters.items()},
+                      "start_us": t0, "end_us": t1, **more}
             arrays = [np.ascontiguousarray(a) for a in outs.values()]
         except Cancelled:
             header = error_reply(run.rid, "cancelled", "the run was cancelled")

@@ -1,11 +1,10 @@
 """The npu lane's "DSP": the HVX kernels of kernels/hvx/ as real Hexagon code, run under qemu-hexagon.
 
 FastRPC's shape, without a phone: one long-lived Hexagon process per agent (`qemu-hexagon` running the
-freestanding program built from kernels/hvx/), tensors in one shared arena (a memfd both sides map, as
+freestanding program hvx_build makes from kernels/hvx/), tensors in one shared arena (a memfd both sides map, as
 FastRPC shares ION / dmabuf buffers), and one 80-byte message struct each way over the process's stdin and
-stdout (kernels/hvx/hvx_msg.h). The program is built on first use with Debian's clang-15 for Hexagon v67 with
-128-byte HVX and cached under ~/.cache/edgeprobe/hvx/ by the hash of its sources, the compiler's version and
-the flags. Weights are packed into the layout vrmpy reads once and stay in the arena (keyed by the caller).
+stdout (kernels/hvx/hvx_msg.h). Weights are packed into the layout vrmpy reads once and stay in the arena (keyed by
+the caller).
 
 Every call reports QEMU's own counts of the packets, instructions and HVX instructions the op executed
 (kernels/hvx/hvx_runtime.c) and a labelled estimate of the cycles a v73 cDSP would need (`dsp_estimate`).
@@ -17,7 +16,6 @@ import hashlib
 import mmap
 import os
 import select
-import shutil
 import struct
 import subprocess
 import threading
@@ -25,17 +23,32 @@ from pathlib import Path
 
 import numpy as np
 
-ISA = "hexagon-v67-hvx128"
-SOURCE_DIR = Path(__file__).parent / "hvx"
-CLANG, LLD, QEMU = "clang-15", "ld.lld-15", "qemu-hexagon"
-CFLAGS = ["--target=hexagon-unknown-linux-musl", "-mv67", "-mhvx", "-mhvx-length=128b", "-O2", "-ffreestanding",
-          "-nostdlib", "-static", "-fuse-ld=lld", "-Wall", "-Wextra", "-Werror"]
-INSTALL_HINT = "apt-get install clang-15 lld-15 qemu-user (or run scripts/setup.sh)"
+from . import hvx_build
+from .hvx_build import (
+    CFLAGS,
+    CLANG,
+    INSTALL_HINT,
+    ISA,
+    LLD,
+    QEMU,
+    SOURCE_DIR,
+    HvxError,
+    HvxUnavailable,
+    available,
+    cache_dir,
+    toolchain,
+    unavailable_reason,
+)
+
+__all__ = ["CFLAGS", "CLANG", "INSTALL_HINT", "ISA", "LLD", "QEMU", "SOURCE_DIR", "HvxDsp", "HvxError",
+           "HvxUnavailable", "available", "build", "cache_dir", "dsp_estimate", "pack_weight", "shared", "toolchain",
+           "unavailable_reason"]
 
 # kernels/hvx/hvx_msg.h, mirrored: keep the two in step (a PING checks the struct size at start)
 MSG = struct.Struct("<20I")
 MAGIC, VERSION = 0x31585648, 1
-OP_INIT, OP_PING, OP_QUANTIZE, OP_GEMM_S8S32, OP_W8A8, OP_Q4_TILE_DEQUANT, OP_EXP_LUT, OP_EXIT, OP_GEMM_F16W = range(1, 10)
+(OP_INIT, OP_PING, OP_QUANTIZE, OP_GEMM_S8S32, OP_W8A8, OP_Q4_TILE_DEQUANT, OP_EXP_LUT, OP_EXIT,
+ OP_GEMM_F16W) = range(1, 10)
 FLAG_SMOOTH = 1
 STATUS = {0: "ok", 1: "bad magic", 2: "unknown op", 3: "buffer outside the arena", 4: "shape not allowed",
           5: "vector buffer not 128-byte aligned", 6: "arena not mapped", 7: "arena mmap failed"}
@@ -50,60 +63,9 @@ DSP_CLOCK_HZ = 1.0e9
 DSP_MODEL = "hexagon-v73-cdsp (estimate: 1 packet/cycle, one HVX thread, no memory stalls, 1 GHz assumed)"
 
 
-class HvxError(RuntimeError):
-    """The Hexagon program refused a request, died, or could not be built."""
-
-
-class HvxUnavailable(HvxError):
-    """The toolchain (clang-15 for Hexagon, ld.lld-15, qemu-hexagon) is missing."""
-
-
-def toolchain() -> dict:
-    """Paths of the tools the hvx backend needs (None where missing)."""
-    return {name: shutil.which(name) for name in (CLANG, LLD, QEMU)}
-
-
-def unavailable_reason() -> str | None:
-    """None when the hvx backend can run here, else what is missing and the command that installs it."""
-    missing = [k for k, v in toolchain().items() if v is None]
-    if missing:
-        return f"the hvx backend needs {', '.join(missing)} (Hexagon clang, lld, qemu-user): {INSTALL_HINT}"
-    return None
-
-
-def available() -> bool:
-    return unavailable_reason() is None
-
-
-def _sources() -> list[Path]:
-    return sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".c", ".h"))
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EDGEPROBE_HVX_CACHE", Path.home() / ".cache" / "edgeprobe" / "hvx"))
-
-
 def build(out_dir: Path | None = None) -> Path:
-    """Compile kernels/hvx/*.c into one static Hexagon program, cached by sources + compiler version + flags."""
-    why = unavailable_reason()
-    if why:
-        raise HvxUnavailable(why)
-    version = subprocess.run([CLANG, "--version"], capture_output=True, text=True).stdout
-    h = hashlib.sha256(version.encode() + " ".join(CFLAGS).encode())
-    for p in _sources():
-        h.update(p.name.encode() + b"\0" + p.read_bytes())
-    target = (out_dir or cache_dir()) / f"edgeprobe-hvx-{h.hexdigest()[:16]}.elf"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    r = subprocess.run([CLANG, *CFLAGS, *[str(p) for p in _sources() if p.suffix == ".c"], "-o", str(tmp)],
-                       capture_output=True, text=True)
-    if r.returncode:
-        tmp.unlink(missing_ok=True)
-        raise HvxError(f"building the Hexagon program failed:\n{r.stderr[-3000:]}")
-    os.replace(tmp, target)  # atomic: a concurrent build of the same hash leaves one good file
-    return target
+    """hvx_build.build of this module's SOURCE_DIR, which callers may point at another copy of the sources."""
+    return hvx_build.build(out_dir, SOURCE_DIR)
 
 
 def dsp_estimate(counts: dict) -> dict:
@@ -388,7 +350,8 @@ class HvxDsp:
     def q4_tile_dequant(self, blocks: np.ndarray, counters: dict | None = None) -> np.ndarray:
         """Tile-group Q4_0 super-blocks uint8[S, 144] -> float16[S * 256] in stream order (vlut16)."""
         if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != SB_BYTES or not len(blocks):
-            raise ValueError(f"q4_tile_dequant needs uint8[S, {SB_BYTES}] super-blocks, got {blocks.dtype}{blocks.shape}")
+            raise ValueError(f"q4_tile_dequant needs uint8[S, {SB_BYTES}] super-blocks, "
+                             f"got {blocks.dtype}{blocks.shape}")
         S = len(blocks)
         out = np.empty(S * 256, np.float16)
         per_call = max(1, self.scratch_bytes // (SB_BYTES + 512 + 2 * VEC))
@@ -420,7 +383,8 @@ class HvxDsp:
             for m0 in range(0, M, rows):
                 xs = x[m0:m0 + rows]
                 r = len(xs)
-                xoff, yoff, hoff, toff = self._scratch(xs.nbytes, r * N * 4, xs.nbytes, 0 if woff is not None else N * K * 4)
+                xoff, yoff, hoff, toff = self._scratch(xs.nbytes, r * N * 4, xs.nbytes,
+                                                       0 if woff is not None else N * K * 4)
                 if key is None:
                     woff = toff
                     self._put(woff, make())

@@ -10,13 +10,11 @@ LANE_THREADS = os.environ.get("EDGEPROBE_LANE_THREADS", "1")
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 os.environ.setdefault("NUMBA_NUM_THREADS", str(len(os.sched_getaffinity(0)) if LANE_THREADS == "auto" else 1))
-# With 2-thread BLAS (auto), OpenBLAS's idle worker spins 2^28 cycles (~0.1 s) after each call, taking a core from the
-# numba kernel that runs next: q4_0-tile's npu GEMM ran 4x slower after an attention GEMM. 2^16 cycles (~20 us)
-# still bridges back-to-back BLAS calls; q4_0-tile prefill 2.0 -> 1.2 s at 256 tokens, w8a8-shadow level at 1024
+# OpenBLAS's idle workers spin 2^16 cycles (~20 us), not 2^28 (~0.1 s), after a call: enough to bridge back-to-back
+# BLAS calls without taking a core from the numba kernel that runs next (with 2-thread BLAS, auto)
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
-# The agent keeps numba's OpenMP layer (a host process gets TBB: edgeprobe_kernels/__init__.py). Measured by
-# bench/threading_layers.py on 2 cores: agent decode steps level on a quiet machine, and beside two busy processes
-# 35-43 ms under OpenMP against 59-76 under TBB; OpenMP's stalls (steps of 0.5-1.6 s) were seen in host processes only.
+# The agent keeps numba's OpenMP layer (host processes get TBB: edgeprobe_kernels/__init__.py);
+# bench/threading_layers.py measures the two
 os.environ.setdefault("NUMBA_THREADING_LAYER", "omp")
 
 
@@ -30,15 +28,11 @@ MALLOC_SETTINGS = (
 
 
 def _malloc_settings() -> dict:
-    """glibc only (not a phone's bionic); returns the settings made, {environment name: value}. One arena: by
-    default each thread gets an arena of its own, in 64 MB heaps that glibc deletes when they empty; a run's lane threads are new each run, so their
-    ops' arrays landed on fresh pages: 190 page faults in each [64, 1536] SwiGLU of a 64-token prefill, which then
-    took 790 us against 390 us with one arena (attention 790 -> 640 us, RoPE 210 -> 130 us); an op allocates a few
-    arrays, so one arena's lock is not contended. And arrays below 64 MB come from that arena's heap, which keeps up
-    to 256 MB free: a prefill's activations (0.6 MB each at 256 tokens, 50 MB of logits) were mmapped and unmapped
-    one by one, ~25,000 page faults per warm 256-token prefill, ~0 now (warm w8a8-shadow 256 tokens ~12% faster, A/B
-    by the same settings in the environment); the agent keeps its peak working set, as llama.cpp keeps its compute
-    buffers. A setting named in the environment (or any GLIBC_TUNABLES) is the user's."""
+    """glibc only (not a phone's bionic): one malloc arena and high mmap/trim thresholds, so ops' arrays reuse warm
+    pages instead of faulting in fresh ones every run (lane threads are new each run, and each would get an arena;
+    arrays under 64 MB would be mapped and unmapped one by one). The agent keeps its peak working set, as llama.cpp
+    keeps its compute buffers. A setting named in the environment (or any GLIBC_TUNABLES) is the user's. Returns
+    the settings made, {environment name: value}."""
     import ctypes
     import platform
 
@@ -122,8 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: cpu, npu, and gpu where "
                                     "OpenCL is found)")
     ap.add_argument("--npu-backend", default="numba", choices=["numba", "hvx"],
-                    help="kernels of the npu lane: numba (NPU semantics on this CPU) or hvx (Hexagon v67 HVX machine code "
-                         "under qemu-hexagon; needs clang-15, lld-15, qemu-user)")
+                    help="kernels of the npu lane: numba (NPU semantics on this CPU) or hvx (Hexagon v67 HVX machine "
+                         "code under qemu-hexagon; needs clang-15, lld-15, qemu-user)")
     ap.add_argument("--parent-pid", type=int, default=None,
                     help="stop when this process is gone (Device.local passes its own pid, so a killed host leaves no "
                          "agent holding the store)")

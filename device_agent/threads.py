@@ -24,7 +24,8 @@ def _openblas_setter():
         libs = glob.glob(os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs", "lib*openblas*"))
         for path in libs:
             lib = ctypes.CDLL(path)
-            for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_", "openblas_set_num_threads"):
+            for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
+                         "openblas_set_num_threads"):
                 if hasattr(lib, name):
                     return getattr(lib, name)
     except OSError:

@@ -1,0 +1,221 @@
+"""Readers of real phone traces (tests/data/foreign: excerpts quoted from public threads), their alignment to the model
+template and the cost model fitted from them. Numbers are hand-computed from the fixtures' own lines."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgeprobe.errors import EdgeprobeError
+from edgeprobe.foreign import ForeignTraceError, detect_format, load_foreign
+from edgeprobe.foreign.align import align
+from edgeprobe.foreign.fit import FittedCostModel, fit, fit_line, load_cost_model
+
+DATA = Path(__file__).parent / "data" / "foreign"
+HEX = DATA / "llamacpp_hexagon" / "issue18139_mul_mat.log"
+README = DATA / "llamacpp_hexagon" / "readme_stderr.log"
+LFM2 = DATA / "chrome_json" / "lfm2_hexagon_v79.json"
+# LFM2-1.2B's numbers as its source document gives them (SOURCE.md); its attention layers have Q/K norms
+LFM2_CONFIG = dict(arch="lfm2", n_layers=16, hidden=2048, ffn=8192, n_heads=32, n_kv_heads=8, head_dim=64,
+                   vocab_size=65536, qk_norm=True)
+
+
+def _one_line_error(exc, path, where):
+    msg = str(exc.value)
+    assert "\n" not in msg and str(path) in msg and where in msg and "expected" in msg
+    assert isinstance(exc.value, EdgeprobeError)
+
+
+# ---- llama.cpp Hexagon per-op lines ------------------------------------------------------------
+def test_hexagon_log_events_and_times_as_printed():
+    t = load_foreign(HEX)
+    assert t.meta["source"]["format"] == "llamacpp-hexagon-op" and detect_format(HEX) == "llamacpp-hexagon-op"
+    assert len(t.events) == 4 and t.lanes == ["npu"]
+    totals = [5053, 4972, 4960, 4957]
+    starts = np.cumsum([0] + totals[:-1])
+    assert [e["start_us"] for e in t.events] == list(map(float, starts))
+    assert [e["end_us"] for e in t.events] == [float(s + d) for s, d in zip(starts, totals)]
+    e = t.events[0]
+    assert (e["kind"], e["name"], e["inputs"]) == ("MUL_MAT", "q_proj", ["leaf_0", "leaf_1"])
+    assert e["input_shapes"] == [[4096, 4096, 1, 1], [4096, 64, 1, 1]] and e["shape"] == [4096, 64, 1, 1]
+    assert (e["quant_us"], e["compute_us"], e["vtcm_us"], e["call_us"]) == (56, 4925, 68, 11)
+    assert e["cycles"] == 10672609 and e["mhz"] == 10672609 / 4925  # the clock the line implies
+    assert e["flops"] == 2 * 4096 * 4096 * 64
+    assert all(x["measured"] is True and x["emulated"] is False for x in t.events)
+    assert t.meta["skipped_lines"] == 4  # the fixture's quoting header
+    assert t.metrics()["lanes"]["npu"]["ops"] == 4
+
+
+def test_hexagon_mixed_log_skips_and_counts_other_lines(tmp_path):
+    prof = [l for l in HEX.read_text().splitlines() if not l.startswith("#")]
+    other = [l for l in README.read_text().splitlines() if not l.startswith("#")]
+    mixed = tmp_path / "mixed.log"
+    mixed.write_text("\n".join(other[:3] + prof[:2] + other[3:] + prof[2:]) + "\n")
+    t = load_foreign(mixed)
+    assert len(t.events) == 4 and t.meta["skipped_lines"] == len(other) == 7
+    assert [e["line"] for e in t.events] == [4, 5, 10, 11]
+
+
+def test_hexagon_truncated_and_unknown_records(tmp_path):
+    lines = HEX.read_text().splitlines()
+    cut = tmp_path / "truncated.log"
+    cut.write_text("\n".join(lines[:-1] + [lines[-1][:lines[-1].index("(quant") + 9]]))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(cut, format="llamacpp-hexagon-op")
+    _one_line_error(exc, cut, f"line {len(lines)}")
+    odd = tmp_path / "unknown.log"
+    odd.write_text("\n".join(lines[:5] + [lines[5].replace(" pkts ", " packets ")]))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(odd, format="llamacpp-hexagon-op")
+    _one_line_error(exc, odd, "line 6")
+
+
+def test_hexagon_log_without_profile_lines_is_an_error():
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(README, format="llamacpp-hexagon-op")
+    _one_line_error(exc, README, "whole file")
+    assert "among 10 lines" in str(exc.value)
+
+
+# ---- Chrome trace JSON ----------------------------------------------------------------------------
+def test_chrome_json_events_lanes_and_times():
+    t = load_foreign(LFM2)
+    assert detect_format(LFM2) == "chrome-json" and t.meta["source"]["format"] == "chrome-json"
+    assert len(t.events) == 46 and t.meta["skipped_events"] == 6 and t.lanes == ["npu"]
+    assert t.meta["threads"]["1/0"] == "HMX (matrix)"
+    first, last = t.events[0], t.events[-1]
+    assert (first["kind"], first["start_us"], first["end_us"], first["layer"]) == ("SCALE", 0.0, 14.0, 0)
+    assert first["mhz"] == 30572 / 14
+    assert (last["name"], last["start_us"], last["end_us"]) == ("MUL_MAT+ADD ffn_down", 2619.0, 2819.0)
+    assert last["layer"] == 2
+    gate = next(e for e in t.events if e["name"] == "MUL_MAT+MUL_MAT ffn_gate")
+    assert gate["kind"] == "MUL_MAT+MUL_MAT" and gate["input_shapes"] == [[2048, 8192], [2048, 2], [2048, 8192]]
+    assert gate["dtypes"] == ["q4_0", "f32", "q4_0"] and gate["tensors"] == "ffn_gate"
+    swiglu = next(e for e in t.events if e["kind"] == "SWIGLU")
+    assert swiglu["layer"] == 0  # from the ggml tensor name "ffn_gate-0"
+    assert sum(e["end_us"] - e["start_us"] for e in t.events) == 2819.0
+    assert all(e["measured"] is True and e["emulated"] is False for e in t.events)
+
+
+def test_chrome_json_bad_inputs(tmp_path):
+    bad = tmp_path / "cut.json"
+    bad.write_text(LFM2.read_text()[:5000])
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(bad, format="chrome-json")
+    _one_line_error(exc, bad, "column")
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps(LFM2_CONFIG))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(other, format="chrome-json")
+    _one_line_error(exc, other, "document")
+    doc = json.loads(LFM2.read_text())
+    del doc["traceEvents"][4]["dur"]
+    nodur = tmp_path / "nodur.json"
+    nodur.write_text(json.dumps(doc))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(nodur)
+    _one_line_error(exc, nodur, "traceEvents[4]")
+    with pytest.raises(ForeignTraceError) as exc:
+        detect_format(other)
+    _one_line_error(exc, other, "whole file")
+    with pytest.raises(ForeignTraceError):
+        load_foreign(LFM2, format="qnn-csv")
+
+
+def test_imported_trace_writes_perfetto(tmp_path):
+    out = load_foreign(LFM2).to_chrome_json(tmp_path / "trace.json")
+    ev = json.loads(out.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in ev) == 46
+
+
+# ---- alignment --------------------------------------------------------------------------------------
+def test_alignment_share_and_unmatched_ops():
+    a = align(load_foreign(LFM2), LFM2_CONFIG)
+    matched = {0: [5, 4, 395, 18, 209], 1: [3, 3, 381, 12, 218], 2: [3, 84, 6, 16, 4, 4, 173, 60, 4, 391, 16, 200]}
+    assert a.total_us == 2819.0 and a.matched_us == sum(map(sum, matched.values()))
+    assert a.share == a.matched_us / 2819.0
+    ev = a.trace.events
+    gate = next(e for e in ev if e["name"] == "MUL_MAT+MUL_MAT ffn_gate")
+    assert gate["template_ops"] == ["blk.0.ffn_gate", "blk.0.ffn_up"] and gate["group"] == "c0.l0.ffn"
+    qkv = next(e for e in ev if e["kind"] == "MUL_MAT+MUL_MAT+MUL_MAT")
+    assert qkv["template_ops"] == ["blk.2.attn_q", "blk.2.attn_k", "blk.2.attn_v"]
+    assert [e["template_ops"] for e in ev if e["kind"] == "ROPE"] == [["blk.2.rope_q"], ["blk.2.rope_k"]]
+    conv = [e for e in ev if e["kind"] == "SSM_CONV"]
+    assert len(conv) == 2 and all("unmatched" in e and "template_ops" not in e for e in conv)
+    assert sum(1 for e in ev if "unmatched" in e) + sum(map(len, matched.values())) == 46
+    assert a.by_kind["SSM_CONV"]["unmatched_us"] == 42.0
+
+
+def test_alignment_checks_weight_shapes():
+    a = align(load_foreign(LFM2), {**LFM2_CONFIG, "ffn": 4096})
+    gate = next(e for e in a.trace.events if e["name"] == "MUL_MAT+MUL_MAT ffn_gate")
+    assert "template_ops" not in gate and "2048:8192" in gate["unmatched"]
+
+
+# ---- fitted cost model --------------------------------------------------------------------------------
+def _ref_fit(xs, ys):
+    """Independent least squares (numpy lstsq) of us = a + b * flops; one size: through the origin."""
+    xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+    if len(set(xs)) < 2:
+        return 0.0, ys.mean() / xs.mean()
+    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(xs), xs], 1), ys, rcond=None)
+    return a, b
+
+
+def test_fit_held_out_error_recomputed_independently(tmp_path):
+    a = align(load_foreign(LFM2), LFM2_CONFIG)
+    m = fit(a, name="lfm2-sm8750")
+    samples = a.samples()
+    train = [s for s in samples if s["layer"] in (0, 2)]
+    test = [s for s in samples if s["layer"] == 1]
+    errs = []
+    for s in test:
+        same = [t for t in train if t["kind"] == s["kind"]]
+        ca, cb = _ref_fit([t["flops"] for t in same], [t["us"] for t in same])
+        errs.append(abs(ca + cb * s["flops"] - s["us"]) / s["us"])
+    h = m.held_out
+    assert h["n_predicted"] == len(test) == 5 and h["n_unseen_kind"] == 0
+    assert h["median_rel_error"] == pytest.approx(np.median(errs), rel=1e-9)
+    assert h["time_weighted_rel_error"] == pytest.approx(np.average(errs, weights=[s["us"] for s in test]), rel=1e-9)
+    lin = [s for s in samples if s["kind"] == "linear"]
+    ra, rb = _ref_fit([s["flops"] for s in lin], [s["us"] for s in lin])
+    f = m.fits["npu"]["linear"]
+    assert f["fixed_us"] == pytest.approx(ra, rel=1e-9) and f["us_per_flop"] == pytest.approx(rb, rel=1e-9)
+    op = next(o for o in a.ops if o["name"] == "blk.5.ffn_down")
+    assert m.op_time_us(op, "npu") == pytest.approx(ra + rb * op["cost"][1], rel=1e-12)
+    path = tmp_path / "lfm2.json"
+    m.to_json(path)
+    again = load_cost_model(path)
+    assert again == m and isinstance(again, FittedCostModel)
+
+
+def test_fitted_model_prices_schedules_and_rejects_other_json(tmp_path):
+    from edgeprobe.models import ModelConfig
+    from edgeprobe.schedule.cost import cost_model
+    from edgeprobe.schedule.graph import chunk_graph
+    from edgeprobe.schedule.schedulers import schedule
+
+    m = fit(align(load_foreign(LFM2), LFM2_CONFIG))
+    g = chunk_graph(ModelConfig(**LFM2_CONFIG), 128, 64)
+    base = cost_model("snapdragon-8gen3")
+    for sg in g.subgraphs:  # fitted lanes by the fit, the others by the named base
+        want = base.time_us(sg) if sg.lane not in m.fits else sum(
+            m.fits[sg.lane].get(k, m.fits[sg.lane].get("linear"))["fixed_us"]
+            + m.fits[sg.lane].get(k, m.fits[sg.lane].get("linear"))["us_per_flop"] * fl for k, fl in sg.costs)
+        assert m.time_us(sg) == pytest.approx(want, rel=1e-12)
+    assert len(schedule(g, m, "ooo").slots) == len(g.subgraphs)
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"format": "edgeprobe-fitted-cost-model", "version": 99}))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_cost_model(other)
+    _one_line_error(exc, other, "document")
+
+
+def test_fit_from_a_benchmark_log_without_layers():
+    m = fit(load_foreign(HEX), base=None)
+    us, flops = [5053, 4972, 4960, 4957], 2 * 4096 * 4096 * 64
+    b = np.mean([us[0], us[2]]) / flops  # even-indexed ops train, one size: a rate alone
+    errs = [abs(b * flops - u) / u for u in (us[1], us[3])]
+    assert m.held_out["median_rel_error"] == pytest.approx(np.median(errs), rel=1e-12)
+    assert m.fits["npu"]["MUL_MAT"]["us_per_flop"] == pytest.approx(np.mean(us) / flops, rel=1e-12)
+    assert fit_line([1.0, 2.0], [3.0, 5.0])["fixed_us"] == pytest.approx(1.0)

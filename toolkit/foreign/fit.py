@@ -41,7 +41,8 @@ def fit_line(flops: list, us: list) -> dict:
     pred = a + b * x
     rel = np.abs(pred - y) / np.maximum(y, 1e-9)
     return {"fixed_us": float(a), "us_per_flop": float(b), "rate_gflops": (1e-3 / b) if b > 0 else None,
-            "n": int(len(x)), "sizes": sizes, "fit_median_rel_error": float(np.median(rel))}
+            "n": int(len(x)), "sizes": sizes, "fit_median_rel_error": float(np.median(rel)),
+            "flops_range": [float(x.min()), float(x.max())]}  # outside it a prediction extrapolates
 
 
 def fit_samples(samples: list) -> dict:

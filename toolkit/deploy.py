@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import posixpath
 import select
 import shlex
 import socket
@@ -73,6 +74,17 @@ def _run(c, cmd: str, timeout: float = 60) -> str:
     return text
 
 
+def device_files() -> dict:
+    """{"pkg/sub/name.py": (local path, sha256)}: every .py and .cl file of the device's packages, subpackages
+    (edgeprobe_agent.ops, .store, ...) included."""
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for p in sorted(folder.rglob("*")):
+            if p.suffix in (".py", ".cl") and p.is_file() and "__pycache__" not in p.parts:
+                out[f"{pkg}/{p.relative_to(folder).as_posix()}"] = (p, hashlib.sha256(p.read_bytes()).hexdigest())
+    return out
+
+
 def sync_packages(c, remote_dir: str, progress: bool = True) -> int:
     """Copy the agent and kernel packages to remote_dir over SFTP, only files whose sha256 changed.
     Returns the bytes sent."""
@@ -85,16 +97,20 @@ def sync_packages(c, remote_dir: str, progress: bool = True) -> int:
             remote = json.loads(f.read())
     except (IOError, ValueError):
         remote = {}
-    local = {}
-    for pkg, folder in PACKAGES.items():
-        for p in sorted(folder.glob("*.py")) + sorted(folder.glob("*.cl")):
-            local[f"{pkg}/{p.name}"] = (p, hashlib.sha256(p.read_bytes()).hexdigest())
+    local = device_files()
     todo = [(rel, p) for rel, (p, h) in local.items() if remote.get(rel) != h]
-    for d in [remote_dir] + [f"{remote_dir}/{pkg}" for pkg in PACKAGES]:
+    # parents sort before their children, so each folder is made after the one holding it
+    folders = {remote_dir} | {f"{remote_dir}/{posixpath.dirname(rel)}" for rel in local}
+    for d in sorted(folders):
         try:
             sftp.stat(d)
         except IOError:
             sftp.mkdir(d)
+    for rel in sorted(set(remote) - set(local)):  # a module that moved (ops.py -> ops/) must not shadow its new home
+        try:
+            sftp.remove(f"{remote_dir}/{rel}")
+        except IOError:
+            pass
     total = sum(p.stat().st_size for _, p in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, desc="deploy", disable=not progress or not todo, leave=False)
     for rel, p in todo:

@@ -81,7 +81,13 @@ def test_the_avx2_decode_dot_gives_the_exact_int32_sums(K):
     assert np.array_equal(linear_w8a8_gemv(x, 0.031, strided, scale), ref)
 
 
-@pytest.mark.parametrize("M,K,N", [(4, 32, 2), (9, 70, 37), (64, 576, 192), (131, 1537, 45)])
+GEMM_SHAPES = [(4, 32, 2), (9, 70, 37), (64, 576, 192), (131, 1537, 45)]
+
+
+@pytest.mark.skipif(not int8_gemm.GEMM_INT8, reason="the AVX2 int8 GEMM needs numba on an AVX2 CPU (and "
+                    "EDGEPROBE_INT8_GEMM unset): test_without_the_avx2_gemm_a_w8a8_linear_runs_the_exact_blas_path "
+                    "tests what runs instead")
+@pytest.mark.parametrize("M,K,N", GEMM_SHAPES)
 def test_the_avx2_int8_gemm_gives_the_exact_int32_sums(M, K, N):
     """Prefill's W8A8 GEMM (4 x 2 blocks of vpmaddubsw, 4 x 4 of vpdpbusd): rows past the last block of 4, an odd
     channel at a chunk's end, K tails past 32 bytes, -128 weights and clipped activations; read-only weights as
@@ -96,16 +102,32 @@ def test_the_avx2_int8_gemm_gives_the_exact_int32_sums(M, K, N):
     blob = np.frombuffer(wt.tobytes(), np.int8).reshape(wt.shape)
     w = int8_gemm.rows_major(blob)
     assert w.flags.c_contiguous and np.array_equal(w, wt.T)
-    if not int8_gemm.GEMM_INT8:  # AVX2 code: without it, the BLAS path (tested above) runs, and this says so
-        with pytest.raises(RuntimeError, match="AVX2"):
-            int8_gemm.linear_w8a8_gemm(x, 0.031, w, scale)
-        return
-    assert np.array_equal(int8_gemm.linear_w8a8_gemm(x, 0.031, w, scale), ref)
+    assert np.array_equal(int8_gemm.linear_w8a8_gemm(x, 0.031, w, scale), ref)  # VNNI where the CPU has it
     assert np.array_equal(int8_gemm.linear_w8a8_gemm(x, 0.031, np.repeat(w, 2, axis=1)[:, ::2], scale), ref)  # strided: copied
-    if int8_gemm.VNNI:  # the AVX2 kernel as well, which CPUs without AVX-512 VNNI run: the same sums
-        y = np.empty_like(ref)
-        int8_gemm._linear_w8a8_gemm_nb(x, np.float32(0.031), w, scale, y)  # (the VNNI kernel ran above)
-        assert np.array_equal(y, ref)
+    y = np.empty_like(ref)  # the AVX2 kernel itself, which CPUs without AVX-512 VNNI run: the same sums
+    int8_gemm._linear_w8a8_gemm_nb(x, np.float32(0.031), w, scale, y)
+    assert np.array_equal(y, ref)
+
+
+@pytest.mark.parametrize("M,K,N", GEMM_SHAPES)
+def test_without_the_avx2_gemm_a_w8a8_linear_runs_the_exact_blas_path(M, K, N, monkeypatch):
+    """What a CPU without AVX2 runs (forced here on any CPU): the AVX2 entry point refuses, and a w8a8 linear of any
+    row count gives the exact int32 sums (the decode GEMV for few rows; else float32 BLAS on the codes, K <= 1024,
+    or int32 blocks)."""
+    monkeypatch.setattr(int8_gemm, "GEMM_INT8", False)
+    rng = np.random.default_rng(M + K + N)
+    wt = rng.integers(-128, 128, (K, N), dtype=np.int8)
+    wt[:, 0], wt[:, -1] = -128, 127
+    x = (rng.standard_normal((M, K)) * 4).astype(np.float32)
+    x[0], x[-1] = 1e3, -1e3
+    scale = np.float32(0.007)
+    ref = gemm_s8s32_ref(quantize_per_tensor(x, 0.031), wt).astype(np.float32) * np.float32(0.031 * 0.007)
+    with pytest.raises(RuntimeError, match="AVX2"):
+        int8_gemm.linear_w8a8_gemm(x, 0.031, int8_gemm.rows_major(wt), np.full(N, scale))
+    blobs = {"w": wt}
+    for keep_f32 in (False, True):  # the host's simulation and the agent's linear
+        assert np.array_equal(run_w8a8({"wt": "w", "scale_a": 0.031, "scale_w": 0.007}, blobs.get, None,
+                                       keep_f32=keep_f32)(x), ref), keep_f32
 
 
 def test_q8_0_head_is_smollm2s_own_and_both_paths_agree(smollm):

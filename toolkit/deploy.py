@@ -206,6 +206,10 @@ def deploy_ssh(host: str, user: str, key_path, port: int = 22, python: str = "py
         if "error" in log.lower() or "Traceback" in log:
             break
         time.sleep(0.3)
+    try:  # an agent that is slow to start, not failed, must not stay behind holding the port and the store
+        _run(c, f"cd {q(rd)}; kill $(cat agent.pid) 2>/dev/null; true", 15)
+    except Exception:
+        pass
     c.close()
     said = [l for l in log.splitlines() if l.startswith("edgeprobe-agent: error:")]
     if said:  # the agent named the problem itself (missing packages with their install command, a bad option)

@@ -1,5 +1,6 @@
 """A notebook executed by the ordinary route a user takes (`jupyter nbconvert --to html --execute`), with no plotly
 setting of ours in the environment, exports figures that draw offline: checked in a real headless Chromium."""
+import json
 import os
 import re
 import shutil
@@ -30,3 +31,8 @@ def test_nbconvert_execute_exports_figures_that_draw_offline(tmp_path):
     # the notebook shows 4 figures (Fig. 10, 11, 12 and the histogram): each drew its plot and SVG layers
     assert len(re.findall(r'class="[^"]*\bjs-plotly-plot\b', dom)) == 4, dom[:2000]
     assert dom.count('class="main-svg"') >= 4 and dom.count("<svg") >= 8
+    # the conclusion, a Markdown output rendered from the computed numbers, is on the page as HTML: a list of findings
+    results = json.loads((tmp_path / "results" / "01_outliers.json").read_text())
+    found = re.search(r"<ul>(.*?)</ul>", dom[dom.index("What we found"):], re.S)
+    assert found and found.group(1).count("<li>") == 4
+    assert f"{results['outlier_channels_per_window_mean']:.1f} channels per layer" in found.group(1)

@@ -48,7 +48,7 @@ def test_ooo_beats_in_order_and_times_each_decision():
     a.check()
     b.check()
     assert b.makespan_us < 0.85 * a.makespan_us
-    # every subgraph is one decision, each timed (how fast is bench/schedule.py's: no wall time asserted here)
+    # every subgraph is one decision, each timed; `edgeprobe schedule` reports how fast (no wall time asserted)
     assert b.decisions >= len(g.subgraphs) and b.decision_us > 0
     t = b.to_trace()
     assert t.meta["modelled"] and all(e["modelled"] for e in t.events)

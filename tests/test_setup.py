@@ -1,8 +1,9 @@
 """What a newcomer's first commands touch: the Makefile's setup stamps and what git ignores."""
 import shutil
 import subprocess
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,9 +46,22 @@ def test_demo_summary_says_which_windows_each_perplexity_is_over():
          "repeats": 2, "prompt_len": 1024, "chunk": 256, "in_order_ms": 1000, "predicted_in_order_ms": 900,
          "ooo_ms": 900, "predicted_ooo_ms": 700, "ooo_vs_in_order": 0.9, "busy_pct_ooo": {"npu": 90},
          "chunk_shared_memory_saving": 0.6, "report": "r", "trace": "t"}
-    text = "\n".join(summary_lines(s))
-    assert "held-out perplexity (float, 8 × 512 tokens)" in text and "14.746 (4 × 256;" in text
-    assert "0.90 (this run; the README's 0.69–0.75 is bench/schedule.py" in text
+    from edgeprobe.demo import summary_rows
+
+    def rows(s):
+        return dict(summary_rows(s))
+
+    r = rows(s)
+    # each perplexity row names the windows it is over, from the summary's own fields: other windows, other rows
+    assert r["held-out perplexity (float, 8 × 512 tokens)"] == "13.622"
+    assert r["perplexity float"].startswith("14.746 (4 × 256;") and r["perplexity w8a8"] == "20.000 (+35.60%)"
+    r = rows({**s, "perplexity_windows": 3, "perplexity_window": 128, "accuracy_windows": 2, "accuracy_window": 64})
+    assert r["held-out perplexity (float, 3 × 128 tokens)"] == "13.622"
+    assert r["perplexity float"].startswith("14.746 (2 × 64;")
+    assert rows(s)["  out-of-order / in-order"].startswith("0.90 ") and rows({**s, "ooo_vs_in_order": 1.07})[
+        "  out-of-order / in-order"].startswith("1.07 ")
+    w = max(len(a) for a, _ in summary_rows(s))
+    assert summary_lines(s)[3:] == [f"{a:<{w}}  {b}" for a, b in summary_rows(s)]  # the table is these rows
 
 
 def test_readme_links_only_documents_a_clone_has():

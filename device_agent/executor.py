@@ -128,12 +128,13 @@ def validate(plan, has_blob, lanes=LANES, registry: dict | None = None) -> Plan:
             (k, v), = ref.items()
             if k == "op":
                 if v not in ops:
-                    raise PlanError("unknown_ref", f"op {name!r} reads the output of {str(v)[:40]!r}, which is not in the plan")
+                    raise PlanError("unknown_ref",
+                                    f"op {name!r} reads the output of {str(v)[:40]!r}, which is not in the plan")
                 ps.add(v)
             elif k == "blob":
                 if not has_blob(v):
-                    raise PlanError("missing_blob", f"op {name!r} needs blob {str(v)[:16]}, which the agent does not hold; "
-                                                    "upload it (has_blobs / put_blob) first")
+                    raise PlanError("missing_blob", f"op {name!r} needs blob {str(v)[:16]}, which the agent does not "
+                                                    "hold; upload it (has_blobs / put_blob) first")
             elif k != "input":
                 raise PlanError("bad_plan", f"op {name!r}: unknown input reference {k!r}")
         for d in op.get("deps", []):
@@ -199,7 +200,7 @@ class Context:
     layout: object = None            # (sha, tag, shape, dtype, make, empty=, into=) -> the blob in a kernel's
                                      # layout (FlashStore.layout)
     backends: dict = field(default_factory=dict)  # lane -> kernel backend chosen for it ("npu": "numba" | "hvx")
-    kernels: dict = field(default_factory=dict)   # lane -> what computes there (backends.lane_kernels): events' "backend"
+    kernels: dict = field(default_factory=dict)   # lane -> what computes there (backends.lane_kernels): "backend"
     emulated: dict = field(default_factory=lambda: dict(EMULATED_LANES))  # lane -> what its events' time is, by default
     event: dict | None = None        # fields the running op adds to its trace event (isa, emulated, DSP counts)
     sub_event: dict | None = None    # what each sub-op event of the running step op starts from (lane, chunk, ...)
@@ -248,7 +249,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
             enter, leave = (lambda side: solo_threads), (lambda side: None)
         try:
             if not solo:
-                CORES_IN_USE.lanes_started()  # see threads.Cores.lanes_started: no lane's team spins on the other's core
+                CORES_IN_USE.lanes_started()  # threads.Cores.lanes_started: no lane's team spins on the other's core
             for name in names:
                 # the Python between two ops is per-token time a decode step pays ~33 times (22 us an op here
                 # with the caches swept by the weights): locals, no per-op lookups the plan made once
@@ -282,7 +283,8 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                     raise
                 except Exception as e:  # a kernel failing on bad shapes must not kill the agent
                     hint = ("; every mapped blob and layout holds a descriptor: raise the agent's hard limit on open "
-                            "files (ulimit -Hn) or restart it to drop earlier models") if getattr(e, "errno", 0) == EMFILE else ""
+                            "files (ulimit -Hn) or restart it to drop earlier models") \
+                        if getattr(e, "errno", 0) == EMFILE else ""
                     raise OpError("op_failed", f"op {name!r} ({kind}) failed: {type(e).__name__}: {e}{hint}") from None
                 finally:
                     t1 = now_us()

@@ -17,7 +17,7 @@ import numpy as np
 
 from edgeprobe_kernels.expert_cache import ExpertCache, preload_scores
 from edgeprobe_kernels.linear_records import RUNNERS, weight_blobs
-from edgeprobe_kernels.llama_ops import route, swiglu_act
+from edgeprobe_kernels.llama_ops import mix_experts, route, swiglu_act
 
 from .ops.registry import OpError, _arr
 
@@ -121,14 +121,11 @@ def op_moe_ffn(inp, attrs, ctx):
             s = preload_scores(tables, nl, prev1, prev2)[-1]
             for e in np.argsort(-s, kind="stable")[:n_pre]:
                 buf.preload((nl, int(e)), _blobs(attrs["next_experts"][int(e)]), layer, pinned, ctx.read_blob)
-    y = np.zeros_like(x)
-    for e in np.unique(ex):
-        rows, slot = np.nonzero(ex == e)
-        arrays = get_expert(int(e))
-        get = arrays.__getitem__
+    def expert(e, xr):
+        get = get_expert(e).__getitem__
         f = {p: RUNNERS[experts[e][p]["kind"]](experts[e][p], get, ctx.counters) for p in PROJ}
-        xr = x[rows]
-        y[rows] += w[rows, slot, None] * f["down"](swiglu_act(f["gate"](xr), f["up"](xr)))
+        return f["down"](swiglu_act(f["gate"](xr), f["up"](xr)))
+    y = mix_experts(x, ex, w, expert)
     if buf is not None:  # this op's share of the buffer's events, so a run's counters are its own
         for k_, v in buf.stats.items():
             ctx.counters[f"experts_{k_}"] = ctx.counters.get(f"experts_{k_}", 0) + v - before[k_]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgeprobe_kernels.llama_ops import swiglu_act
+from edgeprobe_kernels.neurons import predicted_mask
 
 from .ops.registry import OpError, _arr
 
@@ -76,8 +77,7 @@ def op_ffn_flash(inp, attrs, ctx):
         out = act @ W[:, 2]
         stats = {"loaded": ffn, "evicted": ffn, "resident": 0, "active": ffn}
     elif mode == "sparse":
-        p = 1.0 / (1.0 + np.exp(-((x @ A) @ B + b)))
-        active = np.nonzero((p > float(attrs["cutoff"])).any(axis=0))[0]  # a prompt: the union over its tokens
+        active = np.nonzero(predicted_mask(x, A, B, b, float(attrs["cutoff"])).any(axis=0))[0]  # a prompt: the union
         wins = ctx.session.extras.setdefault("neurons", {})
         win = wins.get(layer)
         if win is None:

@@ -193,7 +193,8 @@ def _split(fn, items: list) -> None:
         if not _POOL:
             from concurrent.futures import ThreadPoolExecutor
 
-            _POOL.append(ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1), thread_name_prefix="op-split"))
+            _POOL.append(ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
+                                            thread_name_prefix="op-split"))
     with hook():
         futures = [_POOL[0].submit(fn, items[i::n]) for i in range(1, n)]
         try:
@@ -214,7 +215,8 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
     B, T, H, d = q.shape
     S = start + T
     if k.shape[2] < S or v.shape[2] < S:
-        raise ValueError(f"attention at positions {start}..{S - 1} needs {S} keys and values, got {k.shape[2]}, {v.shape[2]}")
+        raise ValueError(f"attention at positions {start}..{S - 1} needs {S} keys and values, "
+                         f"got {k.shape[2]}, {v.shape[2]}")
     if numba is not None and B * T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:
         out = np.empty((B * T, H * d), np.float32)
         # numba vectorizes contiguous rows only: a whole cache is; a strided prefix view is copied

@@ -43,6 +43,9 @@ OUT_NORM_HOOK = "out_norm"    # input of the LM head: output_norm's output      
 LAYER_HOOKS = (ATTN_IN_HOOK, ATTN_OUT_HOOK, FFN_IN_HOOK, FFN_ACT_HOOK, ROUTER_HOOK)  # per layer, in execution order
 HOOK_OPS = {ATTN_IN_HOOK: ("attn_norm",), ATTN_OUT_HOOK: ("attention",), FFN_IN_HOOK: ("ffn_norm",),
             FFN_ACT_HOOK: ("swiglu", "geglu"), ROUTER_HOOK: ("moe_ffn",), OUT_NORM_HOOK: ("output_norm",)}
+LINEAR_HOOKS = (ATTN_IN_HOOK, ATTN_OUT_HOOK, FFN_IN_HOOK, FFN_ACT_HOOK)  # the points that are linears' inputs
+INPUT_HOOK = {"attn_q": ATTN_IN_HOOK, "attn_k": ATTN_IN_HOOK, "attn_v": ATTN_IN_HOOK, "attn_output": ATTN_OUT_HOOK,
+              "ffn_gate": FFN_IN_HOOK, "ffn_up": FFN_IN_HOOK, "ffn_down": FFN_ACT_HOOK}  # a dense linear's input point
 _HOOK_OF_OP = {op: point for point, ops in HOOK_OPS.items() for op in ops}
 
 

@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm.auto import tqdm
 
+from edgeprobe_kernels.sampling import log_softmax  # noqa: F401  (re-exported: evaluate.log_softmax)
+
 from .errors import TextError, WindowError
 from .forward import Hooks, LinearFn, forward
 from .models import Model
@@ -25,13 +27,6 @@ class EvalResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """float32[..., vocab] -> float64 log-probabilities (stable: max subtracted first)."""
-    z = logits.astype(np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
 
 
 def window_nll(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:

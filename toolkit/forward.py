@@ -225,11 +225,15 @@ def _seen(hooks: Hooks, attrs: dict, out: np.ndarray) -> np.ndarray:
     return out if name is None else _user(_hook, hooks, name, out)
 
 
-def _hooked(fn):
+def _hooked(fn, at_points: bool = True):
+    """fn with its output offered to the hooks; at_points False: by the op's name alone (moe_ffn, whose hook point,
+    the router's logits, is inside it)."""
     def run(inp, attrs, ctx):
         out = fn(inp, attrs, ctx)
         hooks = ctx.host.hooks
-        return out if hooks is None else _seen(hooks, attrs, out)
+        if hooks is None or (not at_points and (callable(hooks) or attrs["op"] not in hooks)):
+            return out
+        return _seen(hooks, attrs, out) if at_points else _user(_hook, hooks, attrs["op"], out)
     return run
 
 
@@ -249,13 +253,13 @@ def _op_lm_head(inp, attrs, ctx):
     if attrs.get("last_only", True):
         x = np.ascontiguousarray(x.reshape(B, x.shape[0] // B, x.shape[1])[:, -1])
     head = ctx.host.head
-    return _user(head, x) if head else x @ inp[1].T
+    return _user(head, x) if head else x @ ctx.host.model.output_weight.T
 
 
 # the agent's registry, with the host's linears, LM head and MoE router (its hook, the caller's linears), and every
 # op's output offered to the hooks
-HOST_OPS = {kind: _hooked(fn) for kind, fn in {**OPS, "linear": _op_linear, "moe_ffn": _op_moe_ffn,
-                                                "lm_head": _op_lm_head}.items()}
+HOST_OPS = {**{kind: _hooked(fn) for kind, fn in {**OPS, "linear": _op_linear, "lm_head": _op_lm_head}.items()},
+            "moe_ffn": _hooked(_op_moe_ffn, at_points=False)}
 
 
 def _as_batch(tokens, vocab: int) -> tuple[np.ndarray, bool]:
@@ -302,10 +306,8 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
     plan = float_plan(c, T, B, cache is not None, logits, HOST_OPS)
     if cache is not None:
         cache.reserve(start + T)
-    W = model.weights
-    get = lambda name: model.output_weight if name == N.OUTPUT else W[name]
     host = _Host(model, hooks, linear or float_linear(model), head or model.head)
-    out = run_float(plan, get, toks.reshape(-1), cache, host)
+    out = run_float(plan, model.weights.__getitem__, toks.reshape(-1), cache, host)
     if cache is not None:
         cache.length = start + T
     out = out.reshape(B, -1) if logits == "last" else out.reshape(B, T, -1)

@@ -8,6 +8,7 @@ import numpy as np
 
 from .forward import KVCache, forward
 from .models import Model
+from .sampling import sample
 
 
 @dataclass
@@ -21,7 +22,8 @@ class Generation:
 
 def generate(model: Model, prompt: str, n: int = 32, temperature: float = 0.0, seed: int = 0,
              stop_at_eos: bool = True) -> Generation:
-    """Continue `prompt` by up to `n` tokens: greedy at temperature 0, else sampled with `seed`."""
+    """Continue `prompt` by up to `n` tokens: greedy at temperature 0, else sampled with `seed` (sampling.sample,
+    the draw of workflows.generate's host loop: the same seed and logits give the same tokens)."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
     ids = model.tokenizer.encode(prompt)
@@ -34,12 +36,7 @@ def generate(model: Model, prompt: str, n: int = 32, temperature: float = 0.0, s
     t1 = time.perf_counter()
     out: list[int] = []
     for step in range(n):
-        if temperature > 0:
-            z = logits.astype(np.float64) / temperature
-            p = np.exp(z - z.max())
-            nxt = int(rng.choice(len(p), p=p / p.sum()))
-        else:
-            nxt = int(np.argmax(logits))
+        nxt = int(sample(logits[None], temperature, rng)[0])  # the agent workflows' draw: same seed, same tokens
         out.append(nxt)
         if stop_at_eos and nxt == model.tokenizer.eos_id:
             break
@@ -60,7 +57,8 @@ def replay(model: Model, prompt, fed, linear=None, hooks=None) -> list[np.ndarra
     fed = np.asarray(fed)
     B = fed.shape[0]
     cache = KVCache(model.config)
-    out = [np.asarray(forward(model, np.asarray(prompt), cache, hooks=hooks, linear=linear, logits="last")).reshape(1, -1)]
+    first = forward(model, np.asarray(prompt), cache, hooks=hooks, linear=linear, logits="last")
+    out = [np.asarray(first).reshape(1, -1)]
     cache.reorder([0] * B)
     for i in range(fed.shape[1]):
         out.append(np.asarray(forward(model, fed[:, i:i + 1], cache, hooks=hooks, linear=linear,
@@ -78,7 +76,8 @@ class HostSession:
         self.batch = 1
 
     def prefill(self, tokens) -> np.ndarray:
-        return np.asarray(forward(self.model, np.asarray(tokens), self.cache, linear=self.linear, logits="last")).reshape(1, -1)
+        logits = forward(self.model, np.asarray(tokens), self.cache, linear=self.linear, logits="last")
+        return np.asarray(logits).reshape(1, -1)
 
     def reorder(self, indices) -> None:
         self.cache.reorder(indices)
@@ -86,4 +85,5 @@ class HostSession:
 
     def step(self, tokens) -> np.ndarray:
         tokens = np.asarray(tokens).reshape(-1, 1)
-        return np.asarray(forward(self.model, tokens, self.cache, linear=self.linear, logits="last")).reshape(self.batch, -1)
+        logits = forward(self.model, tokens, self.cache, linear=self.linear, logits="last")
+        return np.asarray(logits).reshape(self.batch, -1)

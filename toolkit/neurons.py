@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgeprobe_kernels import names as N
+from edgeprobe_kernels.neurons import predicted_mask
+
 from .models import Model
 
 
@@ -47,9 +50,7 @@ def add_bundles(qm, model: Model, predictors) -> dict:
     return neurons
 
 
-def predicted_mask(x: np.ndarray, A, B, b, cutoff: float) -> np.ndarray:
-    """bool[T, ffn]: neurons the predictor expects active for each row of x float32[T, hidden]."""
-    return 1.0 / (1.0 + np.exp(-((x @ A) @ B + b))) > cutoff
+__all__ = ["bundle", "add_bundles", "predicted_mask", "sparse_hooks", "sparsity_perplexity"]
 
 
 def sparse_hooks(predictors, union: bool = False, counts: list | None = None) -> dict:
@@ -59,7 +60,7 @@ def sparse_hooks(predictors, union: bool = False, counts: list | None = None) ->
     masks: dict = {}
 
     def at_in(name, x):
-        i = int(name.split(".")[1])
+        i = N.layer_of(name)
         A, B, b = predictors.weights[i]
         m = predicted_mask(x, A, B, b, float(predictors.cutoffs[i]))
         masks[i] = m.any(axis=0, keepdims=True) if union else m
@@ -68,12 +69,12 @@ def sparse_hooks(predictors, union: bool = False, counts: list | None = None) ->
         return x
 
     def at_act(name, a):
-        return a * masks[int(name.split(".")[1])]
+        return a * masks[N.layer_of(name)]
 
     hooks = {}
     for i in predictors.weights:
-        hooks[f"blk.{i}.ffn_in"] = at_in
-        hooks[f"blk.{i}.ffn_act"] = at_act
+        hooks[N.blk(i, N.FFN_IN_HOOK)] = at_in
+        hooks[N.blk(i, N.FFN_ACT_HOOK)] = at_act
     return hooks
 
 

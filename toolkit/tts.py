@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .sampling import sample
+from .sampling import log_softmax, sample
 
 
 @dataclass
@@ -28,18 +28,12 @@ def mean_logprob(tokens, logprobs) -> float:
     return float(np.mean(logprobs)) if len(logprobs) else float("-inf")
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
 def _decode(session, logits, cands, n_tokens, temperature, rng, stop):
     """Extend every candidate (one per batch row) by up to n_tokens; returns the last logits [B, V]."""
     live = np.ones(len(cands), bool)
     for _ in range(n_tokens):
         tok = sample(logits, temperature, rng)
-        lp = _log_softmax(logits)[np.arange(len(cands)), tok]
+        lp = log_softmax(logits)[np.arange(len(cands)), tok]
         for j, c in enumerate(cands):
             if live[j]:
                 c.tokens.append(int(tok[j]))

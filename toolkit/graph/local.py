@@ -21,7 +21,7 @@ from .template import Weights, model_ops
 
 
 def host_session(config: dict, batch: int, capacity: int) -> KVSession:
-    """A decode session's KV cache, as the agent keeps one (float32[batch, n_kv_heads, capacity, head_dim] per layer)."""
+    """A decode session's KV cache as the agent keeps one (float32[batch, n_kv_heads, capacity, head_dim] a layer)."""
     return KVSession(config["n_layers"], config["n_kv_heads"], config["head_dim"], batch, capacity)
 
 
@@ -55,6 +55,9 @@ class HostRaised(AgentError):
         self.error = error
 
 
+# op kinds whose weights the host's functions read from the model (a quantized model's stripped float model has no
+# router or head to hand over): the plan gives them their activations alone
+HOST_READS = ("moe_ffn", "lm_head")
 _PLANS: dict = {}
 _MAX_PLANS = 64
 
@@ -80,6 +83,8 @@ def float_plan(config, tokens: int, batch: int, session: bool, logits: str, regi
         ops = ops[:-1]
     for op in ops:
         op["lane"] = "cpu"
+        if op["kind"] in HOST_READS:  # the host's op reads them from the model itself, and only when needed
+            op["inputs"] = op["inputs"][:1]
         op["inputs"] = [{"blob": r["tensor"]} if "tensor" in r else r for r in op["inputs"]]
         op["attrs"]["op"] = op["name"]
         point = N.hook_point(op["name"])

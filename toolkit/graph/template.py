@@ -228,7 +228,8 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
             p = pfx_of(l)
             norm_w = w.tensor(N.weight(N.blk(l, "attn_norm")))
             n = add(f"{p}.attn_norm", "rms_norm", [x, norm_w], l, ci, "qkv", (R, h), eps=eps)
-            shadowed = [q for q in N.ATTN_IN if w.rec(N.blk(l, q))["kind"] in SHADOW_KINDS and w.rec(N.blk(l, q)).get("shadow")]
+            shadowed = [q for q in N.ATTN_IN
+                        if w.rec(N.blk(l, q))["kind"] in SHADOW_KINDS and w.rec(N.blk(l, q)).get("shadow")]
             sn = None
             if shadowed:  # the shadow subgraph normalizes on its own: its only dependency is the previous layer
                 sx = emb(f"{p}.shadow_embed", "shadow") if l == 0 else x
@@ -262,15 +263,15 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
                     **({"kv_layer": l} if session else {}), **({"window": win} if win else {}))
             o = linear(p, "attn_output", a, l, ci, "ffn", R)
             if cfg.post_norms:  # Gemma: the attention's output normalized before the residual
-                o = add(f"{p}.post_attention_norm", "rms_norm", [o, w.tensor(N.weight(N.blk(l, "post_attention_norm")))],
-                        l, ci, "ffn", (R, h), eps=eps)
+                pw = w.tensor(N.weight(N.blk(l, "post_attention_norm")))
+                o = add(f"{p}.post_attention_norm", "rms_norm", [o, pw], l, ci, "ffn", (R, h), eps=eps)
             x = add(f"{p}.attn_residual", "add", [x, o], l, ci, "ffn", (R, h))
             n2 = add(f"{p}.ffn_norm", "rms_norm", [x, w.tensor(N.weight(N.blk(l, "ffn_norm")))], l, ci, "ffn", (R, h),
                      eps=eps)
             f = _ffn(add, linear, w, p, n2, l, ci, R, ffn_flash, experts_flash)
             if cfg.post_norms:
-                f = add(f"{p}.post_ffw_norm", "rms_norm", [f, w.tensor(N.weight(N.blk(l, "post_ffw_norm")))], l, ci, "ffn",
-                        (R, h), eps=eps)
+                pw = w.tensor(N.weight(N.blk(l, "post_ffw_norm")))
+                f = add(f"{p}.post_ffw_norm", "rms_norm", [f, pw], l, ci, "ffn", (R, h), eps=eps)
             x = add(f"{p}.ffn_residual", "add", [x, f], l, ci, "ffn", (R, h))
     rows = batch if last_only else batch * tokens
     n = add("output_norm", "rms_norm", [x, w.tensor(N.OUTPUT_NORM)], -1, n_chunks - 1, "ffn", (R, h),
@@ -293,8 +294,9 @@ def _ffn(add, linear, w, p, x, l, ci, R, ffn_flash, experts_flash):
         attrs = w.moe_attrs(l, experts_flash)
         fe, k, E = c.get("expert_ffn") or c["ffn"], c["n_experts_used"], c["n_experts"]
         wb = sum(w.weight_bytes(r, (fe, h)) for ex in attrs["experts"] for r in ex.values())
-        y = add(f"{p}.moe_ffn", "moe_ffn", [x, {"blob": router["w"]} if "w" in router else w.tensor(N.weight(N.blk(l, "ffn_gate_inp")))],
-                l, ci, "ffn", (R, h), ("linear", 2 * R * h * E + 2 * R * k * 3 * h * fe, wb), **attrs)
+        rw = {"blob": router["w"]} if "w" in router else w.tensor(N.weight(N.blk(l, "ffn_gate_inp")))
+        y = add(f"{p}.moe_ffn", "moe_ffn", [x, rw], l, ci, "ffn", (R, h),
+                ("linear", 2 * R * h * E + 2 * R * k * 3 * h * fe, wb), **attrs)
         if not c.get("shared_expert_ffn"):
             return y
         s = _swiglu(add, linear, p, x, l, ci, R, "_shexp", c["shared_expert_ffn"])
@@ -305,7 +307,8 @@ def _ffn(add, linear, w, p, x, l, ci, R, ffn_flash, experts_flash):
     if ffn_flash:
         nr = w.neurons(l)
         f = c["ffn"]
-        return add(f"{p}.ffn_flash", "ffn_flash", [x] + [{"blob": nr[k]} for k in ("A", "B", "b")], l, ci, "ffn", (R, h),
+        pred = [{"blob": nr[k]} for k in ("A", "B", "b")]
+        return add(f"{p}.ffn_flash", "ffn_flash", [x] + pred, l, ci, "ffn", (R, h),
                    ("linear", 2 * R * h * 3 * f, 0), bundle=nr["bundle"], ffn_layer=l, cutoff=nr["cutoff"],
                    window=int(ffn_flash.get("window", 5)), mode=ffn_flash.get("mode", "sparse"))
     return _swiglu(add, linear, p, x, l, ci, R, "", c["ffn"], "geglu" if c.get("act_fn") == "gelu_tanh" else "swiglu")

@@ -115,8 +115,9 @@ def _reachable(address: str, timeout_s: float = 5.0) -> None:
     try:
         socket.create_connection((host, int(port)), timeout=timeout_s).close()
     except OSError as e:
-        raise ClusterError(f"no Ray cluster answers at {address} ({e.strerror or e}); start one with `ray start --head` "
-                           "there, or use --ray local for a cluster of this machine's cores") from None
+        raise ClusterError(f"no Ray cluster answers at {address} ({e.strerror or e}); start one with "
+                           "`ray start --head` there, or use --ray local for a cluster of this machine's cores") \
+            from None
 
 
 def _token_auth() -> None:
@@ -243,8 +244,9 @@ class RayRunner:
                     raise ClusterError(f"{desc} shard {i} (windows {bounds[i][0]}-{bounds[i][1] - 1}) failed on the "
                                        f"cluster: {why}") from None
                 except ray.exceptions.RayError as e:  # its worker died on every one of Ray's tries
+                    why = str(e).strip().splitlines()[0]
                     raise ClusterError(f"{desc} shard {i} was lost with its worker {self.max_retries + 1} times "
-                                       f"({str(e).strip().splitlines()[0]}); check the nodes' memory and logs") from None
+                                       f"({why}); check the nodes' memory and logs") from None
                 bar.update(1)
                 while done in results:  # merge in corpus order, so the result is one pass's
                     r = results.pop(done)

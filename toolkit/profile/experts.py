@@ -17,6 +17,8 @@ from typing import ClassVar
 
 import numpy as np
 
+from edgeprobe_kernels import names as N
+
 from ..errors import UnsupportedModelError
 from ..models import Model
 from .base import Profile
@@ -84,13 +86,13 @@ class _RoutingRecorder:
 
     def hooks(self) -> dict:
         def observe(name, x):
-            layer = int(name.split(".")[1])
+            layer = N.layer_of(name)
             self._exp[layer], self._w[layer] = x.experts.astype(np.int16), x.weights
             z = x - x.max(axis=1, keepdims=True)
             p = np.exp(z)
             p /= p.sum(axis=1, keepdims=True)
             self._ent[layer] += float(-(p * np.log2(np.maximum(p, 1e-30))).sum())
-        return {f"blk.{i}.router": observe for i in range(self.L)}
+        return {N.blk(i, N.ROUTER_HOOK): observe for i in range(self.L)}
 
     def take(self) -> tuple[np.ndarray, np.ndarray]:
         """The window's experts int16[N, L, k] and weights float32[N, L, k]."""

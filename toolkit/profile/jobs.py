@@ -13,7 +13,6 @@ from .predictor import train_predictors
 from .runner import run, windows
 from .sparsity import SparsityStats, calibrate_thresholds
 
-
 # runner: how a streaming pass over windows runs — runner.run in this process (None), or a
 # profile.cluster.RayRunner that shards it over a Ray cluster; both give the same profile.
 

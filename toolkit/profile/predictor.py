@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from tqdm.auto import tqdm
 
+from edgeprobe_kernels import names as N
+
 from ..forward import forward
 from ..models import Model
 from .runner import windows
@@ -52,8 +54,8 @@ def _collect(model: Model, ids, window: int, layers: range) -> tuple[dict, dict]
     acts = {i: [] for i in layers}
     hooks = {}
     for i in layers:
-        hooks[f"blk.{i}.ffn_in"] = lambda n, x: xs[int(n.split(".")[1])].append(x.copy())
-        hooks[f"blk.{i}.ffn_act"] = lambda n, x: acts[int(n.split(".")[1])].append(x.copy())
+        hooks[N.blk(i, N.FFN_IN_HOOK)] = lambda n, x: xs[N.layer_of(n)].append(x.copy())
+        hooks[N.blk(i, N.FFN_ACT_HOOK)] = lambda n, x: acts[N.layer_of(n)].append(x.copy())
     for chunk in windows(ids, window):
         forward(model, chunk, hooks=hooks, logits="none")
     return {i: np.concatenate(v) for i, v in xs.items()}, {i: np.concatenate(v) for i, v in acts.items()}

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from edgeprobe_kernels import names as N
 from edgeprobe_kernels.activation_stats import pack_active, window_counts
 
 from ..forward import forward
@@ -57,11 +58,11 @@ def calibrate_thresholds(model: Model, ids, eps: float = 0.01, tokens: int = 512
         return {i: 0.0 for i in range(L)}
     chunk = windows(ids, max(2, min(tokens, len(ids))))[0]
     acts = {}
-    forward(model, chunk, hooks={f"blk.{i}.ffn_act": (lambda n, x: acts.__setitem__(n, x.copy())) for i in range(L)},
-            logits="none")
+    keep = lambda n, x: acts.__setitem__(n, x.copy())
+    forward(model, chunk, hooks={N.blk(i, N.FFN_ACT_HOOK): keep for i in range(L)}, logits="none")
     taus = {}
     for i in range(L):
-        a = acts[f"blk.{i}.ffn_act"]
+        a = acts[N.blk(i, N.FFN_ACT_HOOK)]
         wd = model.weights[f"blk.{i}.ffn_down.weight"]
         y2 = sq_norm(a @ wd.T)
         lo, hi = np.log(max(np.abs(a).min(), 1e-12)), np.log(np.abs(a).max())
@@ -101,14 +102,15 @@ class SparsityStats(Profile):
         self._carry = {}
 
         def observe(name, a):
-            i = int(name.split(".")[1])
+            i = N.layer_of(name)
             F = a.shape[1]
             st = self.arrays.get(name)
             if st is None:
                 st = self.arrays[name] = {"fire": np.zeros(F, np.int64), "new": np.zeros(K, np.int64),
                                           "resident": np.zeros(K, np.int64), "err": np.zeros(2, np.float64)}
             on = pack_active(a, taus[i])
-            st["fire"] += np.unpackbits(on.view(np.uint8), axis=1, bitorder="little", count=F).sum(axis=0, dtype=np.int64)
+            bits = np.unpackbits(on.view(np.uint8), axis=1, bitorder="little", count=F)
+            st["fire"] += bits.sum(axis=0, dtype=np.int64)
             carry = self._carry.get(name)
             if carry is None:
                 carry = np.zeros((K, on.shape[1]), np.uint64)
@@ -116,7 +118,7 @@ class SparsityStats(Profile):
             s = a[::stride]
             wd = model.weights[f"blk.{i}.ffn_down.weight"]
             st["err"] += [sq_norm(dropped_output(s, np.abs(s) <= taus[i], wd)), sq_norm(s @ wd.T)]
-        return {f"blk.{i}.ffn_act": observe for i in range(model.config.n_layers)}
+        return {N.blk(i, N.FFN_ACT_HOOK): observe for i in range(model.config.n_layers)}
 
     def begin_window(self, ids):
         super().begin_window(ids)
@@ -124,7 +126,7 @@ class SparsityStats(Profile):
 
     # ---- derived ---------------------------------------------------------------------------------
     def _layer(self, i: int) -> dict:
-        return self.arrays[f"blk.{i}.ffn_act"]
+        return self.arrays[N.blk(i, N.FFN_ACT_HOOK)]
 
     @property
     def n_layers(self) -> int:
@@ -137,7 +139,8 @@ class SparsityStats(Profile):
 
     def achieved_error(self) -> np.ndarray:
         """float64[layers]: relative L2 change of the FFN output when inactive neurons are dropped."""
-        return np.array([np.sqrt(e[0] / e[1]) if e[1] else np.nan for e in (self._layer(i)["err"] for i in range(self.n_layers))])
+        errs = (self._layer(i)["err"] for i in range(self.n_layers))
+        return np.array([np.sqrt(e[0] / e[1]) if e[1] else np.nan for e in errs])
 
     def frequency(self, i: int) -> np.ndarray:
         """float64[ffn]: fraction of tokens on which each neuron of layer i fires."""
@@ -184,7 +187,8 @@ class SparsityStats(Profile):
             "achieved_error_mean": float(np.nanmean(err)), "achieved_error_max": float(np.nanmax(err)),
             "hot_neurons_pct_for_80pct_mean": float(self.hot_fraction(0.8).mean()),
             "bits": bits,
-            "window": {str(k): {"resident": round(float(w["resident"][j]), 1), "new_per_token": round(float(w["new"][j]), 1),
+            "window": {str(k): {"resident": round(float(w["resident"][j]), 1),
+                                "new_per_token": round(float(w["new"][j]), 1),
                                 "flash_bytes_per_token_per_layer": round(float(w["bytes"][j])),
                                 "fraction_of_dense_ffn_bytes": round(float(w["bytes"][j] / dense_bytes), 4),
                                 "reads_bundled": round(float(w["reads_bundled"][j]), 1),

@@ -1,7 +1,7 @@
 """The bundled corpus: enough tokens, a disjoint held-out split, rebuilt deterministically."""
+import hashlib
 import importlib.util
 import json
-import platform
 from pathlib import Path
 
 import pytest
@@ -36,10 +36,31 @@ def test_rebuild_is_deterministic(tmp_path):
     m1, m2 = b.build(tmp_path / "a"), b.build(tmp_path / "b")
     for split in ("train", "heldout"):
         assert (tmp_path / "a" / f"{split}.txt").read_bytes() == (tmp_path / "b" / f"{split}.txt").read_bytes()
+    assert m1 == m2
+    # on any interpreter: each split is its documents joined by blank lines, each document the text its sha256 names,
+    # split by the held-out rule; the committed corpus and this rebuild alike
+    for folder, manifest in ((corpus_dir(), json.loads((corpus_dir() / "SOURCES.json").read_text())),
+                             (tmp_path / "a", m1)):
+        for split in ("train", "heldout"):
+            text = (folder / f"{split}.txt").read_text(encoding="utf-8")
+            docs = [d for d in manifest["documents"] if d["split"] == split]
+            assert manifest["files"][split] == {"chars": len(text), "documents": len(docs),
+                                                "sha256": hashlib.sha256(text.encode()).hexdigest()}
+            at = 0
+            for d in docs:
+                piece = text[at:at + d["chars"]]
+                assert hashlib.sha256(piece.encode()).hexdigest() == d["sha256"], d["id"]
+                assert (split == "heldout") == b.is_heldout(d["id"]), d["id"]
+                at += d["chars"] + 2
+            assert at == len(text) + 2
     committed = json.loads((corpus_dir() / "SOURCES.json").read_text())
-    if committed["built_with"] == f"CPython {platform.python_version()}":
-        # same interpreter as the committed build: byte-identical files
-        assert m1["files"] == committed["files"]
+    # a document this interpreter ships unchanged is the committed one, in the same split (all of them on the
+    # interpreter that built it, byte for byte)
+    ours = {d["id"]: d for d in m1["documents"]}
+    same = [d for d in committed["documents"] if ours.get(d["id"], {}).get("sha256") == d["sha256"]]
+    assert all(ours[d["id"]]["split"] == d["split"] for d in same)
+    if committed["built_with"] == m1["built_with"]:
+        assert len(same) == len(committed["documents"]) == len(ours) and m1["files"] == committed["files"]
     assert m1["files"]["train"]["chars"] > 500_000
 
 

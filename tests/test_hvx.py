@@ -91,7 +91,8 @@ def test_a_killed_dsp_process_gives_a_clear_error_then_a_new_one(dsp):
     old = dsp.pid
     os.kill(old, signal.SIGKILL)
     time.sleep(0.2)
-    with pytest.raises(hvx_bridge.HvxError, match=r"qemu-hexagon, pid \d+\) died \(killed by signal 9\).*next call starts a new one"):
+    with pytest.raises(hvx_bridge.HvxError,
+                       match=r"qemu-hexagon, pid \d+\) died \(killed by signal 9\).*next call starts a new one"):
         dsp.w8a8(x, wt, 0.02, 0.01, key="kept")
     after = dsp.w8a8(x, wt, 0.02, 0.01, key="kept")  # weights stayed in the arena the new process maps
     assert dsp.pid != old and np.array_equal(after, before)
@@ -123,15 +124,20 @@ def test_build_is_cached_by_content(tmp_path, monkeypatch):
     assert hvx_bridge.build(tmp_path) != a
 
 
-def test_cli_kernels_check(capsys, monkeypatch):
+@needs_hvx
+def test_cli_kernels_check(capsys):
     import json
 
     from edgeprobe.cli import main
 
-    if hvx_bridge.available():
-        assert main(["kernels", "check", "--backend", "hvx", "--json"]) == 0
-        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert out["ok"] and out["kernels"]["exp_lut"]["bit_exact"] and out["kernels"]["gemm_s8s32"]["cases"] >= 6
+    assert main(["kernels", "check", "--backend", "hvx", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["ok"] and out["kernels"]["exp_lut"]["bit_exact"] and out["kernels"]["gemm_s8s32"]["cases"] >= 6
+
+
+def test_cli_kernels_check_without_the_toolchain_says_how_to_install_it(capsys, monkeypatch):
+    from edgeprobe.cli import main
+
     monkeypatch.setenv("PATH", "/nonexistent")
     assert main(["kernels", "check", "--backend", "hvx", "--json"]) == 2
     assert "apt-get install clang-15 lld-15 qemu-user" in capsys.readouterr().err

@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from edgeprobe.errors import TextError, WindowError
 from edgeprobe.evaluate import log_softmax, perplexity
@@ -19,7 +20,7 @@ def test_perplexity_windows_match_manual_computation(smollm, heldout_ids):
     nll = []
     for w in range(3):
         chunk = ids[w * 32:(w + 1) * 32]
-        lp = log_softmax(forward(smollm, chunk))
+        lp = torch.log_softmax(torch.from_numpy(forward(smollm, chunk).astype(np.float64)), -1).numpy()  # not ours
         nll += [-lp[t - 1, chunk[t]] for t in range(1, 32)]
     assert res.perplexity == pytest.approx(float(np.exp(np.mean(nll))), rel=1e-5)
     assert 1.0 < res.perplexity < 200 and res.tok_per_s > 0
@@ -45,6 +46,34 @@ def test_greedy_generation_is_deterministic_and_uses_the_cache(smollm):
     for t in g1.tokens[:3]:
         assert int(np.argmax(forward(smollm, ids, logits="last"))) == t
         ids.append(t)
+
+
+def test_log_softmax_matches_torch():
+    z = np.random.default_rng(0).normal(scale=30.0, size=(5, 1000)).astype(np.float32)
+    ref = torch.log_softmax(torch.from_numpy(z.astype(np.float64)), -1).numpy()
+    assert np.abs(log_softmax(z) - ref).max() < 1e-12
+
+
+def test_sampled_generation_draws_as_the_agent_workflow_does(smollm):
+    """Host generate and the agent workflow's loop (workflows.generate: sampling.sample on each step's logits, one
+    rng from the seed) call the one sampler and give the same tokens for the same seed and logits."""
+    from edgeprobe import generate as generate_module
+    from edgeprobe import tts, workflows
+    from edgeprobe.generate import HostSession
+    from edgeprobe_kernels.sampling import sample
+
+    assert workflows.sample is sample and generate_module.sample is sample and tts.sample is sample
+    prompt, n, temperature, seed = "The capital of France is", 8, 1.0, 3
+    g = generate(smollm, prompt, n=n, temperature=temperature, seed=seed, stop_at_eos=False)
+    s, rng = HostSession(smollm), np.random.default_rng(seed)
+    logits = s.prefill(smollm.tokenizer.encode(prompt))
+    fed = []
+    for _ in range(n):
+        fed.append(int(sample(logits, temperature, rng)[0]))
+        logits = s.step([fed[-1]])
+    assert g.tokens == fed
+    greedy = generate(smollm, prompt, n=n, seed=seed, stop_at_eos=False).tokens
+    assert fed != greedy  # the draws sampled: not the argmax path
 
 
 def _cli(*args, check=True):

@@ -31,7 +31,8 @@ def test_in_process_run_respects_dependencies_and_lanes():
 
 
 def test_op_failure_is_reported_not_raised_from_a_thread():
-    plan = validate({"ops": [{"name": "e", "kind": "embed", "lane": "cpu", "inputs": [{"input": "t"}, {"input": "w"}]}]},
+    embed = {"name": "e", "kind": "embed", "lane": "cpu", "inputs": [{"input": "t"}, {"input": "w"}]}
+    plan = validate({"ops": [embed]},
                     has_blob=lambda s: False)
     # the op's own error crosses the lane thread unchanged: its code is what the agent's error reply carries
     with pytest.raises(OpError, match=r"token ids outside \[0, 3\)") as e:
@@ -66,7 +67,8 @@ def test_an_output_no_later_op_reads_is_dropped_during_the_run():
     for i in range(200):
         ops.append({"name": f"a{i}", "kind": "add", "lane": ("cpu", "npu")[i % 2], "inputs": [prev, {"input": "x"}]})
         prev = {"op": f"a{i}"}
-    ops.append({"name": "side", "kind": "add", "lane": "cpu", "inputs": [{"op": "a49"}, {"op": "a149"}, {"op": "a199"}]})
+    ops.append({"name": "side", "kind": "add", "lane": "cpu",
+                "inputs": [{"op": "a49"}, {"op": "a149"}, {"op": "a199"}]})
     plan = validate({"ops": ops, "outputs": ["side", "a99"]}, has_blob=lambda s: False)
     x = np.ones((512, 512), np.float32)
     tracemalloc.start()
@@ -75,7 +77,8 @@ def test_an_output_no_later_op_reads_is_dropped_during_the_run():
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert np.array_equal(out["a99"], np.full_like(x, 101)) and np.array_equal(out["side"], np.full_like(x, 51 + 151 + 201))
+    assert np.array_equal(out["a99"], np.full_like(x, 101))
+    assert np.array_equal(out["side"], np.full_like(x, 51 + 151 + 201))
     assert len(events) == 201 and peak < 12 * x.nbytes  # the outputs and the ops in flight, not the whole chain
 
 
@@ -116,7 +119,8 @@ def test_a_plan_on_one_lane_takes_the_cores_once_and_gives_them_back(monkeypatch
     assert calls == ["enter", "leave"] and [e["threads"] for e in events] == [2, 2, 2]  # a decode step's ops alone
     assert np.array_equal(out["cpu2"], np.full((4, 4), 4, np.float32))
     with pytest.raises(OpError):  # a failing op still gives the cores back
-        execute(validate({"ops": [{"name": "e", "kind": "embed", "lane": "cpu", "inputs": [{"input": "t"}, {"input": "w"}]}]},
+        embed = {"name": "e", "kind": "embed", "lane": "cpu", "inputs": [{"input": "t"}, {"input": "w"}]}
+        execute(validate({"ops": [embed]},
                          has_blob=lambda s: False), {"t": np.array([5], np.int32), "w": np.ones((3, 2), np.float32)},
                 Context(get=None))
     assert calls[-2:] == ["enter", "leave"] and c.enter() == 2  # nothing left counted busy

@@ -65,9 +65,25 @@ def test_hook_can_replace_an_activation(smollm, ids, full_logits):
     zeroed = forward(smollm, ids, hooks={"blk.0.ffn_act": lambda n, x: np.zeros_like(x)})
     assert np.abs(zeroed - full_logits).max() > 1.0
     same = forward(smollm, ids, hooks={"blk.0.ffn_act": lambda n, x: x.copy()})
-    np.testing.assert_allclose(same, full_logits, atol=1e-4)
+    assert np.array_equal(same, full_logits)  # the same ops on the same values
     with pytest.raises(ValueError, match="must keep the shape"):
         forward(smollm, ids, hooks={"blk.0.attn_in": lambda n, x: x[:2]})
+
+
+def test_hooks_by_template_op_name(smollm, ids):
+    """A dict of hooks may name any op of the template: the residual stream after layer 0's attention is
+    its input plus the output projection (no post norms in SmolLM2)."""
+    seen = {}
+    grab = lambda n, x: seen.__setitem__(n, np.array(x))
+    forward(smollm, ids[:8], hooks={n: grab for n in ("embed", "blk.0.attn_output", "blk.0.attn_residual")})
+    assert np.array_equal(seen["blk.0.attn_residual"], seen["embed"] + seen["blk.0.attn_output"])
+
+
+def test_errors_of_the_callers_code_are_raised_as_they_were(smollm, ids):
+    def lin(name, x):
+        raise KeyError(f"no such linear {name}")
+    with pytest.raises(KeyError, match="blk.0.attn_q"):
+        forward(smollm, ids[:4], linear=lin)
 
 
 def test_linear_override(smollm, ids, full_logits):

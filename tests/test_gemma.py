@@ -6,7 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from edgeprobe import models
 from edgeprobe.corpus import read_corpus
 from edgeprobe.evaluate import perplexity, window_nll
 from edgeprobe.forward import KVCache, forward
@@ -41,7 +40,8 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(gemma, hf_gguf):
     folder, name = hf_gguf
     ref = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     text = read_corpus("heldout")
-    samples = [l for l in text.split("\n") if l][:200] + ["  two  spaces\tand a tab", "ünïcödé 你好 🙂 \u00a0nbsp", "x" * 40]
+    samples = [l for l in text.split("\n") if l][:200]
+    samples += ["  two  spaces\tand a tab", "ünïcödé 你好 🙂 \u00a0nbsp", "x" * 40]
     for s in samples:
         assert gemma.tokenizer.encode(s, add_bos=False).tolist() == ref.encode(s, add_special_tokens=False), s
     ours = gemma.tokenizer.encode(text)
@@ -61,7 +61,8 @@ def test_logits_agree_with_transformers_across_the_sliding_window(gemma, held, h
     ids = held[:n]
     ours = forward(local, ids)
     folder, name = hf_gguf
-    ref_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32, sliding_window=W).eval()
+    ref_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32,
+                                                     sliding_window=W).eval()
     assert ref_model.config.sliding_window == W
     with torch.no_grad():
         ref = ref_model(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()

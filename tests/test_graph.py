@@ -42,12 +42,14 @@ def toy_model(layers=2, hidden=32, heads=4, kv=2, ffn=40, vocab=48, experts=0, k
                   p + "attn_q.weight": r(heads * d, hidden), p + "attn_k.weight": r(kv * d, hidden),
                   p + "attn_v.weight": r(kv * d, hidden), p + "attn_output.weight": r(hidden, heads * d)})
         if gemma:
-            w.update({p + "attn_q_norm.weight": 1 + 0.1 * rng.normal(size=d), p + "attn_k_norm.weight": 1 + 0.1 * rng.normal(size=d),
+            w.update({p + "attn_q_norm.weight": 1 + 0.1 * rng.normal(size=d),
+                      p + "attn_k_norm.weight": 1 + 0.1 * rng.normal(size=d),
                       p + "post_attention_norm.weight": 1 + 0.1 * rng.normal(size=hidden),
                       p + "post_ffw_norm.weight": 1 + 0.1 * rng.normal(size=hidden)})
         if experts:
             w.update({p + "ffn_gate_inp.weight": rng.normal(size=(experts, hidden)),
-                      p + "ffn_gate_exps.weight": r(experts, ffn, hidden), p + "ffn_up_exps.weight": r(experts, ffn, hidden),
+                      p + "ffn_gate_exps.weight": r(experts, ffn, hidden),
+                      p + "ffn_up_exps.weight": r(experts, ffn, hidden),
                       p + "ffn_down_exps.weight": r(experts, hidden, ffn)})
             if shared:
                 w.update({p + "ffn_gate_shexp.weight": r(24, hidden), p + "ffn_up_shexp.weight": r(24, hidden),
@@ -125,7 +127,8 @@ def test_decode_plans_extend_the_session_like_forward_with_a_cache(spec, prompt,
     tokens = rng.integers(0, m.config.vocab_size, prompt).astype(np.int32)
     cfg = qm.manifest["config"]
     sess = host_session(cfg, 1, prompt + steps)
-    outs, _, _ = run_plan(prefill_plan(qm.manifest, prompt, session=True), qm.store.get, {"tokens": tokens}, sess, prompt)
+    outs, _, _ = run_plan(prefill_plan(qm.manifest, prompt, session=True), qm.store.get, {"tokens": tokens}, sess,
+                          prompt)
     cache = KVCache(m.config, batch=1)
     _check(_logits(outs)[0], forward(m, tokens, cache=cache, logits="last"), FLOAT_TOL)
     sess.reorder([0] * batch)  # fork the prompt into `batch` sequences, as test-time scaling does
@@ -145,10 +148,12 @@ def shadow_model():
     return m, calibration_profile(m, ids, tokens=512, window=64, progress=False)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(prune=st.sampled_from([0.0, 0.34, 0.67, 1.0]), scheme=st.sampled_from(["w8a8-shadow", "w8a8", "w8a8c-shadow"]),
        prompt=st.integers(1, 48), chunk=st.sampled_from([8, 16, 32]), scheduler=st.sampled_from(["in-order", "ooo"]))
-@example(prune=0.0, scheme="w8a8c-shadow", prompt=41, chunk=8, scheduler="in-order")  # a rint flip, before FEW_ROWS was pinned
+# a rint flip, before FEW_ROWS was pinned
+@example(prune=0.0, scheme="w8a8c-shadow", prompt=41, chunk=8, scheduler="in-order")
 def test_int8_and_shadow_plans_compute_the_schemes_simulation(shadow_model, prune, scheme, prompt, chunk, scheduler):
     """The plans' structure (int8 and shadow parts, chunks, schedules) against the forward. Chunks of few rows would
     run the numba norm/RoPE/attention kernels, whose last bits differ from numpy's (test_fast_paths compares them):

@@ -100,8 +100,10 @@ def _toy_moe(shared: bool, norm_topk: bool, k: int = 2) -> Model:
     w = {"token_embd.weight": rng.normal(size=(32, h)), "output_norm.weight": np.ones(h)}
     for i in range(2):
         w.update({f"blk.{i}.attn_norm.weight": np.ones(h), f"blk.{i}.ffn_norm.weight": np.ones(h),
-                  f"blk.{i}.attn_q.weight": rng.normal(size=(16, h)) * .3, f"blk.{i}.attn_k.weight": rng.normal(size=(8, h)) * .3,
-                  f"blk.{i}.attn_v.weight": rng.normal(size=(8, h)) * .3, f"blk.{i}.attn_output.weight": rng.normal(size=(h, 16)) * .3,
+                  f"blk.{i}.attn_q.weight": rng.normal(size=(16, h)) * .3,
+                  f"blk.{i}.attn_k.weight": rng.normal(size=(8, h)) * .3,
+                  f"blk.{i}.attn_v.weight": rng.normal(size=(8, h)) * .3,
+                  f"blk.{i}.attn_output.weight": rng.normal(size=(h, 16)) * .3,
                   f"blk.{i}.ffn_gate_inp.weight": rng.normal(size=(E, h)),
                   f"blk.{i}.ffn_gate_exps.weight": rng.normal(size=(E, f, h)) * .3,
                   f"blk.{i}.ffn_up_exps.weight": rng.normal(size=(E, f, h)) * .3,
@@ -112,7 +114,8 @@ def _toy_moe(shared: bool, norm_topk: bool, k: int = 2) -> Model:
                       f"blk.{i}.ffn_down_shexp.weight": rng.normal(size=(h, 10)) * .3,
                       f"blk.{i}.ffn_gate_inp_shexp.weight": rng.normal(size=(1, h))})
     loaders = {n: (lambda a=a: np.asarray(a, np.float32)) for n, a in w.items()}
-    return Model(config=cfg, tokenizer=None, weights=LazyWeights(loaders, None), source="toy", sha256="0" * 64, name="toy")
+    return Model(config=cfg, tokenizer=None, weights=LazyWeights(loaders, None), source="toy", sha256="0" * 64,
+                 name="toy")
 
 
 def _reference_moe_ffn(m: Model, i: int, x: np.ndarray) -> np.ndarray:
@@ -138,12 +141,14 @@ def _reference_moe_ffn(m: Model, i: int, x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("shared,norm_topk,k", [(False, True, 2), (True, False, 2), (True, True, 1)])
 def test_moe_layer_matches_a_plain_reference(shared, norm_topk, k):
-    from edgeprobe.forward import float_linear, moe_ffn
-
     m = _toy_moe(shared, norm_topk, k)
-    x = np.random.default_rng(1).normal(size=(7, 16)).astype(np.float32)
-    ours = moe_ffn(m, 1, x, None, float_linear(m))
-    assert np.allclose(ours, _reference_moe_ffn(m, 1, x), atol=1e-5)
+    seen = {}
+    grab = lambda n, x: seen.__setitem__(n, np.array(x))
+    out = "blk.1.ffn_moe_sum" if shared else "blk.1.moe_ffn"  # the template op whose output is the layer's FFN
+    forward(m, np.arange(7), hooks={"blk.1.ffn_in": grab, out: grab})
+    x = seen["blk.1.ffn_in"]
+    assert x.shape == (7, 16)
+    assert np.allclose(seen[out], _reference_moe_ffn(m, 1, x), rtol=1e-5, atol=1e-5)
 
 
 def test_router_hook_sees_logits_and_chosen_experts_and_can_reroute(moe, held_ids):
@@ -165,7 +170,8 @@ def test_router_hook_sees_logits_and_chosen_experts_and_can_reroute(moe, held_id
         y[:, :2] += 100.0
         return y
     forced = {}
-    out = forward(moe, ids, hooks={"blk.0.router": force, "blk.1.router": lambda n, x: forced.__setitem__(n, x.experts)})
+    keep = lambda n, x: forced.__setitem__(n, x.experts)
+    out = forward(moe, ids, hooks={"blk.0.router": force, "blk.1.router": keep})
     assert not np.allclose(out, base)
     assert len(forced) == 1
 
@@ -257,7 +263,17 @@ def test_conditional_tables_and_paths(coact):
     assert np.isnan(peak[:2]).all() and (peak[2:] > 1.0 / 8).all()
     pl = coact.power_law()
     assert pl["paths_observed"] <= coact.tokens and pl["alpha"] > 0 and 0 < pl["r2"] <= 1
-    assert 0.2 <= coact.path_coverage(0.2) <= 1.0
+
+
+def test_path_coverage_counts_the_routed_paths(moe, train_ids, coact):
+    """The top-20% paths' token share, against the top-1 paths of a routing trace of the same tokens."""
+    trace = record_routing(moe, train_ids, 256, 4096, progress=False)
+    P = coact.params["path_layers"]
+    _, counts = np.unique(trace.experts[:, :P, 0], axis=0, return_counts=True)
+    counts = np.sort(counts)[::-1]
+    assert coact.power_law()["paths_observed"] == len(counts) and counts.sum() == coact.tokens
+    top = counts[:int(np.ceil(0.2 * len(counts)))].sum() / counts.sum()
+    assert coact.path_coverage(0.2) == pytest.approx(top, rel=1e-12)
     assert coact.path_coverage(1.0) == 1.0
 
 
@@ -400,8 +416,9 @@ def test_cache_simulation_on_real_routing(coact, held_trace):
 
 def test_profile_experts_cli(tmp_path):
     out = tmp_path / "experts"
-    r = subprocess.run([sys.executable, "-m", "edgeprobe", "profile", "experts", "--model", "tiny-moe", "--tokens", "1024",
-                        "--window", "128", "--heldout-tokens", "512", "--out", str(out), "--json", "--no-progress"],
+    r = subprocess.run([sys.executable, "-m", "edgeprobe", "profile", "experts", "--model", "tiny-moe",
+                        "--tokens", "1024", "--window", "128", "--heldout-tokens", "512", "--out", str(out), "--json",
+                        "--no-progress"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout.strip().splitlines()[-1])

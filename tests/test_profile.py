@@ -12,8 +12,16 @@ from edgeprobe.errors import StatsFileError, StatsMismatchError, TextError
 from edgeprobe.profile import OutlierStats, SparsityStats, calibrate_clips, calibrate_thresholds, run
 from edgeprobe.profile.outliers import TENSOR_POINTS, _percentile_from_hist
 from edgeprobe.profile.predictor import train_predictors
-from edgeprobe_kernels.activation_stats import (NEVER, N_RATIO_BINS, log2_histogram, outlier_update,
-                                                outlier_update_ref, pack_active, window_counts, window_update_ref)
+from edgeprobe_kernels.activation_stats import (
+    N_RATIO_BINS,
+    NEVER,
+    log2_histogram,
+    outlier_update,
+    outlier_update_ref,
+    pack_active,
+    window_counts,
+    window_update_ref,
+)
 
 W = 64  # small windows keep the suite fast
 
@@ -265,6 +273,5 @@ def test_cli_profile_bad_corpus(tmp_path, content, msg):
 
 def test_corpus_shorter_than_window_in_library(smollm):
     with pytest.raises(TextError, match="fewer than one window"):
-        run(smollm, [1, 2, 3], OutlierStats.for_model(smollm, {n: 1.0 for n in
-                                                                [f"blk.{i}.{p}" for i in range(30) for p in TENSOR_POINTS]}),
-            window=W, progress=False)
+        taus = {f"blk.{i}.{p}": 1.0 for i in range(30) for p in TENSOR_POINTS}
+        run(smollm, [1, 2, 3], OutlierStats.for_model(smollm, taus), window=W, progress=False)

@@ -41,21 +41,28 @@ def compared(smollm, hf_model, heldout_ids):
     return ids, ref, forward(smollm, ids)
 
 
+# float32 on both sides, the same weights (each side dequantizes the GGUF itself): differences are summation
+# order only. Measured 8.8e-5 on these 256 tokens (logits up to ~25), top-1 agreeing on all of them.
+LOGIT_TOL = 5e-4
+
+
 def test_top1_agreement_and_perplexity_against_transformers(compared):
     ids, ref, ours = compared
-    top1 = float((ref.argmax(-1) == ours.argmax(-1)).mean())
+    err = float(np.abs(ref - ours).max())
+    disagree = ref.argmax(-1) != ours.argmax(-1)
     ppl_ref = float(np.exp(window_nll(ref, ids).mean()))
     ppl_ours = float(np.exp(window_nll(ours, ids).mean()))
-    print(f"\nreference agreement on {len(ids)} tokens: top-1 {top1:.4f}, perplexity ours {ppl_ours:.4f} "
-          f"vs transformers {ppl_ref:.4f}, max |dlogit| {np.abs(ref - ours).max():.2e}")
-    assert top1 >= 0.95
-    assert abs(ppl_ours / ppl_ref - 1) <= 0.015
+    print(f"\nreference agreement on {len(ids)} tokens: top-1 {1 - disagree.mean():.4f}, perplexity ours "
+          f"{ppl_ours:.6f} vs transformers {ppl_ref:.6f}, max |dlogit| {err:.2e}")
+    assert err < LOGIT_TOL
+    top2 = np.sort(ref, axis=-1)[:, -2:]
+    assert (top2[disagree, 1] - top2[disagree, 0] <= 2 * err).all()  # only a near-tie within the error may flip
+    assert abs(np.log(ppl_ours / ppl_ref)) <= 2 * err  # a token's NLL moves at most 2 max|dlogit|
 
 
 def test_logits_agree_elementwise(compared):
     _, ref, ours = compared
-    # float32 on both sides: differences are summation order only
-    assert np.abs(ref - ours).max() < 1e-2 * np.abs(ref).max()
+    assert np.abs(ref - ours).max() < LOGIT_TOL
 
 
 def test_tokenizer_agrees_with_transformers_gguf_tokenizer(smollm):

@@ -68,7 +68,8 @@ def test_qwen2_biases(tmp_path, base, heldout_ids):
     rng = np.random.default_rng(0)
 
     def biases(cfg):
-        d, h, kv = cfg["hidden_size"] // cfg["num_attention_heads"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        h, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+        d = cfg["hidden_size"] // h
         return {f"model.layers.{i}.self_attn.{p}_proj.bias": torch.tensor(rng.normal(size=n) * 0.5, dtype=torch.float32)
                 for i in range(cfg["num_hidden_layers"]) for p, n in (("q", h * d), ("k", kv * d), ("v", kv * d))}
     folder = _variant(tmp_path, base, "qwen2", "Qwen2ForCausalLM", {"use_sliding_window": False}, biases)
@@ -83,7 +84,8 @@ def test_qwen3_qk_norms(tmp_path, base, heldout_ids):
 
     def norms(cfg):
         d = cfg["hidden_size"] // cfg["num_attention_heads"]
-        return {f"model.layers.{i}.self_attn.{p}_norm.weight": torch.tensor(1 + 0.3 * rng.normal(size=d), dtype=torch.float32)
+        norm = lambda: torch.tensor(1 + 0.3 * rng.normal(size=d), dtype=torch.float32)
+        return {f"model.layers.{i}.self_attn.{p}_norm.weight": norm()
                 for i in range(cfg["num_hidden_layers"]) for p in ("q", "k")}
     d = base[1]["hidden_size"] // base[1]["num_attention_heads"]
     folder = _variant(tmp_path, base, "qwen3", "Qwen3ForCausalLM", {"head_dim": d, "attention_bias": False}, norms)
@@ -102,6 +104,11 @@ def test_llama3_rope_scaling(tmp_path, base, heldout_ids):
     m, ours = _compare(folder, ids)
     f = np.asarray(m.config.rope_freq_factors)
     assert f.min() == pytest.approx(1.0) and f.max() == pytest.approx(8.0)  # short wavelengths kept, long slowed 8x
-    plain = forward(models.load(folder.parent / "llama"), ids)  # same folder: sanity that it loads twice
-    assert np.array_equal(plain, ours)
+    # the scaling mattered: the same weights without it give other logits, far beyond the error against transformers
+    (tmp_path / "plain").mkdir()
+    unscaled = _variant(tmp_path / "plain", base, "llama", "LlamaForCausalLM", {}, lambda cfg: {})
+    plain_model = models.load(unscaled)
+    assert not plain_model.config.rope_freq_factors
+    plain = forward(plain_model, ids)
+    assert np.abs(plain - ours).max() > 0.1
     _plan_matches(m, ids, ours)

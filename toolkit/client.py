@@ -83,12 +83,13 @@ class Client:
     # ---- ways to get one ----------------------------------------------------------------------
     @classmethod
     def local(cls, store: str | Path | None = None, memory_budget_mb: float | None = None,
-              startup_timeout_s: float = 60.0, lanes=None, npu_backend: str | None = None, say=None,
+              startup_timeout_s: float | None = None, lanes=None, npu_backend: str | None = None, say=None,
               arch: str | None = None):
         """Start `python -m edgeprobe_agent` on a free loopback port; close() stops it. npu_backend: numba | hvx
         (the npu lane's kernels: NPU semantics on this CPU, or Hexagon HVX code under qemu-hexagon). arch: None (this
         machine) or "arm64": the agent runs in Debian's arm64 Python under qemu-aarch64, without numba, as on a phone
-        (arm64.py; its own default store).
+        (arm64.py; its own default store). startup_timeout_s: how long it may take to print its address (None: 60 s,
+        180 s under qemu-aarch64).
 
         store: the agent's flash. Given, it is used as is (another agent holding it is an error). Left out, it is
         $EDGEPROBE_AGENT_STORE or <tmp>/edgeprobe-agent-store-<uid>[-arm64]; when another agent holds that one (a

@@ -186,8 +186,9 @@ class Tunnel:
 
 def deploy_ssh(host: str, user: str, key_path, port: int = 22, python: str = "python3", known_hosts=None,
                host_fingerprint: str | None = None, remote_dir: str = "edgeprobe-agent", agent_port: int = 5555,
-               progress: bool = True, start_timeout_s: float = 60.0) -> Tunnel:
-    """Connect, sync the packages, (re)start the agent on the device's loopback, open the tunnel."""
+               progress: bool = True, start_timeout_s: float = 180.0) -> Tunnel:
+    """Connect, sync the packages, (re)start the agent on the device's loopback, open the tunnel. start_timeout_s:
+    a first start on a device compiles every numba kernel (its cache is empty), over a minute on a busy host."""
     c = _client(host, user, key_path, port, known_hosts, host_fingerprint)
     rd = remote_dir
     sync_packages(c, rd, progress)

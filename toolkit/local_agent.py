@@ -20,6 +20,10 @@ from .errors import DeviceError
 
 EMULATED_TIMEOUT_S = 60.0  # HEARTBEAT_TIMEOUT_S for an agent under qemu-aarch64 (Client.local(arch="arm64"))
 
+# how long a starting agent may take to print its address: Python's imports under qemu-user take ~30 s on a busy host
+START_TIMEOUT_S = 60.0
+EMULATED_START_TIMEOUT_S = 180.0
+
 STDERR_TAIL_BYTES = 64 << 10  # what a local agent's stderr keeps for error messages
 
 
@@ -78,15 +82,19 @@ class LocalAgent:
             shutil.rmtree(self.agent_path, ignore_errors=True)
 
 
-def start(store: str | Path | None = None, memory_budget_mb: float | None = None, startup_timeout_s: float = 60.0,
-          lanes=None, npu_backend: str | None = None, say=None, arch: str | None = None) -> LocalAgent:
+def start(store: str | Path | None = None, memory_budget_mb: float | None = None,
+          startup_timeout_s: float | None = None, lanes=None, npu_backend: str | None = None, say=None,
+          arch: str | None = None) -> LocalAgent:
     """Start `python -m edgeprobe_agent` on a free loopback port and wait for its address. The arguments are
-    Client.local's (see there): store given is used as is; left out, the default store or its first free sibling."""
+    Client.local's (see there): store given is used as is; left out, the default store or its first free sibling.
+    startup_timeout_s None: START_TIMEOUT_S, or EMULATED_START_TIMEOUT_S under qemu-aarch64."""
     from . import arm64
 
     options = {"store": store, "memory_budget_mb": memory_budget_mb, "startup_timeout_s": startup_timeout_s,
                "lanes": lanes, "npu_backend": npu_backend, "arch": arch}
     argv, agent_path = arm64.interpreter(arch)
+    if startup_timeout_s is None:
+        startup_timeout_s = START_TIMEOUT_S if agent_path is None else EMULATED_START_TIMEOUT_S
     default = f"edgeprobe-agent-store-{os.getuid()}" + ("" if agent_path is None else "-arm64")
     base = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE") or Path(tempfile.gettempdir()) / default)
     env = None

@@ -34,7 +34,21 @@ def test_hello_reports_the_device(dev):
     assert h["protocol"] == PROTOCOL_VERSION and h["agent_version"]
     assert {"cpu", "npu"} <= set(h["lanes"]) and h["emulated_lanes"] == ["npu"]
     assert h["cores"] >= 1 and h["memory_bytes"] > 0 and isinstance(h["opencl"], list)
-    assert abs(dev.clock_offset_us) < 1e13
+    # host and agent read one monotonic clock here: each reply's clock lies between its request and its reply
+    for _ in range(3):
+        t0 = time.perf_counter_ns() / 1e3
+        h, _ = dev.request("heartbeat")
+        assert t0 <= h["clock_us"] <= time.perf_counter_ns() / 1e3
+
+
+def test_the_clock_offset_is_the_agents_clock_minus_the_hosts(dev, monkeypatch):
+    """An agent 5 s ahead (a phone's clock): the offset found from the round trips is +5 s, to within one of them."""
+    def ahead(op, *a, **k):
+        assert op == "heartbeat"
+        return {"clock_us": time.perf_counter_ns() / 1e3 + 5e6}, []
+
+    monkeypatch.setattr(dev, "request", ahead)
+    assert dev._align_clock() == pytest.approx(5e6, abs=1e4)
 
 
 def test_the_agent_raises_its_open_file_limit_for_its_mappings(tmp_path):
@@ -260,8 +274,21 @@ def test_run_cli_on_a_local_agent(tmp_path):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["logits_cosine_vs_host"] >= 0.999 and out["tokens"] == 32
     assert out["tok_per_s"] > 0 and out["makespan_ms"] > 0 and out["upload_bytes"] > 50e6
-    assert set(out["lanes"]) >= {"cpu", "npu"} and all(0 <= v <= 100 for v in out["lanes"].values())
-    assert json.loads(trace.read_text())["traceEvents"]
+    # each lane's busy share is the union of its events over the makespan, recomputed from the trace it wrote
+    events = json.loads(trace.read_text())["traceEvents"]
+    lane_of = {e["tid"]: e["args"]["name"].split(" ")[0] for e in events if e["name"] == "thread_name"}
+    ops = [(lane_of[e["tid"]], e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X"]
+    timed = [o for o in ops if o[0] != "io"]
+    span = max(b for _, _, b in timed) - min(a for _, a, _ in timed)
+    busy = {}
+    for lane in {o[0] for o in ops}:
+        total, end = 0.0, -math.inf
+        for _, a, b in sorted(o for o in ops if o[0] == lane):
+            total, end = total + max(0.0, b - max(a, end)), max(end, b)
+        busy[lane] = 100 * total / span
+    assert set(out["lanes"]) == set(busy) >= {"cpu", "npu"} and out["lanes"]["npu"] > 0
+    assert all(out["lanes"][k] == pytest.approx(busy[k], abs=0.01) for k in busy), (out["lanes"], busy)
+    assert out["makespan_ms"] == pytest.approx(span / 1e3, rel=1e-6)
     bad = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--device", "udp://x", "--prompt-len", "8"],
                          capture_output=True, text=True, timeout=900)
     assert bad.returncode == 2 and "--device" in bad.stderr and "Traceback" not in bad.stderr
@@ -315,7 +342,11 @@ def test_gpu_lane_runs_w4a16_linears_in_opencl(dev, smollm, heldout_ids, indepen
     dev.upload(tiled, progress=False)
     dev.load_model(tiled)
     got_t = dev.run(dev.put_plan(plan), {"tokens": np.asarray(toks, np.int32)})
-    assert cosine(got_t.logits[0], tiled.forward(toks, logits="last")) >= 0.999
+    # OpenCL's W4A16 sums in its own order and keeps FP16 products, the host BLAS's: max |diff| / max |logit| 4e-4
+    # seen; the float model is far further
+    host_t = tiled.forward(toks, logits="last")
+    assert np.abs(got_t.logits[0] - host_t).max() < 2e-3 * np.abs(host_t).max()
+    assert np.abs(got_t.logits[0] - flt).max() > 10 * np.abs(got_t.logits[0] - host_t).max()
     assert got_t.trace.metrics()["lanes"]["gpu"]["ops"] == 7 * 30
     df = res.trace.to_dataframe()
     assert set(df["lane"]) >= {"gpu", "cpu"} and (df["dur_ms"] >= 0).all()
@@ -427,23 +458,37 @@ def test_a_layout_is_made_once_kept_whole_in_flash_and_read_by_the_next_store(tm
     st3.close()
 
 
-def test_a_new_agent_reads_the_int8_layouts_an_earlier_run_kept_and_gives_the_same_bits(qm, heldout_ids, tmp_path):
-    from edgeprobe_kernels import int8_gemm
+def _needs_avx2():
+    from edgeprobe_kernels import simd
 
+    return pytest.mark.skipif(not simd.AVX2, reason="the agent's int8 GEMMs need numba on an AVX2 CPU; the '0' case "
+                              "tests what runs without them")
+
+
+@pytest.mark.parametrize("int8_gemm", [pytest.param("1", marks=_needs_avx2()), "0"])
+def test_a_new_agent_reads_the_int8_layouts_an_earlier_run_kept_and_gives_the_same_bits(qm, heldout_ids, tmp_path,
+                                                                                         int8_gemm, monkeypatch):
+    """With int8 GEMMs (AVX2) the agent keeps row-major int8 copies and a new agent reads them; without them
+    (EDGEPROBE_INT8_GEMM=0, as on a CPU without AVX2) it reads the k-major blobs and keeps no copy."""
+    monkeypatch.setenv("EDGEPROBE_INT8_GEMM", int8_gemm)  # the agents inherit it
     toks = heldout_ids[:12]
     with Device.local(store=tmp_path / "flash") as dev:
         first = dev.prefill(qm, toks, progress=False)
-    kept = [json.loads(line)["key"] for line in (tmp_path / "flash" / "layouts" / "pack.jsonl").read_text().splitlines()
+    pack = tmp_path / "flash" / "layouts" / "pack.jsonl"
+    kept = [json.loads(line)["key"] for line in (pack.read_text().splitlines() if pack.exists() else [])
             if json.loads(line)["key"].endswith(".rows")]
     with Device.local(store=tmp_path / "flash") as dev:
         again = dev.prefill(qm, toks, progress=False)
     assert np.array_equal(first.logits, again.logits)
     wts = {r["wt"] for r in qm.manifest["linears"].values() if isinstance(r, dict) and "wt" in r}
     reads = [e for e in again.trace.events if e["kind"] == "flash_read"]
-    if int8_gemm.GEMM_INT8:  # the int8 GEMMs read the kept row-major copies, never the k-major blobs
+    if int8_gemm == "1":  # the int8 GEMMs read the kept row-major copies, never the k-major blobs
         assert len(kept) == len(wts) and {e["blob"] for e in reads if e.get("layout") == "rows"} == wts
         assert not {e["blob"] for e in reads if not e.get("layout")} & wts
         assert not {e["blob"] for e in first.trace.events if e["kind"] == "flash_read"} & wts
+    else:  # BLAS on the codes: the k-major blobs themselves, nothing kept row-major
+        assert kept == [] and not [e for e in reads if e.get("layout") == "rows"]
+        assert {e["blob"] for e in reads if not e.get("layout")} >= wts
 
 
 def test_a_first_prefill_sends_its_three_setup_requests_together_and_mends_a_missing_blob(qm, heldout_ids, tmp_path):
@@ -505,7 +550,7 @@ def test_chunked_prefill_in_order_and_out_of_order_on_the_agent(dev, qm, heldout
     host = _host_logits(qm, toks, 32)
     runs = {s: dev.prefill_chunked(qm, toks, chunk=32, scheduler=s, progress=False) for s in ("in-order", "ooo")}
     for s, r in runs.items():
-        assert cosine(r.logits[0], host) >= 0.999, s
+        assert np.array_equal(r.logits[0], host), s  # the host's simulation runs the agent's kernels: the same bits
         assert {e["chunk"] for e in r.trace.events if e["lane"] != "io"} == {0, 1, 2}
         assert r.schedule.scheduler == s and r.trace.meta["predicted_makespan_ms"] > 0
     assert np.array_equal(runs["in-order"].logits, runs["ooo"].logits)  # same ops, another order
@@ -547,8 +592,15 @@ def test_measured_profile_real_and_predicted_modes(dev, qm, heldout_ids, tmp_pat
     assert prof.time_us(sub) == pytest.approx(a + b * sub.flops)  # predicted mode: the fit, for any shape
     big = chunk_graph(qm.model.config, 512, 128, shadow=prof.meta["shadow_layers"])
     assert prof.time_us(big.subgraphs[-1]) > prof.time_us(sub)  # a larger chunk is predicted slower
-    err = prof.fit_error()
-    assert set(err) >= {"npu/ffn", "all"} and 0 <= err["all"] < 10
+    err = prof.fit_error()  # leave one chunk length out: every sample of a stage is predicted once
+    assert set(err) == {*prof.fits, "all"} and all(
+        err[k]["n"] == sum(f"{s['lane']}/{s['stage']}" == k for s in prof.samples) for k in prof.fits)
+    # its arithmetic: times on a line are predicted exactly; a chunk length 1.5x slow is off by 1/3 when held out
+    line = [{"lane": "npu", "stage": "ffn", "tokens": c, "kv_len": 0, "chunk": c, "flops": 1e6 * c,
+             "us": 7.0 + 3.0 * c} for c in (16, 32, 64, 128) for _ in range(2)]
+    assert MeasuredProfile(line).fit_error()["npu/ffn"]["max"] == pytest.approx(0, abs=1e-9)
+    slow = [{**s, "us": s["us"] * (1.5 if s["chunk"] == 128 else 1)} for s in line]
+    assert MeasuredProfile(slow).fit_error()["npu/ffn"]["max"] >= 1 / 3 - 1e-9
     sched = schedule(g, prof, "ooo")
     sched.check()
     assert not sched.to_trace().meta["modelled"]

@@ -209,6 +209,31 @@ class Context:
                                      # is the run's own cache (its arrays never change within the run)
 
 
+def run_untraced(plan: Plan, inputs: dict, ctx: Context) -> dict:
+    """Run a plan whose ops all sit on one lane on the calling thread, in that lane's order, with no trace and no
+    core counting: the host's in-process float pass (edgeprobe.graph.local), whose per-op Python is its decode
+    step's overhead. The same Plan, registry and op functions as execute; returns {output name: array}."""
+    (lane, names), = [(lane, names) for lane, names in plan.lane_order.items() if names]
+    ctx = replace(ctx, lane=lane)
+    results: dict = {}
+    unread, keep, steps = dict(plan.readers), set(plan.outputs), plan.steps
+    for name in names:
+        kind, fn, attrs, refs, _, _, _, reads, _ = steps[name]
+        args = [results[key] if src == "op" else ctx.get(key) if src == "blob" else inputs[key] for src, key in refs]
+        try:
+            out = fn(args, attrs, ctx)
+        except AgentError:
+            raise
+        except Exception as e:  # as execute reports it
+            raise OpError("op_failed", f"op {name!r} ({kind}) failed: {type(e).__name__}: {e}") from None
+        results[name] = out
+        for key in reads:
+            unread[key] -= 1
+            if not unread[key] and key not in keep:
+                del results[key]
+    return {n: results[n] for n in plan.outputs}
+
+
 def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | None = None,
             on_op=None) -> tuple[dict, list]:
     """Run `plan` with one thread per lane. Returns ({output name: array}, trace events).

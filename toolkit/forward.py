@@ -260,6 +260,8 @@ def _op_lm_head(inp, attrs, ctx):
 # op's output offered to the hooks
 HOST_OPS = {**{kind: _hooked(fn) for kind, fn in {**OPS, "linear": _op_linear, "lm_head": _op_lm_head}.items()},
             "moe_ffn": _hooked(_op_moe_ffn, at_points=False)}
+# without hooks: no wrapper per op (a decode step's ~450 ops each pay for one)
+HOST_OPS_UNHOOKED = {**OPS, "linear": _op_linear, "lm_head": _op_lm_head, "moe_ffn": _op_moe_ffn}
 
 
 def _as_batch(tokens, vocab: int) -> tuple[np.ndarray, bool]:
@@ -303,7 +305,7 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
                               "use shorter windows or reset the cache")
     if logits not in ("all", "last", "none"):
         raise ValueError(f"logits must be 'all', 'last' or 'none', got {logits!r}")
-    plan = float_plan(c, T, B, cache is not None, logits, HOST_OPS)
+    plan = float_plan(c, T, B, cache is not None, logits, HOST_OPS if hooks is not None else HOST_OPS_UNHOOKED)
     if cache is not None:
         cache.reserve(start + T)
     host = _Host(model, hooks, linear or float_linear(model), head or model.head)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeprobe_agent.executor import Context, execute, validate
+from edgeprobe_agent.executor import Context, execute, run_untraced, validate
 from edgeprobe_agent.protocol import AgentError
 from edgeprobe_agent.session import KVSession
 from edgeprobe_kernels import names as N
@@ -105,7 +105,7 @@ def run_float(plan, get, tokens: np.ndarray, session=None, host=None) -> np.ndar
     output (float32[rows, vocab] or [rows, hidden]). An error a host callable raised is raised as it was."""
     ctx = HostContext(get=get, session=session, host=host)
     try:
-        outs, _ = execute(plan, {"tokens": tokens}, ctx)
+        outs = run_untraced(plan, {"tokens": tokens}, ctx)
     except HostRaised as e:
         raise e.error.with_traceback(e.error.__traceback__) from None
     return outs[plan.outputs[0]]

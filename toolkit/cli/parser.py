@@ -11,6 +11,7 @@ from .profile import cmd_profile
 from .quant import cmd_quantize
 from .run import cmd_run
 from .schedule import cmd_schedule
+from .trace import cmd_trace
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -190,6 +191,37 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="write the schedule (slots, dependencies, metrics) as JSON here")
     s.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     s.set_defaults(fn=cmd_schedule)
+
+    t = _cmd(sub, "trace", help="open a written trace as an offline timeline, or import a phone's trace",
+             description="show: a trace edgeprobe wrote (run --trace, the demo's trace.json, Trace.save) as an "
+                         "offline timeline HTML. import: a phone's trace recorded by another tool (llama.cpp's "
+                         "Hexagon profile lines, Chrome/Perfetto JSON) into DIR/trace.json (Perfetto) and "
+                         "DIR/timeline.html; with --model aligned to the model's template (the share of measured time "
+                         "mapped is printed), with --fit a cost model fitted from it (for schedule/run --cost-model).")
+    tk = t.add_subparsers(dest="action", required=True, metavar="{show,import}")
+    ts = tk.add_parser("show", help="a written trace as an offline timeline HTML",
+                       description="Write the timeline of a trace file (edgeprobe's JSON or the Chrome/Perfetto JSON "
+                                   "of run --trace) as one self-contained HTML page.", formatter_class=_HelpFormatter)
+    ts.add_argument("file", metavar="FILE", help="trace JSON (run --trace, the demo's trace.json, Trace.save)")
+    ts.add_argument("--out", metavar="HTML", help="the page to write (default FILE with .html)")
+    ts.add_argument("--process", help="a file of several devices (run --device A --device B): the one to show")
+    ts.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    ti = tk.add_parser("import", help="a phone's trace from another tool, as Perfetto JSON and a timeline",
+                       description="Read a phone's trace recorded by another tool into DIR/trace.json (Perfetto) and "
+                                   "DIR/timeline.html; every time in it is measured on that hardware.",
+                       formatter_class=_HelpFormatter)
+    ti.add_argument("file", metavar="FILE",
+                    help="the trace: a log with llama.cpp Hexagon profile lines, or Chrome JSON")
+    ti.add_argument("--format", default="auto", choices=["auto", "llamacpp-hexagon-op", "chrome-json"],
+                    help="the file's format (default auto: recognised from its contents)")
+    ti.add_argument("--out", metavar="DIR", required=True, help="folder for trace.json and timeline.html")
+    ti.add_argument("--model", metavar="CONFIG|GGUF|HF_DIR",
+                    help="align the ops to this model's template (a config.json is enough: HF's, or edgeprobe's "
+                         "ModelConfig fields) and print the share of measured time aligned; writes DIR/aligned.json")
+    ti.add_argument("--fit", metavar="OUT.json",
+                    help="with --model: fit a cost model to the aligned ops and save it (schedule/run --cost-model)")
+    ti.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    t.set_defaults(fn=cmd_trace)
 
     a = _cmd(sub, "agent", help="start a device agent here (same as python -m edgeprobe_agent)")
     a.add_argument("--bind", default="tcp://127.0.0.1:5555")

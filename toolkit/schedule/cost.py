@@ -96,6 +96,10 @@ def cost_model(name):
     if not isinstance(name, str):
         return name
     if name.endswith(".json"):
+        if _json_format(name) == "edgeprobe-fitted-cost-model":  # fitted from a phone's trace (edgeprobe.foreign)
+            from ..foreign.fit import load_cost_model
+
+            return load_cost_model(name)
         from .measure import MeasuredCostModel
 
         return MeasuredCostModel.from_json(name)
@@ -107,6 +111,18 @@ def cost_model(name):
         raise ScheduleError(f"unknown cost model {name!r}; choose one of {', '.join(COST_MODELS)}, measured, "
                             "measured-real, or a measured cost model's .json file")
     return COST_MODELS[name]
+
+
+def _json_format(path) -> str | None:
+    """The "format" a cost model's JSON file declares (None: unreadable here, or a measured one, which has none)."""
+    import json
+    from pathlib import Path
+
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None  # MeasuredCostModel.from_json says what is wrong with it
+    return doc.get("format") if isinstance(doc, dict) else None
 
 
 # the old names (a device's speeds were once called its profile): notebooks and users' code import them

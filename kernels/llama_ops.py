@@ -247,28 +247,34 @@ def _attention_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, wi
     at absolute positions: scores over keys 0..end-1, end the block's end, keys past the prompt zeros (masked).
     A query row's arithmetic then depends on its position alone, not on where a chunked prefill cut the prompt:
     BLAS sums a product's inner dimension in an order that changes with its length on some CPUs (OpenBLAS's
-    SkylakeX kernels), and per-tensor int8 downstream turns a changed last bit into a whole code step.
-    k, v: [B, KV, >= start + T, d] -> float32[B, T, H*d]. The G query heads of a KV head share its keys: one GEMM
-    of M = G*T rows per KV head."""
+    SkylakeX kernels) and with its number of rows on others (AMD EPYC's), and per-tensor int8 downstream turns a
+    changed last bit into a whole code step: so every block computes all its ATTN_BLOCK query rows (zeros outside
+    start..start+T-1) and keeps its own. k, v: [B, KV, >= start + T, d] -> float32[B, T, H*d]. The G query heads
+    of a KV head share its keys: one GEMM of M = G*ATTN_BLOCK rows per KV head."""
     B, T, H, d = q.shape
     KV, S = k.shape[1], start + T
     G = H // KV
     end = -(-S // ATTN_BLOCK) * ATTN_BLOCK
+    b0, R = end - ATTN_BLOCK, ATTN_BLOCK  # the block's every query row: each GEMM has one shape (sums vary with M)
     if end > S:  # zeros, not whatever a KV cache holds there: 0 * inf would be nan
         k, v = (np.concatenate([a[:, :, :S], np.zeros((B, KV, end - S, d), a.dtype)], axis=2) for a in (k, v))
     else:
         k, v = k[:, :, :end], v[:, :, :end]
-    qg = q.transpose(0, 2, 1, 3).reshape(B, KV, G * T, d) * np.float32(1.0 / np.sqrt(d))
-    scores = np.matmul(qg, k.swapaxes(-1, -2))  # [B, KV, G*T, end]
-    lo = 0 if window else start  # without a window every query sees keys 0..start-1: mask only the block's own
-    pos, keys = (start + np.arange(T))[:, None], np.arange(lo, end)[None, :]
+    rows = q
+    if T < R:
+        rows = np.zeros((B, R, H, d), q.dtype)
+        rows[:, start - b0:S - b0] = q
+    qg = rows.transpose(0, 2, 1, 3).reshape(B, KV, G * R, d) * np.float32(1.0 / np.sqrt(d))
+    scores = np.matmul(qg, k.swapaxes(-1, -2))  # [B, KV, G*R, end]
+    lo = 0 if window else b0  # without a window every query sees keys 0..b0-1: mask only the block's own
+    pos, keys = (b0 + np.arange(R))[:, None], np.arange(lo, end)[None, :]
     hidden = (keys > pos) | ((keys <= pos - window) if window else False)
-    scores.reshape(B, KV, G, T, end)[..., lo:] += np.where(hidden, -np.inf, 0.0).astype(np.float32)
+    scores.reshape(B, KV, G, R, end)[..., lo:] += np.where(hidden, -np.inf, 0.0).astype(np.float32)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
     scores /= scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores, v)  # [B, KV, G*T, d]
-    return out.reshape(B, H, T, d).transpose(0, 2, 1, 3).reshape(B, T, H * d)
+    out = np.matmul(scores, v)  # [B, KV, G*R, d]
+    return out.reshape(B, H, R, d).transpose(0, 2, 1, 3)[:, start - b0:S - b0].reshape(B, T, H * d)
 
 
 def swiglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:

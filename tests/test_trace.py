@@ -212,6 +212,20 @@ def test_timeline_bars_visible_outlined_and_coloured_by_kind_or_chunk(run):
     assert labels == {trace.lane_label(l) for l in trace.lanes} and "npu (emulated on CPU)" in labels
 
 
+def test_colouring_chosen_is_kept(run):
+    from edgeprobe.trace import colouring, set_colouring
+
+    fig = run.trace.figure()
+    assert colouring(fig) == "kind"
+    set_colouring(fig, "chunk")  # as the button does: the chunk traces shown, the kind traces hidden
+    by_chunk = fig.layout.updatemenus[0].buttons[1].args[0]["visible"]
+    assert [t.visible for t in fig.data] == list(by_chunk) and fig.layout.updatemenus[0].active == 1
+    assert colouring(fig) == "chunk" and fig.layout.legend.title.text == "chunk"
+    again = set_colouring(run.trace.figure(), colouring(fig))  # what the notebook panel does on a re-run
+    assert [t.visible for t in again.data] == list(by_chunk)
+    assert colouring(set_colouring(again, "kind")) == "kind"
+
+
 def test_compare_draws_both_sides_visible_with_the_toggle(run):
     pred = run.schedule.to_trace()
     fig, rows = run.trace.compare(pred)

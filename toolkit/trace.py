@@ -422,6 +422,29 @@ def _chunk_label(chunk) -> str:
     return f"chunk {int(chunk)}" if isinstance(chunk, (int, np.integer)) and chunk >= 0 else "no chunk"
 
 
+def colouring(fig) -> str:
+    """Which colouring a timeline of figure()/compare() shows now: "kind" or "chunk" (after its button was pressed)."""
+    menus = fig.layout.updatemenus
+    if not menus or not fig.data:
+        return "kind"
+    by_kind = menus[0].buttons[0].args[0]["visible"]
+    shown = [t.visible is not False for t in fig.data]
+    return "chunk" if shown == [not v for v in by_kind] and shown != list(by_kind) else "kind"
+
+
+def set_colouring(fig, how: str):
+    """Show a timeline of figure()/compare() coloured by "kind" or "chunk", as its buttons do; returns the figure."""
+    menus = fig.layout.updatemenus
+    if menus:
+        i = {"kind": 0, "chunk": 1}[how]
+        data, layout = menus[0].buttons[i].args
+        for t, v in zip(fig.data, data["visible"]):
+            t.visible = v
+        fig.update_layout(legend_title_text=layout["legend.title.text"])
+        fig.layout.updatemenus[0].active = i
+    return fig
+
+
 def colour_toggle(n_kind: int, n_chunk: int, x: float = 0.0, y: float = 1.16) -> dict:
     """A plotly updatemenus entry of two buttons that show the bars coloured by kind (the first n_kind traces) or
     by chunk (the next n_chunk): the legend lists only the shown colouring."""

@@ -137,7 +137,7 @@ class TimelineExplorer:
         """Quantize (cached), run the prefill on the agent under the current settings, swap the figure's traces.
         A failure is shown in the panel; from the Run button (raise_errors=False) it is not raised but returned as
         None, so it cannot break the notebook's widget event loop."""
-        from .trace import cosine
+        from .trace import colouring, cosine, set_colouring
 
         s = self.settings
         self.button.disabled = True
@@ -174,6 +174,7 @@ class TimelineExplorer:
         self.history.append(row)
         new = res.trace.figure(f"{self.model.name} prefill, {len(self.prompt)} tokens · {self.describe(s)}")
         new.update_layout(width=self.width)  # plotly's widget default (700 px) leaves a third of the output empty
+        set_colouring(new, colouring(self.figure))  # a re-run keeps the colouring (kind or chunk) the reader chose
         with self.figure.batch_update():  # one message to the browser: the old bars go, the new ones come
             self.figure.data = ()
             self.figure.add_traces(list(new.data))

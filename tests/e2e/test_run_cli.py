@@ -20,29 +20,41 @@ def env(tmp_path_factory):
 
 
 def _run(env, *extra, wait=True):
-    cmd = [sys.executable, "-m", "edgeprobe", "run", "--scheme", "q4_0-tile", "--prompt-file", str(env[0] / "short.txt"),
-           "--prompt-len", "64", "--no-progress", "--json", *extra]
+    cmd = [sys.executable, "-m", "edgeprobe", "run", "--scheme", "q4_0-tile", "--prompt-file",
+           str(env[0] / "short.txt"), "--prompt-len", "64", "--no-progress", "--json", *extra]
     p = subprocess.Popen(cmd, env=env[1], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     return p.communicate(timeout=600) + (p.returncode,) if wait else p
 
 
+# the agent's npu lane sums q4_0-tile's products in k order, the host's simulation in BLAS's: max |diff| / max |logit|
+# 4.4e-4 and 1 - cosine 8e-9 seen on this prompt; the float model's logits are at 1 - cosine ~1e-2
+COSINE_GAP = 1e-6
+
+
 def test_a_second_run_reuses_the_first_runs_preparation_and_a_short_prompt_is_run_whole(env):
+    from edgeprobe.quant import QuantizedModel
+
+    prepared = env[0] / "prepared"
+    assert not prepared.exists() or not list(prepared.iterdir())
     out, err, rc = _run(env)
     assert rc == 0, err
     first = json.loads(out.splitlines()[-1])
     assert first["tokens"] == 11 and "fewer than --prompt-len 64: prefilling all 11" in err
-    assert "quantizing smollm2-135m to q4_0-tile" in err and "prepared q4_0-tile in" in err  # said, with its time
-    assert "uploaded" in err and first["upload_bytes"] > 100e6
-    entry, = (env[0] / "prepared").glob("smollm2-135m-q4_0-tile-*")
-    made = (entry / "manifest.json").stat().st_mtime_ns
+    entry, = prepared.iterdir()  # prepared once, published whole: no temporary folder left
+    assert entry.name.startswith("smollm2-135m-q4_0-tile-") and QuantizedModel.load(entry).scheme == "q4_0-tile"
+    assert first["upload_bytes"] == sum(b["nbytes"] for b in json.loads((entry / "manifest.json").read_text())
+                                        ["blobs"].values())
+    made = (entry / "manifest.json").stat().st_mtime_ns, prepared.stat().st_mtime_ns
     out, err, rc = _run(env)
     assert rc == 0, err
     second = json.loads(out.splitlines()[-1])
-    assert "reusing q4_0-tile of smollm2-135m prepared earlier" in err and "quantizing" not in err
-    assert (entry / "manifest.json").stat().st_mtime_ns == made  # read, not written again
+    # read, not prepared again: a second preparation would have written a temporary folder beside the entry (an
+    # edit to the quantizer or the kernels between the two runs keys a new entry: prepared again, rightly)
+    assert list(prepared.iterdir()) == [entry]
+    assert ((entry / "manifest.json").stat().st_mtime_ns, prepared.stat().st_mtime_ns) == made
     # the same blobs (content-addressed), so the agent's store needs nothing new and does not grow
-    assert second["upload_bytes"] == 0 and "already holds all" in err
-    assert second["logits_cosine_vs_host"] > 0.999
+    assert second["upload_bytes"] == 0
+    assert 1 - second["logits_cosine_vs_host"] < COSINE_GAP
 
 
 def test_two_runs_at_once_beside_an_agent_holding_the_store_all_succeed(env):
@@ -73,9 +85,9 @@ def test_several_devices_run_one_prefill_at_once_and_print_a_comparison(env, tmp
     assert rc == 0, err
     doc = json.loads(out.splitlines()[-1])
     assert [d["device"] for d in doc["devices"]] == ["local", "local#2"] and doc["concurrent"] is True
-    assert "running 11 tokens on 2 devices at once: local, local#2" in err
     for d, row in zip(doc["devices"], doc["comparison"]):  # each device's fields are a one-device run's
-        assert d["tokens"] == 11 and d["logits_cosine_vs_host"] > 0.999 and d["agent_machine"] == row["machine"]
+        assert d["tokens"] == 11 and 1 - d["logits_cosine_vs_host"] < COSINE_GAP
+        assert d["agent_machine"] == row["machine"]
         assert row["makespan_ms"] == d["makespan_ms"] > 0 and row["tok_per_s"] == pytest.approx(d["tok_per_s"])
         assert row["cosine_vs_host"] == d["logits_cosine_vs_host"] and row["busy_pct"]["npu"] > 0
     events = json.loads(trace.read_text())["traceEvents"]

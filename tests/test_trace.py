@@ -39,15 +39,20 @@ def _tiny_llm():
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """A real chunked prefill on a local agent (two chunks, out-of-order) and its schedule's predicted trace."""
+def agent(tmp_path_factory):
+    """A local agent and the tiny model."""
     from edgeprobe.device import Device
 
-    qm = _tiny_llm()
     with Device.local(store=tmp_path_factory.mktemp("store")) as dev:
-        res = dev.prefill_chunked(qm, np.arange(32, dtype=np.int32) % 64, chunk=16, scheduler="ooo",
-                                  cost_model="snapdragon-8gen3", progress=False)
-    return res
+        yield dev, _tiny_llm()
+
+
+@pytest.fixture(scope="module")
+def run(agent):
+    """A real chunked prefill on a local agent (two chunks, out-of-order) and its schedule's predicted trace."""
+    dev, qm = agent
+    return dev.prefill_chunked(qm, np.arange(32, dtype=np.int32) % 64, chunk=16, scheduler="ooo",
+                               cost_model="snapdragon-8gen3", progress=False)
 
 
 # ---- every written trace opens again ---------------------------------------------------------------
@@ -151,6 +156,22 @@ def test_trace_import_aligns_fits_and_the_fit_schedules(tmp_path, capsys):
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     g = chunk_graph(models.load("smollm2-135m").config, 256, 128)
     assert got["cost_model"] == "phone" and got["makespan_ms"] == schedule(g, m, "ooo").makespan_us / 1e3
+
+
+def test_a_fitted_cost_model_plans_a_run_on_the_agent(agent, tmp_path):
+    from edgeprobe.foreign.fit import fit
+    from edgeprobe.models import ModelConfig
+    from edgeprobe.schedule import chunk_graph, cost_model, schedule
+
+    dev, qm = agent
+    path = tmp_path / "phone.json"
+    fit(align(load_foreign(LFM2), LFM2_CONFIG), name="phone").to_json(path)
+    res = dev.prefill_chunked(qm, np.arange(32, dtype=np.int32) % 64, chunk=16, scheduler="ooo",
+                              cost_model=str(path), progress=False)  # what `run --cost-model FITTED.json` passes
+    graph = chunk_graph(ModelConfig(**qm.manifest["config"]), 32, 16, manifest=qm.manifest)  # as the run builds it
+    want = schedule(graph, cost_model(str(path)), "ooo")
+    assert res.schedule.slots == want.slots and res.schedule.cost_model.name == "phone"
+    assert res.schedule.to_trace().lane_label("npu") == "npu (predicted: phone, fitted to measurements)"
 
 
 # ---- honest lane labels ----------------------------------------------------------------------------

@@ -258,3 +258,14 @@ def test_compare_draws_both_sides_visible_with_the_toggle(run):
     assert {t.name for t in chunks} == {"chunk 0", "chunk 1"} and {"ffn", "attn"} <= {t.name for t in kinds}
     ys = {y for t in fig.data for y in t.y}
     assert "npu (modelled: snapdragon-8gen3) · predicted" in ys and "npu (emulated on CPU) · measured" in ys
+
+
+def test_prediction_scatter_per_group_with_the_identity_line(run):
+    pred = run.schedule.to_trace()
+    fig, rows = run.trace.prediction_scatter(pred)
+    ident, *points = fig.data
+    assert ident.x == ident.y and ident.mode == "lines"
+    assert sorted(zip((x for t in points for x in t.x), (y for t in points for y in t.y))) == \
+        sorted((r["measured_ms"], r["predicted_ms"]) for r in rows)
+    assert ident.x[0] <= min(min(t.x + t.y) for t in points) and ident.x[1] >= max(max(t.x + t.y) for t in points)
+    assert {t.name for t in points} == {run.trace.lane_label(r["lane"]) for r in rows}

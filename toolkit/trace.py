@@ -274,6 +274,31 @@ class Trace:
                           updatemenus=[colour_toggle(n_kind, len(fig.data) - n_kind)])
         return fig, rows
 
+    def prediction_scatter(self, other: "Trace", title: str | None = None):
+        """Predicted (other) against measured (this) duration per matched op group, log-log, with the identity line
+        (on it: predicted exactly) and the median |error| in the title. Returns (figure, compare's rows)."""
+        import plotly.graph_objects as go
+
+        _, rows = self.compare(other)
+        fig = go.Figure()
+        vals = [v for r in rows for v in (r["measured_ms"], r["predicted_ms"]) if v > 0]
+        lo, hi = (min(vals), max(vals)) if vals else (1e-3, 1.0)
+        fig.add_scatter(x=[lo, hi], y=[lo, hi], mode="lines", name="predicted = measured",
+                        line=dict(color="#444", dash="dash"), hoverinfo="skip")
+        for lane in sorted({r["lane"] for r in rows}):
+            rs = [r for r in rows if r["lane"] == lane]
+            fig.add_scatter(x=[r["measured_ms"] for r in rs], y=[r["predicted_ms"] for r in rs], mode="markers",
+                            name=self.lane_label(lane), customdata=[[r["group"], r["error"]] for r in rs],
+                            marker=dict(line=dict(width=1, color="#222")),
+                            hovertemplate="%{customdata[0]}<br>measured %{x:.3f} ms, predicted %{y:.3f} ms "
+                                          "(%{customdata[1]:+.0%})<extra></extra>")
+        errs = np.array([abs(r["error"]) for r in rows if np.isfinite(r["error"])])
+        sub = f"{len(rows)} groups; median |error| {100 * np.median(errs):.0f}%" if len(errs) else "no matched groups"
+        fig.update_layout(title=(title or f"predicted ({other.meta.get('title', 'predicted')}) vs measured") +
+                          f"<br><sup>{sub}</sup>", xaxis=dict(type="log", title="measured (ms)"),
+                          yaxis=dict(type="log", title="predicted (ms)"), height=480)
+        return fig, rows
+
     # ---- picture --------------------------------------------------------------------------------
     def figure(self, title: str | None = None):
         """Plotly timeline: lanes as rows (labelled modelled / measured / emulated), ops as bars with an outline

@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+from test_graph import toy_model
 
 from edgeprobe.graph.local import host_session, run_plan
 from edgeprobe.graph.place import fuse_layers
@@ -14,12 +15,10 @@ from edgeprobe.plan import prefill_plan
 from edgeprobe.quant import calibration_profile, quantize
 from edgeprobe_agent.executor import validate
 from edgeprobe_agent.protocol import AgentError
-from edgeprobe_kernels import int8_gemm, q8_0
-from edgeprobe_kernels.int8_gemm import gemm_s8s32, gemm_s8s32_ref, gemv_s8s32, quantize_per_tensor
+from edgeprobe_kernels import int8_gemm
+from edgeprobe_kernels.int8_gemm import gemm_s8s32_ref, gemv_s8s32, quantize_per_tensor
 from edgeprobe_kernels.linear_records import run_w8a8
 from edgeprobe_kernels.q8_0 import dequantize_q8_0, matmul_q8_0, quantize_q8_0
-
-from test_graph import toy_model
 
 
 @pytest.mark.parametrize("M", [1, 3, 8])
@@ -36,7 +35,8 @@ def test_int8_gemv_is_exact(M, K, N):
 @pytest.mark.parametrize("gemm_int8", [False, True] if int8_gemm.GEMM_INT8 else [False])
 @pytest.mark.parametrize("K", [576, 1536])
 def test_every_w8a8_path_gives_the_same_bits(K, gemm_int8, monkeypatch):
-    """Decode rows (GEMV), few and many rows (AVX2 int8 GEMM, or exact float BLAS, K <= 1024; int32 blocks above): one answer."""
+    """Decode rows (GEMV), few and many rows (AVX2 int8 GEMM, or exact float BLAS, K <= 1024; int32 blocks above):
+    one answer."""
     monkeypatch.setattr(int8_gemm, "GEMM_INT8", gemm_int8)
     rng = np.random.default_rng(K)
     wt = rng.integers(-127, 128, (K, 300), dtype=np.int8)
@@ -103,7 +103,8 @@ def test_the_avx2_int8_gemm_gives_the_exact_int32_sums(M, K, N):
     w = int8_gemm.rows_major(blob)
     assert w.flags.c_contiguous and np.array_equal(w, wt.T)
     assert np.array_equal(int8_gemm.linear_w8a8_gemm(x, 0.031, w, scale), ref)  # VNNI where the CPU has it
-    assert np.array_equal(int8_gemm.linear_w8a8_gemm(x, 0.031, np.repeat(w, 2, axis=1)[:, ::2], scale), ref)  # strided: copied
+    strided = np.repeat(w, 2, axis=1)[:, ::2]  # copied, never read as contiguous
+    assert np.array_equal(int8_gemm.linear_w8a8_gemm(x, 0.031, strided, scale), ref)
     y = np.empty_like(ref)  # the AVX2 kernel itself, which CPUs without AVX-512 VNNI run: the same sums
     int8_gemm._linear_w8a8_gemm_nb(x, np.float32(0.031), w, scale, y)
     assert np.array_equal(y, ref)

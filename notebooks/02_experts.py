@@ -248,6 +248,6 @@ with {stats.tokens:,} training-split tokens profiled and {held.tokens:,} held-ou
     f"{c} experts: {best[c].upper()} {hit[(best[c], c, False)]:.0%} vs {hit[('edgemoe', c, False)]:.0%}"
     for c in lost) + ")") + f"""; preloading lifts it at {caps[len(caps) // 2]} experts from
   {hit[("edgemoe", caps[len(caps) // 2], False)]:.0%} to {hit[("edgemoe", caps[len(caps) // 2], True)]:.0%}.
-  LFU is {"worst at every size" if all(min(("fifo", "lru", "lfu", "edgemoe"), key=lambda p: hit[(p, c, False)])
-                                          == "lfu" for c in caps) else "not the worst everywhere"}: nearly even
-  load makes counts uninformative.""")
+  LFU is {"the worst at every size: nearly even load makes its counts uninformative"
+           if all(min(("fifo", "lru", "lfu", "edgemoe"), key=lambda p: hit[(p, c, False)]) == "lfu" for c in caps)
+           else "not the worst at every size"}.""")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import shutil
+import socket
 import subprocess
 import time
 import weakref
@@ -33,13 +34,64 @@ from edgeprobe_agent.protocol import (
 )
 
 from . import local_agent
-from .errors import AgentLostError, DeviceError
-from .local_agent import EMULATED_TIMEOUT_S, STDERR_TAIL_BYTES, StderrTail
+from .errors import AgentLostError, AgentUnreachableError, DeviceError, NotAnAgentError
+from .local_agent import EMULATED_TIMEOUT_S, STDERR_TAIL_BYTES, StderrTail, exit_note, stderr_note
 from .trace import Trace
 
 # importable from here as before: the errors (errors.py) and the local agent's stderr tail (local_agent.py)
-__all__ = ["Client", "RunResult", "DeviceError", "AgentLostError", "StderrTail", "STDERR_TAIL_BYTES",
-           "EMULATED_TIMEOUT_S"]
+__all__ = ["Client", "RunResult", "DeviceError", "AgentLostError", "AgentUnreachableError", "NotAnAgentError",
+           "StderrTail", "STDERR_TAIL_BYTES", "EMULATED_TIMEOUT_S", "probe_agent"]
+
+PROBE_TIMEOUT_S = 3.0  # connect, then wait for the peer's ZeroMQ greeting (libzmq sends it at once, busy or not)
+ZMTP_SIGNATURE = (b"\xff", b"\x7f")  # a ZMTP 3 greeting's first byte and its 10th (RFC 23)
+
+
+def probe_agent(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
+    """Raise AgentUnreachableError when nothing listens at a tcp:// url, NotAnAgentError when what listens there sends
+    no ZeroMQ greeting. ZeroMQ connects lazily and retries in the background, so without this a wrong address looks
+    like an agent that died after a heartbeat timeout. The agent's own handshake (hello) follows as before."""
+    if not url.startswith("tcp://"):
+        return  # ipc:// has no port to probe; ZeroMQ reports its own errors there
+    host, _, port = url[len("tcp://"):].rpartition(":")
+    host = host.strip("[]")
+    try:
+        port_n = int(port)
+    except ValueError:
+        return  # a form ZeroMQ parses itself (an interface name, a wildcard)
+    start = "start one there (`edgeprobe agent --bind tcp://0.0.0.0:PORT` on the device) or use --device local"
+    try:
+        sock = socket.create_connection((host, port_n), timeout=timeout_s)
+    except ConnectionRefusedError:
+        raise AgentUnreachableError(f"nothing is listening at {url} (connection refused): no agent is running there; "
+                                    f"{start}") from None
+    except socket.timeout:
+        raise AgentUnreachableError(f"cannot reach {url}: no answer to a TCP connect within {timeout_s:g} s (a wrong "
+                                    f"host, or a firewall); {start}") from None
+    except OSError as e:
+        raise AgentUnreachableError(f"cannot reach {url} ({e.strerror or e}); {start}") from None
+    got, closed = b"", False
+    with sock:
+        deadline = time.monotonic() + timeout_s
+        while len(got) < 10 and time.monotonic() < deadline:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                part = sock.recv(64)
+            except socket.timeout:
+                break
+            except OSError:
+                closed = True
+                break
+            if not part:
+                closed = True
+                break
+            got += part
+    if len(got) >= 10 and got[:1] == ZMTP_SIGNATURE[0] and got[9:10] == ZMTP_SIGNATURE[1]:
+        return
+    said = got.decode("latin-1").strip().splitlines()[0][:60] if got.strip() else ""
+    what = (f"it answered {said!r}" if said else "it closed the connection without a ZeroMQ greeting" if closed
+            else f"it sent no ZeroMQ greeting within {timeout_s:g} s")
+    raise NotAnAgentError(f"{url} is not an edgeprobe agent: something listens there but {what}; give the address an "
+                          "`edgeprobe agent --bind ...` printed, or use --device local")
 
 
 @dataclass
@@ -71,6 +123,12 @@ class Client:
         if curve_server_key:
             pub, sec = zmq.curve_keypair()
             self.sock.curve_publickey, self.sock.curve_secretkey, self.sock.curve_serverkey = pub, sec, curve_server_key
+        if process is None and tunnel is None:  # an address the user gave: is an agent there at all?
+            try:
+                probe_agent(url)
+            except BaseException:
+                self.sock.close(0)
+                raise
         self.sock.connect(url)
         self._ids = itertools.count(1)
         self.info = self.hello()
@@ -186,18 +244,15 @@ class Client:
                 return rid, header, arrays
             now = time.monotonic()
             if self.process is not None and self.process.poll() is not None:
-                raise AgentLostError(f"the local agent exited with status {self.process.returncode}; its stderr "
-                                     f"ends:\n{self._stderr_tail(wait_s=2.0)}")
+                raise AgentLostError(f"the local agent {exit_note(self.process.returncode)}; "
+                                     f"{stderr_note(self._stderr_tail(wait_s=2.0))}")
             if now - last > timeout:
+                note = f"; {stderr_note(self._stderr_tail())}" if self.stderr is not None else ""
                 raise AgentLostError(f"the agent at {self.url} sent nothing for {now - last:.1f} s (heartbeat "
-                                     f"timeout); it was killed or the connection was cut{self._stderr_note()}")
+                                     f"timeout); it was killed or the connection was cut{note}")
 
     def _stderr_tail(self, wait_s: float = 0.0, chars: int = 4000) -> str:
         return self.stderr.text(wait_s)[-chars:] if self.stderr is not None else ""
-
-    def _stderr_note(self) -> str:
-        tail = self._stderr_tail()
-        return f"; the local agent's stderr ends:\n{tail}" if tail else ""
 
     def hello(self) -> dict:
         return self.request("hello")[0]

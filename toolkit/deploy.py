@@ -21,14 +21,15 @@ import threading
 import time
 from pathlib import Path
 
-from .errors import EdgeprobeError
+from .errors import DeployError, NotSSHServerError, SSHTimeoutError
+
+__all__ = ["DeployError", "NotSSHServerError", "SSHTimeoutError", "deploy_ssh", "start_local_sshd", "Tunnel",
+           "fingerprint", "probe_ssh"]
+
+BANNER_TIMEOUT_S = 5.0  # an sshd sends its banner at once; a phone's over Wi-Fi within a second
 
 PACKAGES = {"edgeprobe_agent": Path(__file__).resolve().parent.parent / "device_agent",
             "edgeprobe_kernels": Path(__file__).resolve().parent.parent / "kernels"}
-
-
-class DeployError(EdgeprobeError, RuntimeError):
-    """The SSH deployment failed; the message says at which step and what to check."""
 
 
 def fingerprint(key) -> str:
@@ -36,8 +37,58 @@ def fingerprint(key) -> str:
     return "SHA256:" + base64.b64encode(hashlib.sha256(key.asbytes()).digest()).decode().rstrip("=")
 
 
+def probe_ssh(host: str, port: int, timeout_s: float = BANNER_TIMEOUT_S) -> str:
+    """The server's SSH banner ("SSH-2.0-OpenSSH_9.2p1"), read before paramiko connects so that a wrong port fails in
+    one line: OSError's kinds as DeployError, NotSSHServerError when it answers something else (an HTTP server
+    answers our identification line with a 400), SSHTimeoutError when it sends nothing within timeout_s."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except socket.timeout:
+        raise DeployError(f"cannot reach {host}:{port}: no answer to a TCP connect within {timeout_s:g} s (a wrong "
+                          "host, or a firewall)") from None
+    except OSError as e:
+        raise DeployError(f"cannot reach {host}:{port} ({e.strerror or e}); is sshd running (Termux: `sshd`)?") \
+            from None
+    got, closed = b"", False
+    with sock:
+        try:  # RFC 4253 §4.2: either side may send its identification first; ours makes a non-SSH server talk
+            sock.sendall(b"SSH-2.0-edgeprobe_probe\r\n")
+        except OSError:
+            pass
+        deadline = time.monotonic() + timeout_s
+        while b"SSH-" not in got and len(got) < 4096 and time.monotonic() < deadline:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                part = sock.recv(1024)
+            except socket.timeout:
+                break
+            except OSError:
+                closed = True
+                break
+            if not part:
+                closed = True
+                break
+            got += part
+    for line in got.decode("latin-1").splitlines():
+        if line.startswith("SSH-"):  # lines before it are a pre-banner message the RFC allows
+            return line.strip()
+    if got.strip():
+        text = got.decode("latin-1")
+        first = text.strip().splitlines()[0][:60]
+        like = " like an HTTP server" if "HTTP/" in text or "<html" in text.lower() else ""
+        raise NotSSHServerError(f"not an SSH server at {host}:{port}: it answered{like} ({first!r}); give the port "
+                                "the device's sshd listens on (Termux: 8022)")
+    if closed:
+        raise NotSSHServerError(f"not an SSH server at {host}:{port}: it closed the connection without an SSH banner; "
+                                "give the port the device's sshd listens on (Termux: 8022)")
+    raise SSHTimeoutError(f"no SSH banner from {host}:{port} within {timeout_s:g} s: something accepts connections "
+                          "there but does not answer as an sshd (a hung sshd, or another service)")
+
+
 def _client(host, user, key_path, port, known_hosts, host_fingerprint):
     import paramiko
+
+    probe_ssh(host, port)
 
     c = paramiko.SSHClient()
     if host_fingerprint:
@@ -54,7 +105,7 @@ def _client(host, user, key_path, port, known_hosts, host_fingerprint):
             c.load_host_keys(str(kh))
     try:
         c.connect(host, port=port, username=user, key_filename=str(key_path), look_for_keys=False,
-                  allow_agent=False, timeout=15)
+                  allow_agent=False, timeout=15, banner_timeout=BANNER_TIMEOUT_S)
     except paramiko.SSHException as e:
         if "not found in known_hosts" in str(e) or "Server" in str(e) and "not found" in str(e):
             raise DeployError(f"{host}:{port} is not in known_hosts ({e}); add its key (ssh-keyscan -p {port} {host}) "

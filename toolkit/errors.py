@@ -71,3 +71,23 @@ class DeviceError(EdgeprobeError, RuntimeError):
 
 class AgentLostError(EdgeprobeError, ConnectionError):
     """The agent stopped answering (killed, network cut) within the heartbeat timeout."""
+
+
+class AgentUnreachableError(AgentLostError):
+    """Nothing listens at a --device tcp:// address (no agent was ever there): start one or use --device local."""
+
+
+class NotAnAgentError(AgentUnreachableError):
+    """Something listens at a --device tcp:// address but does not speak the agent's protocol (ZeroMQ ZMTP)."""
+
+
+class DeployError(EdgeprobeError, RuntimeError):
+    """The SSH deployment failed; the message says at which step and what to check."""
+
+
+class NotSSHServerError(DeployError):
+    """The --device ssh:// port answers, but not with an SSH banner (an HTTP server, an agent's port)."""
+
+
+class SSHTimeoutError(DeployError):
+    """The --device ssh:// port accepts connections but sends no SSH banner within the timeout."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,22 @@ class StderrTail:
             self._thread.join(wait_s)
         with self._lock:
             return bytes(self._buf).decode("utf-8", "replace")
+
+
+def exit_note(returncode: int) -> str:
+    """'exited with status 3', or '... -9 (killed by SIGKILL)' (a negative Popen returncode is the signal)."""
+    if returncode is not None and returncode < 0:
+        try:
+            return f"exited with status {returncode} (killed by {signal.Signals(-returncode).name})"
+        except ValueError:
+            return f"exited with status {returncode} (killed by signal {-returncode})"
+    return f"exited with status {returncode}"
+
+
+def stderr_note(tail: str, lines: int = 3) -> str:
+    """A process's last stderr lines on one line ('its stderr ends: a | b'), or 'it wrote nothing on stderr'."""
+    last = [line.strip() for line in tail.splitlines() if line.strip()][-lines:]
+    return f"its stderr ends: {' | '.join(last)}" if last else "it wrote nothing on stderr"
 
 
 @dataclass
@@ -193,9 +210,9 @@ def read_listen_line(proc: subprocess.Popen, timeout_s: float, tail: StderrTail)
             if "listening on " in line:
                 return line.strip().split("listening on ", 1)[1]
         if proc.poll() is not None:
-            raise DeviceError("agent_start", f"the local agent exited at start (status {proc.returncode}); its stderr "
-                                             f"ends:\n{tail.text(wait_s=2.0)[-2000:]}")
+            raise DeviceError("agent_start", f"the local agent {exit_note(proc.returncode)} at start; "
+                                             f"{stderr_note(tail.text(wait_s=2.0))}")
     proc.kill()
     proc.wait(timeout=5)
-    raise DeviceError("agent_start", f"the local agent did not report its address within {timeout_s:.0f} s; its "
-                                     f"stderr ends:\n{tail.text(wait_s=2.0)[-2000:]}")
+    raise DeviceError("agent_start", f"the local agent did not report its address within {timeout_s:.0f} s; "
+                                     f"{stderr_note(tail.text(wait_s=2.0))}")

@@ -8,6 +8,11 @@ import time
 from ..errors import EdgeprobeError
 from .common import prepared_model, say_for
 
+CHUNKED = ("in-order", "ooo")  # the schedulers that cut the prompt into --chunk tokens
+DEFAULT_CHUNK = 256
+SCHEDULER_WHOLE = {"layer": "prefills the whole prompt layer by layer",
+                   "hetero": "splits each matmul between lanes over the whole prompt"}
+
 
 def cmd_run(args) -> int:
     from .. import models
@@ -23,7 +28,16 @@ def cmd_run(args) -> int:
         except ValueError as e:
             print(f"edgeprobe: error: {e}", file=sys.stderr)
             return 2
-    if args.scheduler != "layer" and args.chunk < 1:
+    chunked = args.scheduler in CHUNKED
+    # 256 is also the parser's default, so only another length is known to be the user's choice
+    if not chunked and args.chunk is not None and args.chunk != DEFAULT_CHUNK:
+        print(f"edgeprobe: error: --chunk applies to the chunked prefill (--scheduler in-order or ooo); --scheduler "
+              f"{args.scheduler} {SCHEDULER_WHOLE[args.scheduler]}: add --scheduler ooo or drop --chunk",
+              file=sys.stderr)
+        return 2
+    if args.chunk is None:
+        args.chunk = DEFAULT_CHUNK
+    if chunked and args.chunk < 1:
         print(f"edgeprobe: error: --chunk must be a positive number of tokens, got {args.chunk}", file=sys.stderr)
         return 2
     if args.prompt_len is not None and args.prompt_len < 1:
@@ -71,6 +85,9 @@ def cmd_run(args) -> int:
         print(f"edgeprobe: error: --prompt-len {n}{f' + --decode {args.decode}' if args.decode else ''} exceeds the "
               f"context length {model.config.context_length}", file=sys.stderr)
         return 2
+    if chunked and args.chunk > n:  # one chunk holding the whole prompt: the schedule a longer chunk would give
+        say(f"--chunk {args.chunk} is longer than the {n}-token prompt: prefilling it as one chunk of {n} tokens")
+        args.chunk = n
     tokens = ids[:n]
     if len(specs) > 1:
         return _run_farm(args, specs, model, ids, tokens, say)

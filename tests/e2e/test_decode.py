@@ -22,10 +22,6 @@ def qm(smollm):
     return quantize(smollm, "q4_0-tile")
 
 
-def _min_cos(a, b):
-    return min(cosine(a[j], b[j]) for j in range(a.shape[0]))
-
-
 def test_decode_batch_on_the_agent_matches_the_host_step_by_step(dev, qm, smollm, heldout_ids, independent_linear):
     prompt = heldout_ids[:12]
     seen = []
@@ -34,8 +30,10 @@ def test_decode_batch_on_the_agent_matches_the_host_step_by_step(dev, qm, smollm
     assert d.tokens.shape == (3, 4) and [i for i, _ in seen] == [0, 1, 2, 3]
     assert [t for _, t in seen] == d.tokens.T.tolist()  # streamed as decoded
     assert len({tuple(r) for r in d.tokens.tolist()}) > 1  # sampled candidates differ
-    host = replay(qm.model, prompt, d.tokens, linear=qm.linear)
-    assert len(d.logits) == 5 and all(_min_cos(a, b) >= 0.999 for a, b in zip(d.logits, host))
+    # the host with the npu lane's kernel (q4_0-tile's sums in k order): the same bits, every row of every step
+    seq = {n: run_q4_0_tile_seq(rec, qm.store.get, {}) for n, rec in qm.manifest["linears"].items()}
+    host = replay(qm.model, prompt, d.tokens, linear=lambda n, x: seq[n](x))
+    assert len(d.logits) == 5 and all(np.array_equal(a, b) for a, b in zip(d.logits, host))
     # independent: the HMX tile layout written from its spec here, each 32-value group through gguf-py's Q4_0;
     # FP16 rounding of the dequantized products is all that separates it from the agent's vlut16 path
     ref = replay(smollm, prompt, d.tokens, linear=independent_linear(qm, smollm))
@@ -55,7 +53,8 @@ def test_decode_batch_on_the_agent_matches_the_host_step_by_step(dev, qm, smollm
     assert groups == {"prefill", "step0", "step1", "step2", "step3"}
     assert d.decode_tok_per_s > 0 and len(d.step_ms) == 4 and all(t > 0 for t in d.step_ms)
     lin = [e for e in d.trace.events if e["group"] == "step0" and e["kind"] == "linear"]
-    assert lin and {e["lane"] for e in lin} == {"npu"} and all(e["emulated"] for e in lin)  # q4_0-tile: the NPU's format
+    # q4_0-tile: the NPU's format
+    assert lin and {e["lane"] for e in lin} == {"npu"} and all(e["emulated"] for e in lin)
     # greedy: every copy of one prompt decodes the same tokens (the fork copied the prefilled cache)
     g = dev.generate(qm, prompt, 3, batch=2, progress=False)
     assert (g.tokens[0] == g.tokens[1]).all()
@@ -154,9 +153,11 @@ def test_best_of_n_and_beam_search_keep_the_right_kv_rows(smollm, heldout_ids):
     picky = best_of_n(HostSession(smollm), prompt, n=4, max_tokens=5, temperature=1.0, seed=3,
                       scorer=lambda toks, lps: -float(np.mean(lps)))  # a pluggable scorer reverses the order
     assert [c.tokens for c in picky] == [c.tokens for c in reversed(cands)]
-    beams = beam_search(HostSession(smollm), prompt, width=2, expand=3, step_tokens=2, n_steps=3, temperature=1.0, seed=1)
+    beams = beam_search(HostSession(smollm), prompt, width=2, expand=3, step_tokens=2, n_steps=3, temperature=1.0,
+                        seed=1)
     assert len(beams) == 2 and all(len(b.tokens) == 6 for b in beams) and beams[0].score >= beams[1].score
-    for b in beams:  # the log-probs recorded along the way equal a fresh pass over prompt + beam: the rows kept were right
+    # the log-probs recorded along the way equal a fresh pass over prompt + beam: the rows kept were right
+    for b in beams:
         full = np.concatenate([prompt, b.tokens])
         logits = forward(smollm, full)[len(prompt) - 1:-1].astype(np.float64)
         lp = logits - logits.max(-1, keepdims=True)
@@ -222,8 +223,8 @@ def test_neuron_window_keeps_the_last_k_steps_and_moves_rows_into_holes():
         assert set(w.neuron_of[:w.n].tolist()) == keep and st["resident"] == len(keep)
         assert all(w.slot_of[j] == s for s, j in enumerate(w.neuron_of[:w.n]))
         np.testing.assert_array_equal(w.mat[:, :w.n].transpose(1, 0, 2), bundle[w.neuron_of[:w.n]].astype(np.float32))
-        assert st["loaded"] == len(history[-1] - (history[-2] if step else set()) - (history[-3] if step > 1 else set())) \
-            or step == 0
+        new = history[-1] - (history[-2] if step else set()) - (history[-3] if step > 1 else set())
+        assert st["loaded"] == len(new) or step == 0
     assert sum(reads) < sum(len(h) for h in history)  # the window saved reads
 
 
@@ -242,10 +243,19 @@ def test_neurons_stream_from_flash_on_the_agent(dev, smollm, heldout_ids):
     prompt = heldout_ids[:8]
     sparse = dev.generate(qm, prompt, 3, ffn_flash={"mode": "sparse", "window": 2}, progress=False)
     host = replay(smollm, prompt, sparse.tokens, hooks=sparse_hooks(pred, union=True))
-    assert all(cosine(a[0], b[0]) >= 0.999 for a, b in zip(sparse.logits, host))
+    # the agent's FFN from flash multiplies the gathered neuron bundles, the host BLAS over the whole (masked)
+    # matrices: float32 sums in another order, which 30 layers amplify (max |diff| / max |logit|: 4.6e-4 dense,
+    # 2.1e-3 sparse seen); a mask applied wrongly moves the logits by far more (the dense pass, checked below)
+    def rel(a, b):
+        return float(np.abs(a - b).max() / np.abs(b).max())
+
+    assert all(rel(a[0], b[0]) < 5e-3 for a, b in zip(sparse.logits, host))
+    unmasked = replay(smollm, prompt, sparse.tokens)
+    assert max(rel(a[0], b[0]) for a, b in zip(sparse.logits, unmasked)) > 4 * max(
+        rel(a[0], b[0]) for a, b in zip(sparse.logits, host))
     dense = dev.generate(qm, prompt, 3, ffn_flash={"mode": "dense"}, progress=False)
     full = replay(smollm, prompt, dense.tokens)
-    assert all(cosine(a[0], b[0]) >= 0.999 for a, b in zip(dense.logits, full))
+    assert all(rel(a[0], b[0]) < 2e-3 for a, b in zip(dense.logits, full))
     bundle_bytes = sum(qm.manifest["blobs"][n["bundle"]]["nbytes"] for n in qm.manifest["neurons"].values())
     assert all(c["flash_read_bytes"] == bundle_bytes for c in dense.step_counters)  # every neuron, every token
     sparse_bytes = [c["flash_read_bytes"] for c in sparse.step_counters]
@@ -253,7 +263,34 @@ def test_neurons_stream_from_flash_on_the_agent(dev, smollm, heldout_ids):
     reads = [e for e in sparse.trace.events if e["kind"] == "flash_read"]
     assert reads and all(e["lane"] == "io" for e in reads)
     ppl = sparsity_perplexity(smollm, pred, heldout_ids[:256], window=64, max_windows=2)
-    assert ppl["sparse_ppl"] >= ppl["dense_ppl"] * 0.99 and 0 < ppl["predicted_active_fraction"] <= 1
+    # recomputed here: each window's FFNs masked by the predictor's sigmoid(x A B + b) > cutoff, row by row, its NLL
+    # by a float64 log-softmax written here; the active fraction from the same masks
+    from edgeprobe.forward import forward
+
+    nll, active = {"dense": [], "sparse": []}, []
+
+    def masked(i):
+        A, B, b = pred.weights[i]
+        keep = {}
+
+        def at_in(name, x):
+            z = (x @ A) @ B + b
+            keep["m"] = 1 / (1 + np.exp(-z)) > float(pred.cutoffs[i])
+            active.append(keep["m"].sum(-1).mean() / smollm.config.ffn)
+            return x
+        return {f"blk.{i}.ffn_in": at_in, f"blk.{i}.ffn_act": lambda name, a: a * keep["m"]}
+
+    hooks = {k: v for i in pred.weights for k, v in masked(i).items()}
+    for w in range(2):
+        ids = np.asarray(heldout_ids[w * 64:(w + 1) * 64])
+        for how, h in (("dense", None), ("sparse", hooks)):
+            z = forward(smollm, ids, hooks=h).astype(np.float64)[:-1]
+            lse = z.max(-1) + np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1))
+            nll[how].extend(lse - z[np.arange(63), ids[1:]])
+    assert ppl["dense_ppl"] == pytest.approx(np.exp(np.mean(nll["dense"])), rel=1e-6)
+    assert ppl["sparse_ppl"] == pytest.approx(np.exp(np.mean(nll["sparse"])), rel=1e-6)
+    assert ppl["predicted_active_fraction"] == pytest.approx(np.mean(active), rel=1e-6)
+    assert ppl["sparse_ppl"] != pytest.approx(ppl["dense_ppl"], rel=1e-4) and 0 < np.mean(active) < 1
     with dev.session(qm, 12, progress=False, ffn_flash={"mode": "sparse"}) as s:
         s.prefill(prompt)
         with pytest.raises(DeviceError, match="one sequence"):
@@ -288,7 +325,8 @@ def test_experts_stream_from_flash_through_the_buffer(dev, moe, tmp_path):
         prefill_plan(qm.manifest, 4, session=True, experts_flash={"capacity": 4, "preload_n": 2})
     attach_expert_streaming(qm, pred)
     runs = {name: dev.generate(qm, prompt, 4, experts_flash=fl, progress=False)
-            for name, fl in (("resident", None), ("none", {"capacity": 0}), ("preload", {"capacity": 0, "preload_n": 2}),
+            for name, fl in (("resident", None), ("none", {"capacity": 0}),
+                             ("preload", {"capacity": 0, "preload_n": 2}),
                              ("all", {"capacity": 48, "policy": "edgemoe", "preload_n": 2}))}
     for name, d in runs.items():  # the same logits as the host, whatever the buffer does
         host = replay(m, prompt, d.tokens)

@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer: one layer-by-layer pass; in-order / ooo: chunked prefill scheduled by mllm-NPU §3.4; "
                         "hetero: every int8 GEMM partitioned between the gpu and npu lanes by HeteroLLM's solver "
                         "(rates measured on the agent first)")
-    r.add_argument("--chunk", type=int, default=256, help="chunk length for --scheduler in-order|ooo (default 256)")
+    r.add_argument("--chunk", type=int, default=None,
+                   help="chunk length for --scheduler in-order|ooo (default 256)")
     r.add_argument("--cost-model", "--device-profile", dest="cost_model", default="this-host-emulated",
                    help="cost model the in-order/ooo scheduler plans with: a named one (snapdragon-8gen3, "
                         "this-host-emulated), measured, measured-real, or a measured cost model's .json (default "

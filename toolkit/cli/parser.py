@@ -146,9 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--chunk", type=int, default=None,
                    help="chunk length for --scheduler in-order|ooo (default 256)")
     r.add_argument("--cost-model", "--device-profile", dest="cost_model", default="this-host-emulated",
-                   help="cost model the in-order/ooo scheduler plans with: a named one (snapdragon-8gen3, "
-                        "this-host-emulated), measured, measured-real, or a measured cost model's .json (default "
-                        "this-host-emulated); --device-profile is its old name")
+                   help="cost model the in-order/ooo scheduler plans with and predicts the makespan by: a named one "
+                        "(snapdragon-8gen3, this-host-emulated), measured, measured-real, or a measured cost model's "
+                        ".json. Default this-host-emulated: run measures on an agent on this host, so its plan and "
+                        "predicted_over_measured are priced for the lanes that actually run (schedule defaults to "
+                        "snapdragon-8gen3: it predicts for the phone); the JSON's cost_model names the one used; "
+                        "--device-profile is its old name")
     r.add_argument("--partition", default="solver", choices=["solver", "gpu", "npu-pad", "pipe", "seq-cut", "row-cut"],
                    help="--scheduler hetero: the solver's choice per matmul, or one strategy for all (baselines)")
     r.add_argument("--decode", type=int, default=None, metavar="N",
@@ -181,11 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk", type=int, default=256, help="chunk length in tokens (default 256)")
     s.add_argument("--scheduler", default="ooo", choices=["in-order", "ooo", "exact"],
                    help="in-order, ooo (mllm-NPU eq. 6, default) or exact (branch and bound, <= 12 subgraphs)")
+    s.add_argument("--scheme", default="w8a8-shadow",
+                   help="quantization scheme whose graph is scheduled (default w8a8-shadow, as run): its prepared "
+                        "model (cached, shared with run) decides which layers keep shadow-outlier GEMMs")
     s.add_argument("--cost-model", "--device-profile", dest="cost_model", default="snapdragon-8gen3",
                    help="a named modelled cost model (snapdragon-8gen3, this-host-emulated); measured (fitted to "
                         "subgraph times measured on a local agent, HeteroLLM's predicted mode) or measured-real (the "
-                        "measured times themselves where measured); or a measured cost model's .json; "
-                        "--device-profile is its old name")
+                        "measured times themselves where measured); or a measured cost model's .json. Default "
+                        "snapdragon-8gen3: schedule predicts what the paper's phone would do (run defaults to "
+                        "this-host-emulated: it measures here); with the same --cost-model, scheme, prompt length, "
+                        "chunk and scheduler, schedule and run predict the same makespan; the JSON's cost_model names "
+                        "the one used; --device-profile is its old name")
     s.add_argument("--remeasure", action="store_true",
                    help="measure again instead of using the cached measured cost model")
     s.add_argument("--no-progress", action="store_true", help="no progress bars")

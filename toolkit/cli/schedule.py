@@ -9,38 +9,40 @@ from .common import prepared_model, say_for
 
 def cmd_schedule(args) -> int:
     from .. import models
-    from ..schedule import ScheduleError, cache, chunk_graph, cost_model, schedule
+    from ..quant.qmodel import check_scheme
+    from ..schedule import ScheduleError, cache, cost_model, predicted_schedule, schedule
 
+    check_scheme(args.scheme)
     model = models.load(args.model)
-    shadow = True
     try:
+        if args.prompt_len < 1:
+            raise ScheduleError(f"prompt length must be a positive number of tokens, got {args.prompt_len}")
+        # the model `run --scheme` runs, from the same prepared-model cache: its manifest decides which layers keep
+        # their shadow-outlier GEMMs, so this prediction is the one `run --cost-model` makes (the same function)
+        qm = prepared_model(model, args.scheme, not args.no_progress, say=say_for(args))
         hit = None
         if args.cost_model in cache.MEASURED and not args.remeasure:
-            hit = cache.cached(args.cost_model, args.model, "w8a8-shadow")
+            hit = cache.cached(args.cost_model, args.model, args.scheme)
         if hit is not None:
             cost = hit
-            shadow = cost.meta.get("shadow_layers", True)
         elif args.cost_model in cache.MEASURED:  # measured on a local agent, over the held-out corpus
             from ..corpus import read_corpus
             from ..device import Device
-            from ..plan import shadow_layers
 
-            qm = prepared_model(model, "w8a8-shadow", not args.no_progress, say=say_for(args))
-            shadow = shadow_layers(qm.manifest)  # the graph the measured agent runs
             with Device.local() as dev:
                 cost = cache.resolve(args.cost_model, args.model, qm, dev,
                                      model.tokenizer.encode(read_corpus("heldout")), not args.no_progress,
                                      remeasure=True)
         else:
             cost = cost_model(args.cost_model)
+        chunk = min(args.chunk, args.prompt_len)  # as run: a chunk longer than the prompt is one chunk of all of it
+        graph, sched = predicted_schedule(qm.manifest, args.prompt_len, chunk, args.scheduler, cost)
     except ScheduleError as e:
         print(f"edgeprobe: error: {e}", file=sys.stderr)
         return 2
-    graph = chunk_graph(model.config, args.prompt_len, args.chunk, shadow=shadow)
-    sched = schedule(graph, cost, args.scheduler)
     base = schedule(graph, cost, "in-order") if args.scheduler != "in-order" else sched
     mem = graph.memory()
-    out = {"model": args.model, "prompt_len": args.prompt_len, "chunk": args.chunk, "scheduler": args.scheduler,
+    out = {"model": args.model, "scheme": args.scheme, "prompt_len": args.prompt_len, "chunk": args.chunk, "scheduler": args.scheduler,
            # device_profile, profile_source: the fields' first names (a contract); cost_model says the same
            "device_profile": cost.name, "cost_model": cost.name, "modelled": cost.modelled,
            "profile_source": cost.source,

@@ -17,12 +17,13 @@ from .hetero import (
                      solve,
 )
 from .measure import MeasuredCostModel, MeasuredProfile, measure_cost_model, measure_linears, measure_profile
+from .predict import predicted_schedule
 from .schedulers import SCHEDULERS, Schedule, exact, in_order, out_of_order, schedule
 
 __all__ = ["chunk_graph", "ChunkGraph", "Subgraph", "ScheduleError", "CostModel", "cost_model", "COST_MODELS",
            "Schedule", "schedule", "in_order", "out_of_order", "exact", "SCHEDULERS", "HeteroCostModel",
            "HETERO_COST_MODELS", "solve", "compare_strategies", "choices_for", "decode_choices", "STRATEGIES",
-           "MeasuredCostModel", "measure_cost_model", "measure_linears",
+           "MeasuredCostModel", "measure_cost_model", "measure_linears", "predicted_schedule",
            # the old names
            "DeviceProfile", "device_profile", "PROFILES", "HeteroProfile", "HETERO_PROFILES", "MeasuredProfile",
            "measure_profile"]

@@ -42,7 +42,8 @@ def cmd_schedule(args) -> int:
         return 2
     base = schedule(graph, cost, "in-order") if args.scheduler != "in-order" else sched
     mem = graph.memory()
-    out = {"model": args.model, "scheme": args.scheme, "prompt_len": args.prompt_len, "chunk": args.chunk, "scheduler": args.scheduler,
+    out = {"model": args.model, "scheme": args.scheme, "prompt_len": args.prompt_len, "chunk": args.chunk,
+           "scheduler": args.scheduler,
            # device_profile, profile_source: the fields' first names (a contract); cost_model says the same
            "device_profile": cost.name, "cost_model": cost.name, "modelled": cost.modelled,
            "profile_source": cost.source,
@@ -64,7 +65,8 @@ def cmd_schedule(args) -> int:
     else:
         busy = ", ".join(f"{k} {v:.0f}%" for k, v in out["lanes"].items())
         how = "modelled" if cost.modelled else "measured"
-        print(f"{args.scheduler} on {cost.name} ({how}): makespan {out['makespan_ms']:.1f} ms "
+        print(f"{args.scheduler} of {args.scheme} on the {cost.name} cost model ({how}): makespan "
+              f"{out['makespan_ms']:.1f} ms "
               f"({out['makespan_vs_in_order']:.2f}x in-order), busy {busy}; {len(graph.subgraphs)} subgraphs, "
               f"{sched.decision_us:.1f} us per decision; chunk-shared graphs save {100 * mem['saving']:.0f}% memory")
     return 0

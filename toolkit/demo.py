@@ -10,7 +10,8 @@ Corpus to timeline on a real model and a real (local) device agent:
   5. out/report.html (self-contained: figures, tables, predicted and measured timelines) and out/trace.json
      (Chrome trace of the out-of-order run; opens in Perfetto), plus a summary table printed.
 Profiles, the accuracy table, the measured cost model and the agent's blob store are cached under
-out/.cache, so a second run skips that work.
+out/.cache, so a second run skips that work; the quantized models come from the prepared-model cache
+(edgeprobe.prepare) that `edgeprobe run`, `quantize --report` and the Python API share.
 """
 from __future__ import annotations
 
@@ -57,12 +58,12 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
              profile_tokens: int = 8192, eval_windows: int | None = 8, accuracy_windows: int = 4,
              print_fn=print, progress: bool = True, repeats: int = 2) -> dict:
     from .graph import GRAPH_VERSION
+    from .prepare import prepared
     from .profile.jobs import profile_outliers, profile_sparsity
     from .profile.outliers import OutlierStats
     from .profile.sparsity import SparsityStats
-    from .quant import quantize
     from .quant.report import accuracy_table
-    from .schedule import ScheduleError, chunk_graph, schedule
+    from .schedule import ScheduleError, chunk_graph, predicted_schedule
     from .schedule.measure import MeasuredCostModel
 
     if not isinstance(repeats, int) or repeats < 1:
@@ -117,28 +118,37 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
              f"{' (cached)' if hit_o and hit_s else ''}")
     step("accuracy")
     kept: dict = {}  # the table's quantized models: its w8a8-shadow is the one the agent runs
-    acc, hit_a = _cached(cache / f"{tag}-accuracy-{accuracy_windows}-{profile_tokens}-v3.json",
-                     lambda: accuracy_table(m, held, outl, ACCURACY_SCHEMES, window=256,
-                                            max_windows=accuracy_windows, progress=progress, quantized=kept),
-                     *_JSON_IO)
+
+    def prepare(scheme):  # from the prepared-model cache run, quantize --report and the Python API share
+        return prepared(m, scheme, progress, say=lambda msg: print_fn(f"prepare     {msg}"))
+
+    # v4: the schemes come from the shared prepared-model cache (its calibration), not from the outlier profile
+    acc, hit_a = _cached(cache / f"{tag}-accuracy-{accuracy_windows}-v4.json",
+                         lambda: accuracy_table(m, held, None, ACCURACY_SCHEMES, window=256,
+                                                max_windows=accuracy_windows, progress=progress, quantized=kept,
+                                                prepare=prepare),
+                         *_JSON_IO)
     print_fn(f"accuracy    {', '.join(r['scheme'] for r in acc)} on {accuracy_windows} held-out windows of 256"
              f"{' (cached)' if hit_a else ''}")
     step("quantize")
-    qm = kept.get("w8a8-shadow") or quantize(m, "w8a8-shadow", outl)
+    qm = kept.get("w8a8-shadow") or prepare("w8a8-shadow")
     tokens = np.asarray(held[:prompt_len], np.int32)
     step("agent")
     with _local_agent(cache / "agent-store", print_fn) as dev:
         # the cost model is fitted on the template's FLOPs: a new template version measures again; it is measured
         # at the chunk length the prefill runs and two shorter ones (64, 128, 256 for the default 256)
         # (the file keeps its first name, "-profile-", so a cost model measured before is found)
-        cost_path = cache / f"{tag}-profile-w8a8-shadow-{profile_tokens}-c{chunk}-g{GRAPH_VERSION}.json"
+        # (-p: measured on the prepared-cache model, whose shadow layers differ from the old outlier-profile one's)
+        cost_path = cache / f"{tag}-profile-w8a8-shadow-p-c{chunk}-g{GRAPH_VERSION}.json"
         chunks = tuple(sorted({max(4, chunk // 4), max(4, chunk // 2), max(4, chunk)}))
         cost, hit_p = _cached(cost_path, lambda: dev.measure_cost_model(qm, held, chunks=chunks, progress=progress),
                               MeasuredCostModel.from_json, lambda v, p: v.to_json(p))
         print_fn(f"agent       {dev.url}: lanes {', '.join(dev.info['lanes'])} (npu emulated); cost model "
                  f"{'cached' if hit_p else 'measured'}")
-        graph = chunk_graph(m.config, prompt_len, chunk, manifest=qm.manifest)
-        predicted = {s: schedule(graph, cost, s) for s in ("in-order", "ooo")}
+        # the prediction run and schedule make (schedule.predicted_schedule), over the measured cost model
+        predicted = {s: predicted_schedule(qm.manifest, prompt_len, chunk, s, cost) for s in ("in-order", "ooo")}
+        graph = predicted["ooo"][0]
+        predicted = {s: p[1] for s, p in predicted.items()}
         dev.prefill_chunked(qm, tokens[:chunk], chunk, "in-order", cost_model=cost, progress=progress)  # warm
         # best of `repeats` alternating runs per scheduler: one run on two shared cores swings by ±15%
         runs: dict = {"in-order": [], "ooo": []}
@@ -149,6 +159,9 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
     step("report")
     mk = {s: r.trace.metrics() for s, r in measured.items()}  # of the kept runs
     ratio = mk["ooo"]["makespan_ms"] / mk["in-order"]["makespan_ms"]
+    # the spread over the repeats: each repeat's out-of-order run over the in-order run beside it
+    pair_ratios = [o.trace.metrics()["makespan_ms"] / i.trace.metrics()["makespan_ms"]
+                   for i, o in zip(runs["in-order"], runs["ooo"])]
     mem = graph.memory()
     out.mkdir(parents=True, exist_ok=True)
     trace_path = measured["ooo"].trace.to_chrome_json(out / "trace.json")
@@ -164,7 +177,7 @@ def run_demo(model: str = "smollm2-135m", out: str | Path = "out", prompt_len: i
                      for r in acc},
         "prompt_len": prompt_len, "chunk": chunk, "repeats": repeats,
         "in_order_ms": round(mk["in-order"]["makespan_ms"], 1), "ooo_ms": round(mk["ooo"]["makespan_ms"], 1),
-        "ooo_vs_in_order": round(ratio, 3),
+        "ooo_vs_in_order": round(ratio, 3), "ooo_vs_in_order_repeats": [round(r, 3) for r in pair_ratios],
         "predicted_in_order_ms": round(predicted["in-order"].makespan_us / 1e3, 1),
         "predicted_ooo_ms": round(predicted["ooo"].makespan_us / 1e3, 1),
         "busy_pct_ooo": {k: round(v["busy_pct"], 1) for k, v in mk["ooo"]["lanes"].items()},
@@ -221,15 +234,23 @@ def summary_rows(s: dict) -> list[tuple[str, str]]:
     rows += [(f"prefill {s['prompt_len']} / chunk {s['chunk']}, in-order", f"{s['in_order_ms']:.0f} ms measured{best}, "
               f"{s['predicted_in_order_ms']:.0f} ms predicted"),
              ("  out-of-order", f"{s['ooo_ms']:.0f} ms measured, {s['predicted_ooo_ms']:.0f} ms predicted"),
-             ("  out-of-order / in-order", f"{s['ooo_vs_in_order']:.2f} (this run; the README's 0.69–0.75 is "
-                                           "bench/schedule.py, best of 3 on a quiet host: the ratio grows when other "
-                                           "work shares the cores)"),
+             ("  out-of-order / in-order", f"{s['ooo_vs_in_order']:.2f} ({_spread(s)}this run; the README's "
+                                           "0.69–0.75 is bench/schedule.py, best of 3 on a quiet host: the ratio "
+                                           "grows when other work shares the cores)"),
              ("  lanes busy (out-of-order)", ", ".join(f"{k} {v:.0f}%" for k, v in s["busy_pct_ooo"].items())),
              ("chunk-shared graphs save", f"{100 * s['chunk_shared_memory_saving']:.0f}% memory"),
              ("report / trace", f"{s['report']} / {s['trace']}")]
     if "seconds" in s:
         rows.append(("wall time", f"{s['seconds']:.0f} s"))
     return rows
+
+
+def _spread(s: dict) -> str:
+    """'each repeat 0.71–0.78, median 0.74; ' from the per-repeat ratios, '' for one repeat or an older summary."""
+    r = s.get("ooo_vs_in_order_repeats") or []
+    if len(r) < 2:
+        return ""
+    return f"each of {len(r)} repeats {min(r):.2f}–{max(r):.2f}, median {float(np.median(r)):.2f}; "
 
 
 def summary_lines(s: dict) -> list[str]:

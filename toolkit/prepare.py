@@ -93,6 +93,8 @@ def prepared(model, scheme: str, progress: bool = False, say=None, prune_rate: f
     from .quant.schemes import NEEDS_PROFILE
 
     say = say or (lambda m: None)
+    if scheme == "float":  # nothing to calibrate or quantize: a float copy on disk would only cost space
+        return quantize(model, scheme, None)
     needs_profile = scheme in NEEDS_PROFILE
     settings = {"model": model.sha256, "scheme": scheme, "prune_rate": round(prune_rate, 6),
                 "coverage": round(coverage, 6)}

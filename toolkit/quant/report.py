@@ -14,7 +14,7 @@ from .qmodel import quantize, schemes_for
 
 
 def accuracy_table(model: Model, ids, profile, schemes=None, window: int = 512, max_windows: int | None = 8,
-                   progress: bool = True, quantized: dict | None = None, **quant_kw) -> list[dict]:
+                   progress: bool = True, quantized: dict | None = None, prepare=None, **quant_kw) -> list[dict]:
     """One row per scheme: perplexity, change vs float, top-1 agreement with float, bytes, tok/s, and
     channels_in_float_pct: the share of linear-input values (token x input channel) computed in float — the
     shadow GEMM's outliers for w8a8-shadow / w8a8c-shadow (mllm-NPU eq. 1), 100 for float, 0 for pure integer.
@@ -23,6 +23,8 @@ def accuracy_table(model: Model, ids, profile, schemes=None, window: int = 512, 
     quantized: {scheme: QuantizedModel}, to keep the models for a later look (per-layer errors) and to reuse them:
     a scheme found there runs as it is (the caller made it with these settings; its counters start again at
     zero), a scheme not there is quantized here with `quant_kw` and added.
+    prepare: scheme -> QuantizedModel (e.g. edgeprobe.prepare.prepared, the cache the CLI and the demo share), used
+    instead of quantizing here; `profile` is then unused.
     """
     schemes = list(schemes or schemes_for(model.config))
     chunks = windows(ids, window)[:max_windows] if max_windows else windows(ids, window)
@@ -30,7 +32,11 @@ def accuracy_table(model: Model, ids, profile, schemes=None, window: int = 512, 
     rows = []
     for scheme in tqdm(schemes, desc="schemes", unit="scheme", disable=not progress, leave=False):
         qm = None if quantized is None else quantized.get(scheme)
-        if qm is None:
+        if qm is None and prepare is not None:
+            qm = prepare(scheme)
+            if quantized is not None:
+                quantized[scheme] = qm
+        elif qm is None:
             qm = quantize(model, scheme, profile if scheme != "float" else None, **quant_kw)
             if quantized is not None:
                 quantized[scheme] = qm

@@ -17,15 +17,19 @@ def cmd_schedule(args) -> int:
     try:
         if args.prompt_len < 1:
             raise ScheduleError(f"prompt length must be a positive number of tokens, got {args.prompt_len}")
+        if args.chunk < 1:
+            raise ScheduleError(f"chunk length must be a positive number of tokens, got {args.chunk}")
+        if args.prompt_len > model.config.context_length:
+            raise ScheduleError(f"prompt length {args.prompt_len} exceeds the model's context length "
+                                f"{model.config.context_length}")
+        # a named cost model or .json is checked before the model is prepared (minutes when not cached)
+        cost = None if args.cost_model in cache.MEASURED else cost_model(args.cost_model)
         # the model `run --scheme` runs, from the same prepared-model cache: its manifest decides which layers keep
         # their shadow-outlier GEMMs, so this prediction is the one `run --cost-model` makes (the same function)
         qm = prepared_model(model, args.scheme, not args.no_progress, say=say_for(args))
-        hit = None
-        if args.cost_model in cache.MEASURED and not args.remeasure:
-            hit = cache.cached(args.cost_model, args.model, args.scheme)
-        if hit is not None:
-            cost = hit
-        elif args.cost_model in cache.MEASURED:  # measured on a local agent, over the held-out corpus
+        if cost is None and not args.remeasure:
+            cost = cache.cached(args.cost_model, args.model, args.scheme)
+        if cost is None:  # measured on a local agent, over the held-out corpus
             from ..corpus import read_corpus
             from ..device import Device
 
@@ -33,8 +37,6 @@ def cmd_schedule(args) -> int:
                 cost = cache.resolve(args.cost_model, args.model, qm, dev,
                                      model.tokenizer.encode(read_corpus("heldout")), not args.no_progress,
                                      remeasure=True)
-        else:
-            cost = cost_model(args.cost_model)
         chunk = min(args.chunk, args.prompt_len)  # as run: a chunk longer than the prompt is one chunk of all of it
         graph, sched = predicted_schedule(qm.manifest, args.prompt_len, chunk, args.scheduler, cost)
     except ScheduleError as e:

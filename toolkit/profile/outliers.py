@@ -17,12 +17,13 @@ from typing import ClassVar
 import numpy as np
 
 from edgeprobe_kernels.activation_stats import N_RATIO_BINS, RATIO_EDGES, log2_bin_edges, log2_histogram, outlier_update
+from edgeprobe_kernels.names import LINEAR_HOOKS, layer_of
 
 from ..models import Model
 from .base import Profile
 from .runner import run
 
-TENSOR_POINTS = ("attn_in", "attn_out", "ffn_in", "ffn_act")
+TENSOR_POINTS = LINEAR_HOOKS  # the hook points that are linears' inputs (kernels/names.py)
 LLM_INT8_THRESHOLD = 6.0
 # w8a8c-shadow's activation clip: with per-channel weight scales the int8 part tolerates a tight clip, and the
 # values above it go to the float shadow GEMM: under 1% of them on held-out text. Held-out ppl vs float (8 x 256):
@@ -158,7 +159,7 @@ class OutlierStats(Profile):
         return list(self.params["clips"])
 
     def _layers(self) -> int:
-        return 1 + max(int(n.split(".")[1]) for n in self.names)
+        return 1 + max(layer_of(n) for n in self.names)
 
     def channels_per_layer(self) -> dict[str, np.ndarray]:
         """Fig. 10: outlier channels per layer, float64[layers] for each point.
@@ -229,7 +230,7 @@ class OutlierStats(Profile):
         """Fig. 12: float64[layers], the largest importance of the layer's tensors."""
         imp, out = self.importance(), np.zeros(self._layers())
         for n, v in imp.items():
-            i = int(n.split(".")[1])
+            i = layer_of(n)
             out[i] = max(out[i], v)
         return out
 

@@ -12,13 +12,13 @@ from edgeprobe_kernels.int8_gemm import quantize_per_tensor
 from edgeprobe_kernels.intn import quantize_channels
 from edgeprobe_kernels.linear_records import RUNNERS
 from edgeprobe_kernels.lut import GROUP
+from edgeprobe_kernels.names import INPUT_HOOK
 from edgeprobe_kernels.tiles import TILE, padded, quantize_tiles
 
 from .blobs import BlobStore
 
-# Which hook point feeds which linear: activation statistics are per hook point.
-INPUT_POINT = {"attn_q": "attn_in", "attn_k": "attn_in", "attn_v": "attn_in", "attn_output": "attn_out",
-               "ffn_gate": "ffn_in", "ffn_up": "ffn_in", "ffn_down": "ffn_act"}
+# Which hook point feeds which linear (activation statistics are per hook point): the names table's
+INPUT_POINT = INPUT_HOOK
 
 
 def input_point(linear_name: str) -> str:

@@ -5,7 +5,7 @@ SETUP := scripts/setup.sh
 # the emulated arm64 device (scripts/arm64_python.sh); rebuilt by `make test` if its cache was removed
 ARM64 := $(or $(EDGEPROBE_ARM64),$(or $(EDGEPROBE_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/edgeprobe)/arm64)
 
-.PHONY: demo test bench lab setup setup-test setup-notebook setup-ray clean-venv
+.PHONY: demo test bench lab notebooks setup setup-test setup-notebook setup-ray clean-venv
 
 $(VENV)/.setup-base: pyproject.toml $(SETUP) scripts/arm64_python.sh
 	bash $(SETUP)
@@ -41,6 +41,10 @@ $(ARM64)/bin/python3:
 test: setup-test $(ARM64)/bin/python3
 	$(BIN)/ruff check .
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=30 tests
+
+# the notebooks' .ipynb from their jupytext sources (notebooks/*.py) after an edit outside JupyterLab
+notebooks: setup-notebook
+	$(BIN)/jupytext --update --to ipynb notebooks/0*.py
 
 # JupyterLab on loopback only; it prints the URL with its access token.
 lab: setup-notebook

@@ -234,8 +234,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=cmd_trace)
 
     a = _cmd(sub, "agent", help="start a device agent here (same as python -m edgeprobe_agent)")
-    a.add_argument("--bind", default="tcp://127.0.0.1:5555")
-    a.add_argument("--store", default=str(__import__("pathlib").Path.home() / ".cache" / "edgeprobe" / "agent-store"))
+    a.add_argument("--bind", default="tcp://127.0.0.1:5555",
+                   help="address to listen on (default loopback; another address needs --curve-keys)")
+    a.add_argument("--store", default=str(__import__("pathlib").Path.home() / ".cache" / "edgeprobe" / "agent-store"),
+                   help="the agent's blob store (its flash)")
     a.add_argument("--memory-budget", type=float, default=None, help="MB of blobs kept resident")
     a.add_argument("--curve-keys", help="folder with server.key_secret; required off loopback")
     a.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: all this machine has)")
@@ -254,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(fn=cmd_kernels)
 
     d = _cmd(sub, "demo", help="the main job: profile, quantize, schedule, run on a local agent, report")
-    d.add_argument("--model", default="smollm2-135m")
+    d.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")
     d.add_argument("--out", default="out", help="folder for report.html, trace.json, summary.json (and .cache/)")
     d.add_argument("--prompt-len", type=int, default=1024, help="prompt of the scheduled prefill")
     d.add_argument("--chunk", type=int, default=256, help="chunk length of the scheduled prefill")

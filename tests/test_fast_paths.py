@@ -180,7 +180,8 @@ def test_a_fused_decode_step_computes_what_its_ops_compute(scheme, monkeypatch):
     outs = []
     for plan in (fused, unfused):
         sess = host_session(cfg, 1, 16)
-        run_plan(prefill_plan(qm.manifest, len(prompt), session=True), qm.store.get, {"tokens": prompt}, sess, len(prompt))
+        run_plan(prefill_plan(qm.manifest, len(prompt), session=True), qm.store.get, {"tokens": prompt}, sess,
+                 len(prompt))
         o, events, _ = run_plan(plan, qm.store.get, {"tokens": np.array([5], np.int32)}, sess, 1)
         outs.append(next(iter(o.values())))
         if plan is fused:  # each sub-op's own event, timed inside the one op, as if dispatched alone
@@ -188,7 +189,8 @@ def test_a_fused_decode_step_computes_what_its_ops_compute(scheme, monkeypatch):
             assert [e["name"] for e in events] == names and "step" not in by
             for i in range(cfg["n_layers"]):
                 e = by[f"blk.{i}"]
-                assert e["kind"] == "fused" and e["layer"] == i and e["lane"] == "cpu" and e["shape"] == [1, cfg["hidden"]]
+                assert (e["kind"] == "fused" and e["layer"] == i and e["lane"] == "cpu"
+                        and e["shape"] == [1, cfg["hidden"]])
                 reads = sorted({r["op"] for r in step["attrs"]["ops"][names.index(f"blk.{i}")]["inputs"] if "op" in r})
                 assert e["deps"] == reads and (f"blk.{i - 1}" in reads if i else "embed" in reads)
                 assert e["flops"] > 0 and {"linear", "attention", "rms_norm"} <= set(e["parts_us"])
@@ -196,7 +198,8 @@ def test_a_fused_decode_step_computes_what_its_ops_compute(scheme, monkeypatch):
                 assert all(by[d]["end_us"] <= e["start_us"] for d in e["deps"]) and e["end_us"] > e["start_us"]
                 assert e["lane"] == "cpu" and e["bytes_out"] > 0 and e["chunk"] == 0
             assert by["embed"]["deps"] == [] and by["embed"]["shape"] == [1, cfg["hidden"]]
-            assert by["output_norm"]["deps"] == [f"blk.{cfg['n_layers'] - 1}"] and by["lm_head"]["deps"] == ["output_norm"]
+            assert (by["output_norm"]["deps"] == [f"blk.{cfg['n_layers'] - 1}"]
+                    and by["lm_head"]["deps"] == ["output_norm"])
             assert by["lm_head"]["shape"] == [1, cfg["vocab_size"]] and by["lm_head"]["flops"] == \
                 2 * cfg["hidden"] * cfg["vocab_size"]
     assert np.array_equal(outs[0], outs[1])
@@ -238,14 +241,17 @@ def _unfuse(op):
     ({}, "non-empty list"),
     ({"ops": [{"name": "a", "kind": "fused", "inputs": []}]}, "non-empty list"),  # a layer with no ops
     ({"ops": [{"name": "a", "kind": "fused", "inputs": [], "attrs": {"ops": [
-        {"name": "b", "kind": "fused", "inputs": [], "attrs": {"ops": [{"name": "c", "kind": "add", "inputs": []}]}}]}}]},
+        {"name": "b", "kind": "fused", "inputs": [], "attrs": {"ops": [
+            {"name": "c", "kind": "add", "inputs": []}]}}]}}]},
      "one level deep"),
     ({"ops": [{"name": "a", "kind": "fused", "inputs": [], "layer": "x", "attrs": {"ops": [
         {"name": "c", "kind": "add", "inputs": []}]}}]}, "int layer"),
-    ({"ops": [{"name": "a", "kind": "fused", "inputs": [], "attrs": {"ops": [{"name": "c", "kind": "add", "inputs": []}]}},
+    ({"ops": [{"name": "a", "kind": "fused", "inputs": [],
+               "attrs": {"ops": [{"name": "c", "kind": "add", "inputs": []}]}},
               {"name": "d", "kind": "add", "inputs": [], "deps": "a"}]}, "list of names as deps"),  # a step op's sub-op
     ({"ops": [{"name": "a", "kind": "add", "inputs": [{"arg": 5}]}]}, "arg"),
-    ({"ops": [{"name": "a", "kind": "add", "inputs": [{"op": "later"}]}, {"name": "later", "kind": "add", "inputs": []}]},
+    ({"ops": [{"name": "a", "kind": "add", "inputs": [{"op": "later"}]},
+              {"name": "later", "kind": "add", "inputs": []}]},
      "earlier sub-op"),
 ])
 def test_a_malformed_fused_op_is_refused_before_running(attrs, match):
@@ -284,8 +290,8 @@ def test_the_agent_warms_every_kernel_it_calls():
     from edgeprobe_kernels.warm import warm
 
     gemm = ["linear_w8a8_gemm"] if int8_gemm.GEMM_INT8 else []
-    assert warm() == ["build_team", "linear_w8a8_gemv", "linear_w8a8_gemv_group", "as_f32", "rows_major", *gemm, "matmul_q8_0",
-                      "shadow_gemm", "shadow_delta_onepass", "gemm_f16w_seq",
+    assert warm() == ["build_team", "linear_w8a8_gemv", "linear_w8a8_gemv_group", "as_f32", "rows_major", *gemm,
+                      "matmul_q8_0", "shadow_gemm", "shadow_delta_onepass", "gemm_f16w_seq",
                       "rms_norm, apply_rope", "attention (decode rows)"]
 
 

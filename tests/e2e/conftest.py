@@ -28,10 +28,12 @@ def tiny_llm(n_layers: int, seed: int, scheme: str = "float", **quantize_kw):
     w = {"token_embd.weight": rng.normal(size=(V, h)), "output_norm.weight": norm()}
     for i in range(n_layers):
         w.update({f"blk.{i}.attn_norm.weight": norm(), f"blk.{i}.ffn_norm.weight": norm(),
-                  f"blk.{i}.attn_q.weight": rng.normal(size=(16, h)) * .3, f"blk.{i}.attn_k.weight": rng.normal(size=(8, h)) * .3,
+                  f"blk.{i}.attn_q.weight": rng.normal(size=(16, h)) * .3,
+                  f"blk.{i}.attn_k.weight": rng.normal(size=(8, h)) * .3,
                   f"blk.{i}.attn_v.weight": rng.normal(size=(8, h)) * .3,
                   f"blk.{i}.attn_output.weight": rng.normal(size=(h, 16)) * .3,
-                  f"blk.{i}.ffn_gate.weight": rng.normal(size=(f, h)) * .3, f"blk.{i}.ffn_up.weight": rng.normal(size=(f, h)) * .3,
+                  f"blk.{i}.ffn_gate.weight": rng.normal(size=(f, h)) * .3,
+                  f"blk.{i}.ffn_up.weight": rng.normal(size=(f, h)) * .3,
                   f"blk.{i}.ffn_down.weight": rng.normal(size=(h, f)) * .3})
     loaders = {n: (lambda a=a: np.asarray(a, np.float32)) for n, a in w.items()}
     m = Model(config=cfg, tokenizer=_ToyTokenizer(seed), weights=LazyWeights(loaders, None), source="toy",
@@ -74,7 +76,8 @@ def sshd(tmp_path_factory):
 
     proc, info = start_local_sshd(tmp_path_factory.mktemp("sshd"))
     d = info["dir"]
-    (d / "wrong_known_hosts").write_text(f"[127.0.0.1]:{info['port']} " + " ".join((d / "client.pub").read_text().split()[:2]) + "\n")
+    (d / "wrong_known_hosts").write_text(
+        f"[127.0.0.1]:{info['port']} " + " ".join((d / "client.pub").read_text().split()[:2]) + "\n")
     yield info
     proc.terminate()
     proc.wait(timeout=10)
@@ -113,16 +116,16 @@ def ray_cluster():
             return s.getsockname()[1]
 
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: Ray's switch that keeps a single-node cluster on loopback
-    extra = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
-             "RAY_USAGE_STATS_ENABLED": "0"}
+    extra = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
+             "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
     saved = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     temp = Path(tempfile.mkdtemp(prefix="epray-", dir="/tmp"))  # short: Ray's unix sockets live below it
     gcs = port()
     ray_bin = str(Path(sys.executable).with_name("ray"))
-    cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs), "--num-cpus", "2",
-           "--object-store-memory", str(100_000_000), "--include-dashboard", "false", "--disable-usage-stats",
-           "--temp-dir", str(temp)]
+    cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+           "--num-cpus", "2", "--object-store-memory", str(100_000_000), "--include-dashboard", "false",
+           "--disable-usage-stats", "--temp-dir", str(temp)]
     client = port()
     cmd += ["--ray-client-server-port", str(client)]
     for flag in ("--dashboard-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",

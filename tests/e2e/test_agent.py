@@ -97,14 +97,16 @@ def test_prefill_on_the_agent_matches_the_host_and_traces_both_lanes(dev, qm, sm
     host = qm.forward(toks)[-1]
     assert res.logits.shape == (1, qm.model.config.vocab_size)
     assert cosine(res.logits[0], host) >= 0.999  # the host's simulation: the agent's own kernels, composed by forward()
-    # independent: mllm-NPU eq. 1 recomputed in numpy from the float weights and the manifest's scales (tests/conftest.py).
-    # Per-tensor int8 amplifies one ulp (a 2e-7 relative nudge of every linear moves this cosine by up to 1e-2), so
-    # the reference rounds codes and sums the shadow outliers in float32 as the device does (tests/conftest.py)
+    # independent: mllm-NPU eq. 1 recomputed in numpy from the float weights and the manifest's scales
+    # (tests/conftest.py). Per-tensor int8 amplifies one ulp (a 2e-7 relative nudge of every linear moves this
+    # cosine by up to 1e-2), so the reference rounds codes and sums the shadow outliers in float32 as the device
+    # does (tests/conftest.py)
     ref = forward(smollm, toks, linear=independent_linear(qm, smollm), logits="last")
     flt = forward(smollm, toks, logits="last")
     got = res.logits[0]
     cos_ref, near = cosine(got, ref), np.linalg.norm(got - ref) / np.linalg.norm(got - flt)
-    cos_flt = cosine(got - got.mean(), flt - flt.mean())  # centred: softmax ignores a common offset, raw cosine does not
+    # centred: softmax ignores a common offset, raw cosine does not
+    cos_flt = cosine(got - got.mean(), flt - flt.mean())
     print(f"\nw8a8-shadow prefill on the agent: cosine vs the numpy reference {cos_ref:.7f}, |agent - reference| = "
           f"{near:.1e} x |agent - float|, centred cosine vs float {cos_flt:.4f}")
     assert cos_ref >= 0.9999
@@ -173,7 +175,8 @@ def test_bad_plans_get_error_replies(dev, qm):
         dev.put_plan(lane_deadlock)
     with pytest.raises(DeviceError, match="unknown_lane"):
         dev.put_plan({"ops": [{"name": "a", "kind": "add", "lane": "dsp", "inputs": []}]})
-    ok = dev.put_plan({"ops": [{"name": "a", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}, {"input": "x"}]}]})
+    ok = dev.put_plan({"ops": [{"name": "a", "kind": "add", "lane": "cpu",
+                                "inputs": [{"input": "x"}, {"input": "x"}]}]})
     r = dev.run(ok, {"x": np.ones((2, 3), np.float32)})
     assert np.array_equal(r.logits, np.full((2, 3), 2, np.float32))
     with pytest.raises(DeviceError, match="missing_input"):
@@ -217,7 +220,8 @@ def test_upload_cut_midway_resumes_with_missing_chunks_only(tmp_path):
 def test_a_killed_agent_makes_the_client_raise_not_hang(tmp_path):
     dev = Device.local(store=tmp_path / "k")
     plan = {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
-                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]} for i in range(20000)]}
+                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]}
+                    for i in range(20000)]}
     pid = dev.put_plan(plan)
     rid = dev.send("run", [np.ones((256, 256), np.float32)], plan_id=pid, inputs=["x"])
     time.sleep(0.3)
@@ -233,7 +237,8 @@ def test_a_killed_agent_makes_the_client_raise_not_hang(tmp_path):
 
 def test_cancel_stops_a_run(dev):
     plan = {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
-                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]} for i in range(50000)]}
+                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]}
+                    for i in range(50000)]}
     pid = dev.put_plan(plan)
     rid = dev.send("run", [np.ones((64, 64), np.float32)], plan_id=pid, inputs=["x"])
     time.sleep(0.2)
@@ -269,7 +274,8 @@ def test_run_cli_on_a_local_agent(tmp_path):
     trace = tmp_path / "trace.json"
     r = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--model", "smollm2-135m", "--scheme", "w8a8-shadow",
                         "--prompt-len", "32", "--device", "local", "--trace", str(trace), "--json", "--no-progress"],
-                       capture_output=True, text=True, timeout=900, env={**os.environ, "EDGEPROBE_AGENT_STORE": str(tmp_path / "st")})
+                       capture_output=True, text=True, timeout=900,
+                       env={**os.environ, "EDGEPROBE_AGENT_STORE": str(tmp_path / "st")})
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["logits_cosine_vs_host"] >= 0.999 and out["tokens"] == 32
@@ -631,7 +637,8 @@ def test_hetero_partitions_run_on_gpu_and_npu_lanes_with_identical_results(dev, 
     assert npu and gpu and npu[0]["shape"][0] == 45  # padded rows are computed then dropped
     assert npu[0]["flops"] == 2 * 64 * 576 * npu[0]["shape"][1] and npu[0]["shape"][1] % 64 == 0
     assert gpu[0]["shape"][1] == 576 - npu[0]["shape"][1]
-    seq = [e for e in res["seq-cut"].trace.events if e["kind"] == "linear" and e["lane"] != "cpu" and "attn_q" in e["name"]]
+    seq = [e for e in res["seq-cut"].trace.events
+           if e["kind"] == "linear" and e["lane"] != "cpu" and "attn_q" in e["name"]]
     assert sorted(e["shape"][0] for e in seq if e["layer"] == 0) == [13, 32]
     assert set(res["gpu"].trace.metrics()["lanes"]) >= {"gpu"} and "npu" not in res["gpu"].trace.metrics()["lanes"]
     assert choices_for(qm.model.config, 45, hp, "pipe")["attn_q"].npu_parts == (32, 32)
@@ -648,12 +655,15 @@ def test_plans_for_lanes_the_agent_lacks_fail_clearly(tmp_path):
         url = d.url
         for sched in ("hetero",):
             r = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--prompt-len", "16", "--device", url,
-                                "--scheduler", sched, "--no-progress"], capture_output=True, text=True, timeout=900, env=env)
+                                "--scheduler", sched, "--no-progress"],
+                               capture_output=True, text=True, timeout=900, env=env)
             assert r.returncode == 2 and "lacks" in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
     with Device.local(store=tmp_path / "st", lanes=["cpu"]) as d:
         r = subprocess.run([sys.executable, "-m", "edgeprobe", "run", "--prompt-len", "16", "--chunk", "8", "--device",
-                            d.url, "--scheduler", "ooo", "--no-progress"], capture_output=True, text=True, timeout=900, env=env)
-        assert r.returncode == 2 and "lacks" in r.stderr and "npu" in r.stderr and "Traceback" not in r.stderr, r.stderr[-1500:]
+                            d.url, "--scheduler", "ooo", "--no-progress"],
+                           capture_output=True, text=True, timeout=900, env=env)
+        assert (r.returncode == 2 and "lacks" in r.stderr and "npu" in r.stderr
+                and "Traceback" not in r.stderr), r.stderr[-1500:]
     bad = subprocess.run([sys.executable, "-m", "edgeprobe_agent", "--bind", "tcp://127.0.0.1:*", "--store",
                           str(tmp_path / "st"), "--lanes", "cpu,tpu"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "lanes must be some of" in bad.stderr

@@ -126,8 +126,10 @@ def test_four_clients_decode_at_once_on_busy_cores(models, tmp_path):
     assert not errors, errors
     lat = np.concatenate([r["lat"] for r in results]) * 1e3
     print(f"\nload: {sum(STEPS)} decode steps from {len(STEPS)} clients ({'/'.join(map(str, STEPS))}) beside 2 busy "
-          f"processes on {len(__import__('os').sched_getaffinity(0))} cores: {wall:.1f} s, {sum(STEPS) / wall:.0f} steps/s, "
-          f"step latency p50 {np.percentile(lat, 50):.2f} ms, p99 {np.percentile(lat, 99):.2f} ms, max {lat.max():.1f} ms; "
+          f"processes on {len(__import__('os').sched_getaffinity(0))} cores: {wall:.1f} s, "
+          f"{sum(STEPS) / wall:.0f} steps/s, "
+          f"step latency p50 {np.percentile(lat, 50):.2f} ms, p99 {np.percentile(lat, 99):.2f} ms, "
+          f"max {lat.max():.1f} ms; "
           f"errors {len(errors)}; agent served {stats['served']}, errors {stats['errors']}")
     assert stats["errors"] == 0 and stats["runs_in_flight"] == 0
     for i, r in enumerate(results):

@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from edgeprobe.device import AgentLostError, Device, DeviceError
 from edgeprobe.client import STDERR_TAIL_BYTES
+from edgeprobe.device import AgentLostError, Device, DeviceError
 
 
 def test_a_chatty_agent_never_blocks_and_its_last_words_are_quoted(tmp_path, monkeypatch, slow_plan):

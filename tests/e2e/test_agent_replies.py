@@ -130,7 +130,8 @@ def test_a_big_plan_is_validated_off_the_loop_which_keeps_answering(dev):
         s_.connect(dev.url)
         socks.append(s_)
     big = {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
-                    "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]} for i in range(50_000)]}
+                    "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]}
+                   for i in range(50_000)]}
     socks[0].send_multipart(pack({"v": PROTOCOL_VERSION, "id": 1, "op": "put_plan", "plan": big}))
     time.sleep(0.05)
     socks[1].send_multipart(pack({"v": PROTOCOL_VERSION, "id": 2, "op": "heartbeat"}))
@@ -202,9 +203,9 @@ def test_a_client_that_leaves_mid_upload_or_mid_run_leaves_nothing_stuck(dev, to
     gone.connect(dev.url)
     for i in range(2):  # two chunks of three, replies never read
         piece = np.frombuffer(raw[i * cb:(i + 1) * cb], np.uint8)
-        gone.send_multipart(pack({"v": PROTOCOL_VERSION, "id": 100 + i, "op": "put_blob", "sha": sha, "dtype": "float32",
-                                  "shape": [3000], "nbytes": len(raw), "chunk": i, "n_chunks": n, "chunk_bytes": cb,
-                                  "chunk_crc32": zlib.crc32(piece)}, [piece]))
+        gone.send_multipart(pack({"v": PROTOCOL_VERSION, "id": 100 + i, "op": "put_blob", "sha": sha,
+                                  "dtype": "float32", "shape": [3000], "nbytes": len(raw), "chunk": i, "n_chunks": n,
+                                  "chunk_bytes": cb, "chunk_crc32": zlib.crc32(piece)}, [piece]))
     with dev.session(toy, 8, name="left", progress=False) as s:  # and a run in a session, abandoned too
         s.prefill([1, 2])
         plan, inputs = slow_plan(8000)  # 20 s on an idle core: far longer than the heartbeat timeout
@@ -275,7 +276,8 @@ def test_worker_faults_still_end_in_one_reply_under_the_run_id(inproc, monkeypat
     monkeypatch.setitem(OPS, "fault_object", lambda inp, attrs, ctx: np.array([object()]))  # cannot go on the wire
     monkeypatch.setitem(OPS, "fault_exit", lambda inp, attrs, ctx: (_ for _ in ()).throw(SystemExit(3)))
     x = {"x": np.ones(2, np.float32)}
-    for kind, code, text in (("fault_object", "internal", "could not be packed"), ("fault_exit", "internal", "SystemExit")):
+    for kind, code, text in (("fault_object", "internal", "could not be packed"),
+                             ("fault_exit", "internal", "SystemExit")):
         pid = d.put_plan({"ops": [{"name": "f", "kind": kind, "lane": "cpu", "inputs": [{"input": "x"}]}]})
         rid = d.send("run", [x["x"]], plan_id=pid, inputs=["x"])
         with pytest.raises(DeviceError, match=text) as e:

@@ -66,7 +66,8 @@ def test_prefill_on_the_emulated_arm64_agent_matches_host_and_numba(store, tmp_p
     cpu_ops = [e for e in ops if e["args"].get("emulated") == "isa"]  # the cpu lane: arm64 code under qemu
     assert cpu_ops and all(e["args"]["emulated"] in ("isa", "semantics") for e in ops)
     print(f"\narm64 prefill of 10 tokens: makespan {out['makespan_ms'] / 1e3:.1f} s ({out['tok_per_s']:.2f} tok/s); "
-          f"cosine vs host {out['logits_cosine_vs_host']:.7f}; vs numba {out['logits_cosine_vs_numba']:.7f}, max |dlogit| "
+          f"cosine vs host {out['logits_cosine_vs_host']:.7f}; "
+          f"vs numba {out['logits_cosine_vs_numba']:.7f}, max |dlogit| "
           f"{out['logits_max_abs_diff_vs_numba']:.2g}")
 
 
@@ -76,7 +77,8 @@ def test_decode_on_the_emulated_arm64_agent(store):
     assert out["agent_machine"] == "aarch64" and out["agent_numba"] is None
     assert out["decode_steps"] == 3 and len(out["texts"]) == 1 and out["texts"][0]
     assert out["logits_cosine_vs_host"] >= 0.999 and out["decode_logits_min_cosine_vs_host"] >= 0.999
-    print(f"\narm64 decode: median step {out['decode_step_ms_median'] / 1e3:.2f} s ({out['decode_tok_per_s']:.2f} tok/s); "
+    print(f"\narm64 decode: median step {out['decode_step_ms_median'] / 1e3:.2f} s "
+          f"({out['decode_tok_per_s']:.2f} tok/s); "
           f"min cosine vs host {out['decode_logits_min_cosine_vs_host']:.7f}")
 
 

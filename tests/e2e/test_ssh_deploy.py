@@ -18,7 +18,8 @@ def test_deploy_run_and_redeploy_over_ssh(sshd, tmp_path, free_port):
     try:
         assert dev.info["protocol"] == 1 and "npu" in dev.info["lanes"]
         assert (Path(remote) / "edgeprobe_agent" / "server.py").exists()
-        pid = dev.put_plan({"ops": [{"name": "a", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}, {"input": "x"}]}]})
+        pid = dev.put_plan({"ops": [{"name": "a", "kind": "add", "lane": "cpu",
+                                     "inputs": [{"input": "x"}, {"input": "x"}]}]})
         r = dev.run(pid, {"x": np.arange(6, dtype=np.float32).reshape(2, 3)})
         assert np.array_equal(r.logits, 2 * np.arange(6, dtype=np.float32).reshape(2, 3))
     finally:

@@ -135,7 +135,8 @@ def test_the_index_survives_a_torn_line_and_old_sidecars_still_read(tmp_path):
     (blobs / f"{sha_c}.json").write_text('{"dtype": "float32", "shape": [300]}')
     st = FlashStore(tmp_path / "f", lock_wait_s=0)
     assert st.has(sha_a) and st.has(sha_b) and st.has(sha_c)
-    assert np.array_equal(st.get(sha_b), np.frombuffer(raw_b, np.float32)) and np.array_equal(st.get(sha_c), np.frombuffer(raw_c, np.float32))
+    assert (np.array_equal(st.get(sha_b), np.frombuffer(raw_b, np.float32))
+            and np.array_equal(st.get(sha_c), np.frombuffer(raw_c, np.float32)))
     (sha_d, raw_d) = _blob(203, 900)
     assert st.put_chunk(sha_d, "float32", [900], len(raw_d), 0, 1, 1 << 20, zlib.crc32(raw_d), raw_d) is True
     st.close()

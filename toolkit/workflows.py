@@ -178,14 +178,13 @@ def prefill_chunked(dev: Client, qm, tokens, chunk: int = 256, scheduler: str = 
     """Chunked prefill (mllm-NPU §3.2) laid out by a scheduler (§3.4) over `cost_model`: a named modelled
     cost model, a measured one's .json, or a cost model object (e.g. from `measure_cost_model`). profile: the
     old name of cost_model."""
-    from .models import ModelConfig
     from .plan import chunked_prefill_plan
-    from .schedule import chunk_graph, schedule
     from .schedule import cost_model as named
+    from .schedule.predict import predicted_schedule
 
     tokens = np.asarray(tokens, np.int32)
-    graph = chunk_graph(ModelConfig(**qm.manifest["config"]), len(tokens), chunk, manifest=qm.manifest)
-    sched = schedule(graph, named(cost_model if profile is None else profile), scheduler)
+    graph, sched = predicted_schedule(qm.manifest, len(tokens), chunk, scheduler,
+                                      named(cost_model if profile is None else profile))
     lacking = {g.lane for g in sched.graph.subgraphs} - set(dev.info.get("lanes", []))
     if lacking:
         from .schedule import ScheduleError

@@ -36,6 +36,7 @@ from edgeprobe_agent.protocol import (
 from . import local_agent
 from .errors import AgentLostError, AgentUnreachableError, DeviceError, NotAnAgentError
 from .local_agent import EMULATED_TIMEOUT_S, STDERR_TAIL_BYTES, StderrTail, exit_note, stderr_note
+from .probe import first_bytes
 from .trace import Trace
 
 # importable from here as before: the errors (errors.py) and the local agent's stderr tail (local_agent.py)
@@ -69,22 +70,8 @@ def probe_agent(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
                                     f"host, or a firewall); {start}") from None
     except OSError as e:
         raise AgentUnreachableError(f"cannot reach {url} ({e.strerror or e}); {start}") from None
-    got, closed = b"", False
     with sock:
-        deadline = time.monotonic() + timeout_s
-        while len(got) < 10 and time.monotonic() < deadline:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                part = sock.recv(64)
-            except socket.timeout:
-                break
-            except OSError:
-                closed = True
-                break
-            if not part:
-                closed = True
-                break
-            got += part
+        got, closed = first_bytes(sock, lambda got: len(got) >= 10, 64, timeout_s)
     if len(got) >= 10 and got[:1] == ZMTP_SIGNATURE[0] and got[9:10] == ZMTP_SIGNATURE[1]:
         return
     said = got.decode("latin-1").strip().splitlines()[0][:60] if got.strip() else ""

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from .errors import DeployError, NotSSHServerError, SSHTimeoutError
+from .probe import first_bytes
 
 __all__ = ["DeployError", "NotSSHServerError", "SSHTimeoutError", "deploy_ssh", "start_local_sshd", "Tunnel",
            "fingerprint", "probe_ssh"]
@@ -49,26 +50,12 @@ def probe_ssh(host: str, port: int, timeout_s: float = BANNER_TIMEOUT_S) -> str:
     except OSError as e:
         raise DeployError(f"cannot reach {host}:{port} ({e.strerror or e}); is sshd running (Termux: `sshd`)?") \
             from None
-    got, closed = b"", False
     with sock:
         try:  # RFC 4253 §4.2: either side may send its identification first; ours makes a non-SSH server talk
             sock.sendall(b"SSH-2.0-edgeprobe_probe\r\n")
         except OSError:
             pass
-        deadline = time.monotonic() + timeout_s
-        while b"SSH-" not in got and len(got) < 4096 and time.monotonic() < deadline:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                part = sock.recv(1024)
-            except socket.timeout:
-                break
-            except OSError:
-                closed = True
-                break
-            if not part:
-                closed = True
-                break
-            got += part
+        got, closed = first_bytes(sock, lambda got: b"SSH-" in got, 4096, timeout_s)
     for line in got.decode("latin-1").splitlines():
         if line.startswith("SSH-"):  # lines before it are a pre-banner message the RFC allows
             return line.strip()

@@ -137,14 +137,19 @@ def test_an_ssh_port_that_never_answers_names_the_timeout(silent_port, tmp_path)
     assert isinstance(e.value, DeployError)
 
 
+def _killed_agents_error(dev) -> str:
+    """SIGKILL a local agent, then use it: the error the client raises."""
+    os.kill(dev.process.pid, signal.SIGKILL)
+    dev.process.wait(timeout=10)
+    with pytest.raises(AgentLostError) as e:
+        dev.stats()
+    return str(e.value)
+
+
 def test_a_killed_agent_that_wrote_nothing_says_so(tmp_path):
     dev = Device.local(store=tmp_path / "st")
     try:
-        os.kill(dev.process.pid, signal.SIGKILL)
-        dev.process.wait(timeout=10)
-        with pytest.raises(AgentLostError) as e:
-            dev.stats()
-        msg = str(e.value)
+        msg = _killed_agents_error(dev)
         assert "\n" not in msg and msg.endswith("it wrote nothing on stderr"), msg
         assert "exited with status -9 (killed by SIGKILL)" in msg
     finally:
@@ -155,11 +160,7 @@ def test_a_killed_agent_quotes_its_real_last_stderr_lines_on_one_line(tmp_path, 
     monkeypatch.setenv("PYTHONVERBOSE", "1")  # the agent's interpreter writes every import to stderr
     dev = Device.local(store=tmp_path / "st")
     try:
-        os.kill(dev.process.pid, signal.SIGKILL)
-        dev.process.wait(timeout=10)
-        with pytest.raises(AgentLostError) as e:
-            dev.stats()
-        msg = str(e.value)
+        msg = _killed_agents_error(dev)
         last = [ln.strip() for ln in dev.stderr.text().splitlines() if ln.strip()]
         assert last and "\n" not in msg
         assert msg.endswith("its stderr ends: " + " | ".join(last[-3:])), msg

@@ -39,6 +39,8 @@ from .local_agent import EMULATED_TIMEOUT_S, STDERR_TAIL_BYTES, StderrTail, exit
 from .probe import first_bytes
 from .trace import Trace
 
+STOP_WAIT_S = 60.0  # how long close() waits for the agent it started to stop before killing it
+
 # importable from here as before: the errors (errors.py) and the local agent's stderr tail (local_agent.py)
 __all__ = ["Client", "RunResult", "DeviceError", "AgentLostError", "AgentUnreachableError", "NotAnAgentError",
            "StderrTail", "STDERR_TAIL_BYTES", "EMULATED_TIMEOUT_S", "probe_agent"]
@@ -381,8 +383,8 @@ class Client:
             pass
         self.sock.close(0)
         if self.process is not None:
-            try:
-                self.process.wait(timeout=5)
+            try:  # its shutdown writes the layouts still queued (a busy machine: seconds); a hung one is killed
+                self.process.wait(timeout=STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(timeout=5)

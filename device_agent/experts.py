@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 import numpy as np
 
 from edgeprobe_kernels.expert_cache import ExpertCache, preload_scores
-from edgeprobe_kernels.linear_records import RUNNERS, weight_blobs
+from edgeprobe_kernels.linear_records import RUNNERS, scheme_of, weight_blobs
 from edgeprobe_kernels.llama_ops import mix_experts, route, swiglu_act
 
 from .ops.registry import OpError, _arr
@@ -123,7 +123,7 @@ def op_moe_ffn(inp, attrs, ctx):
                 buf.preload((nl, int(e)), _blobs(attrs["next_experts"][int(e)]), layer, pinned, ctx.read_blob)
     def expert(e, xr):
         get = get_expert(e).__getitem__
-        f = {p: RUNNERS[experts[e][p]["kind"]](experts[e][p], get, ctx.counters) for p in PROJ}
+        f = {p: RUNNERS[scheme_of(experts[e][p])](experts[e][p], get, ctx.counters) for p in PROJ}
         return f["down"](swiglu_act(f["gate"](xr), f["up"](xr)))
     y = mix_experts(x, ex, w, expert)
     if buf is not None:  # this op's share of the buffer's events, so a run's counters are its own

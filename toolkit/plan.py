@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgeprobe_kernels.linear_records import SHADOW_KINDS, weight_blobs
+from edgeprobe_kernels.linear_records import SHADOW_SCHEMES, scheme_of, weight_blobs
 
 from .graph import NPU_KINDS, Weights, model_ops, order_by_schedule, place_by_kind, place_by_stage
 from .graph.place import fuse_layers, fuse_step
@@ -54,7 +54,7 @@ def shadow_layers(manifest: dict) -> list[int]:
     """Layers whose Q/K/V linears keep shadow outliers (w8a8-shadow not pruned, or w8a8c-shadow)."""
     c, L = manifest["config"], manifest["linears"]
     return [l for l in range(c["n_layers"])
-            if any(L[f"blk.{l}.{p}"].get("kind") in SHADOW_KINDS and L[f"blk.{l}.{p}"].get("shadow")
+            if any(scheme_of(L[f"blk.{l}.{p}"]) in SHADOW_SCHEMES and L[f"blk.{l}.{p}"].get("shadow")
                    for p in ("attn_q", "attn_k", "attn_v"))]
 
 

@@ -10,7 +10,7 @@ A split's pieces (HeteroLLM) keep the lanes the template pinned.
 """
 from __future__ import annotations
 
-from edgeprobe_kernels.linear_records import W8A8_KINDS
+from edgeprobe_kernels.linear_records import W8A8_SCHEMES, scheme_of
 
 from .template import NPU_KINDS, GraphError
 
@@ -25,8 +25,8 @@ def lane_by_kind(op: dict, float_lane: str = "cpu", decode: bool = False) -> str
     if op["kind"] != "linear":
         return "cpu"
     part = op["attrs"].get("part", "all")
-    kind = op["attrs"]["rec"]["kind"]
-    if part == "shadow" or (decode and kind in W8A8_KINDS):
+    kind = scheme_of(op["attrs"]["rec"])
+    if part == "shadow" or (decode and kind in W8A8_SCHEMES):
         return "cpu"
     return "npu" if kind in NPU_KINDS else float_lane
 

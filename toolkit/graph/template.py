@@ -26,14 +26,15 @@ from __future__ import annotations
 import math
 
 from edgeprobe_kernels import names as N
-from edgeprobe_kernels.linear_records import SHADOW_KINDS, W8A8_KINDS, weight_blobs
+from edgeprobe_kernels.linear_records import SHADOW_SCHEMES, W8A8_SCHEMES, scheme_of, weight_blobs
 
 from ..errors import EdgeprobeError
 
 GRAPH_VERSION = 2  # bump when ops, names or costs change: measured cost models are fitted on them
 STAGES = ("qkv", "shadow", "attn", "ffn")
-INT8_KINDS = W8A8_KINDS | {"smoothquant", "llm-int8"}         # records whose GEMM is int8 x int8
-NPU_KINDS = W8A8_KINDS | {"smoothquant", "q4_0-tile"}          # what a mobile NPU runs (NPU TTS paper §3)
+INT8_SCHEMES = W8A8_SCHEMES | {"smoothquant", "llm-int8"}  # records whose GEMM is int8 x int8
+INT8_KINDS = INT8_SCHEMES  # its name before records said `scheme`
+NPU_KINDS = W8A8_SCHEMES | {"smoothquant", "q4_0-tile"}          # what a mobile NPU runs (NPU TTS paper §3)
 SHADOW_CHANNELS = 8  # outlier channels per token a shadow GEMM is priced at (mllm-NPU Fig. 10: ~1% of channels)
 
 
@@ -114,7 +115,7 @@ class Weights:
             blobs = self.manifest["blobs"]
             return int(sum(blobs[s]["nbytes"] for s in weight_blobs(rec) if s in blobs))
         n, k = shape
-        return n * k * (4 if rec["kind"] == "float" else 1)
+        return n * k * (4 if scheme_of(rec) == "float" else 1)
 
     def experts(self, layer: int) -> list:
         E = self.config["n_experts"]
@@ -194,12 +195,12 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
         n_out, k_in = rec.get("shape") or w.shape(name)
         op = f"{pfx}.{lname}"
         wb = w.weight_bytes(rec, (n_out, k_in))
-        shadowed = rec["kind"] in SHADOW_KINDS and bool(rec.get("shadow")) and not one_op_linears
+        shadowed = scheme_of(rec) in SHADOW_SCHEMES and bool(rec.get("shadow")) and not one_op_linears
         choice = (split or {}).get(lname)
-        if choice is not None and rec["kind"] not in W8A8_KINDS:
-            raise GraphError(f"a HeteroLLM split needs int8 linears ({', '.join(sorted(W8A8_KINDS))}); "
+        if choice is not None and scheme_of(rec) not in W8A8_SCHEMES:
+            raise GraphError(f"a HeteroLLM split needs int8 linears ({', '.join(sorted(W8A8_SCHEMES))}); "
                              f"{name} is {rec['kind']!r}")
-        gemm = ("int8_linear" if rec["kind"] in INT8_KINDS else "linear", 2 * R * k_in * n_out, wb)
+        gemm = ("int8_linear" if scheme_of(rec) in INT8_SCHEMES else "linear", 2 * R * k_in * n_out, wb)
         part = "int8" if shadowed else "all"
         if choice is not None:
             y = _split(add, op, x, l, ci, stage, R, rec, choice, gemm)
@@ -229,7 +230,7 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
             norm_w = w.tensor(N.weight(N.blk(l, "attn_norm")))
             n = add(f"{p}.attn_norm", "rms_norm", [x, norm_w], l, ci, "qkv", (R, h), eps=eps)
             shadowed = [q for q in N.ATTN_IN
-                        if w.rec(N.blk(l, q))["kind"] in SHADOW_KINDS and w.rec(N.blk(l, q)).get("shadow")]
+                        if scheme_of(w.rec(N.blk(l, q))) in SHADOW_SCHEMES and w.rec(N.blk(l, q)).get("shadow")]
             sn = None
             if shadowed:  # the shadow subgraph normalizes on its own: its only dependency is the previous layer
                 sx = emb(f"{p}.shadow_embed", "shadow") if l == 0 else x
@@ -289,7 +290,7 @@ def _ffn(add, linear, w, p, x, l, ci, R, ffn_flash, experts_flash):
     h = c["hidden"]
     if c.get("n_experts"):
         router = w.rec(N.blk(l, "ffn_gate_inp"))
-        if router.get("kind") != "float":
+        if scheme_of(router) != "float":
             raise GraphError(f"the agent runs float routers; blk.{l}.ffn_gate_inp is {router.get('kind')!r}")
         attrs = w.moe_attrs(l, experts_flash)
         fe, k, E = c.get("expert_ffn") or c["ffn"], c["n_experts_used"], c["n_experts"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgeprobe_kernels.linear_records import W8A8_KINDS
+from edgeprobe_kernels.linear_records import W8A8_SCHEMES, scheme_of
 
 from .graph import ScheduleError, Subgraph
 
@@ -215,7 +215,7 @@ def measure_linears(dev, qm, rows=(32, 64, 128, 256, 512, 1024), repeat: int = 2
     recs = {}
     for proj in ("attn_q", "attn_k", "ffn_up", "ffn_down"):
         rec = L[f"blk.0.{proj}"]
-        if rec["kind"] not in W8A8_KINDS:
+        if scheme_of(rec) not in W8A8_SCHEMES:
             raise ScheduleError(f"measuring the partition solver's rates needs int8 linears; blk.0.{proj} is "
                                 f"{rec['kind']!r}")
         recs[proj] = rec

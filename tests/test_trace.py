@@ -133,7 +133,9 @@ def test_trace_show_writes_the_offline_timeline(run, tmp_path, capsys):
 def test_trace_import_aligns_fits_and_the_fit_schedules(tmp_path, capsys):
     from edgeprobe import models
     from edgeprobe.foreign.fit import FittedCostModel, fit
-    from edgeprobe.schedule import chunk_graph, cost_model, schedule
+    from edgeprobe.prepare import prepared
+    from edgeprobe.schedule import cost_model
+    from edgeprobe.schedule.predict import predicted_schedule
 
     cfg = tmp_path / "lfm2.json"
     cfg.write_text(json.dumps(LFM2_CONFIG))
@@ -154,8 +156,9 @@ def test_trace_import_aligns_fits_and_the_fit_schedules(tmp_path, capsys):
     # `edgeprobe schedule --cost-model FITTED.json` predicts with it: the same makespan as scheduling by hand
     assert main(["schedule", "--prompt-len", "256", "--chunk", "128", "--cost-model", str(fitted), "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    g = chunk_graph(models.load("smollm2-135m").config, 256, 128)
-    assert got["cost_model"] == "phone" and got["makespan_ms"] == schedule(g, m, "ooo").makespan_us / 1e3
+    qm = prepared(models.load("smollm2-135m"), "w8a8-shadow")  # the model `schedule` plans, as `run` does
+    _, sched = predicted_schedule(qm.manifest, 256, 128, "ooo", m)
+    assert got["cost_model"] == "phone" and got["makespan_ms"] == sched.makespan_us / 1e3
 
 
 def test_a_fitted_cost_model_plans_a_run_on_the_agent(agent, tmp_path):

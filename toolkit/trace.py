@@ -182,9 +182,9 @@ class Trace:
     def load_foreign(cls, path, format: str = "auto") -> "Trace":
         """A phone's trace recorded by another tool (llama.cpp's Hexagon profile, Chrome JSON ...):
         edgeprobe.foreign.load_foreign; every event measured."""
-        from .foreign import load_foreign
+        from .foreign.read import read_foreign
 
-        return load_foreign(path, format)
+        return cls(*read_foreign(path, format))
 
     def groups(self) -> dict:
         """name -> (lane, start_us, end_us) per op group (a scheduled subgraph), or per op when ungrouped."""

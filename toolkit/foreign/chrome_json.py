@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 
-from ..trace import Trace
 from .base import ForeignTraceError, event, ggml_dims, read_text
 
 FORMAT = "chrome-json"
@@ -43,8 +42,9 @@ def _shapes(text) -> list | None:
     return [ggml_dims(p) for p in text.split(" x ")]
 
 
-def read(path) -> Trace:
-    """The JSON at `path` -> Trace: one event per complete or begin/end-paired event, lanes from thread names."""
+def read(path) -> tuple[list, dict]:
+    """The JSON at `path` -> (events, meta) of a Trace: one event per complete or begin/end-paired event, lanes
+    from thread names."""
     text = read_text(path, EXPECTED)
     try:
         doc = json.loads(text)
@@ -114,4 +114,4 @@ def read(path) -> Trace:
             "unclosed_begin_events": unclosed, "threads": {f"{p}/{t}": n for (p, t), n in threads.items()},
             "time": {"unit": "us (Chrome trace ts/dur)", "cycles": "kept per event where args give them; mhz per "
                      "event is args.cycles / args.usec (implied)"}}
-    return Trace(events, meta)
+    return events, meta

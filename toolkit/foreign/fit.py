@@ -3,27 +3,18 @@
 Per lane and cost kind (graph.template's: linear, int8_linear, attention, elementwise, ...) a fixed cost per op and a
 time per FLOP, by least squares over aligned ops: us = fixed_us + us_per_flop * FLOPs. One size only: the fixed
 cost is 0 and the rate is the mean (said so in `sizes`). Held-out error: fit on some layers, predict the others.
-The result is a CostModel (schedule.cost) usable wherever one is; lanes the trace lacks fall back to a named base.
+The result is a FittedCostModel (schedule.cost, beside the named ones) usable wherever a cost model is.
 """
 from __future__ import annotations
 
-import json
 import statistics
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from ..schedule.cost import FITTED_JSON_FORMAT as JSON_FORMAT  # noqa: F401  (importable from here as before)
+from ..schedule.cost import FittedCostModel, _build_fitted, cost_model
+from ..schedule.cost import load_fitted as load_cost_model  # noqa: F401
 from .base import ForeignTraceError
-
-try:
-    from ..schedule.cost import CostModel
-except ImportError:  # the name before the cost-model vocabulary
-    from ..schedule.cost import DeviceProfile as CostModel
-
-JSON_FORMAT = "edgeprobe-fitted-cost-model"
-JSON_VERSION = 1
-_FALLBACK_KIND = {"int8_linear": "linear", "float_sparse": "linear", "linear": "int8_linear"}
 
 
 def fit_line(flops: list, us: list) -> dict:
@@ -86,94 +77,6 @@ def held_out(samples: list, train_layers=None) -> dict:
             "time_weighted_rel_error": float(np.average(errs, weights=weights)) if errs else None}
 
 
-@dataclass(frozen=True)
-class FittedCostModel(CostModel):
-    """A CostModel fitted from a real trace: per lane and kind fixed_us + us_per_flop (in `fits`); lanes the trace
-    lacks are priced by the named `base` cost model."""
-    fits: dict = field(default_factory=dict)      # lane -> kind -> fit_line(...)
-    base: str | None = None
-    held_out: dict = field(default_factory=dict)
-    trace_source: dict = field(default_factory=dict)
-
-    def _base(self):
-        if not self.base:
-            return None
-        from ..schedule.cost import cost_model
-
-        return cost_model(self.base)
-
-    def _fit(self, lane: str, kind: str) -> dict | None:
-        kinds = self.fits.get(lane)
-        if kinds is None:
-            return None
-        f = kinds.get(kind) or kinds.get(_FALLBACK_KIND.get(kind, ""))
-        if f is None:
-            from ..schedule.graph import ScheduleError
-
-            raise ScheduleError(f"fitted cost model {self.name!r} saw no {kind!r} op on {lane} "
-                                f"(fitted: {', '.join(kinds)})")
-        return f
-
-    def rate(self, lane: str, kind: str) -> float:
-        f = self._fit(lane, kind)
-        if f is None:
-            return self._base().rate(lane, kind) if self.base else super().rate(lane, kind)
-        return float("inf") if f["us_per_flop"] <= 0 else 1e-3 / f["us_per_flop"]
-
-    def op_time_us(self, op: dict, lane: str | None = None) -> float:
-        kind, flops, _ = op["cost"]
-        lane = lane or op["lane"]
-        f = self._fit(lane, kind)
-        if f is None:
-            if not self.base:
-                return super().op_time_us(op, lane)
-            return self._base().op_time_us(op, lane)
-        return f["fixed_us"] + f["us_per_flop"] * flops
-
-    def time_us(self, g, lane: str | None = None) -> float:
-        lane = lane or g.lane
-        if lane not in self.fits:
-            if not self.base:
-                return super().time_us(g, lane)
-            return self._base().time_us(g, lane)
-        t = self.launch_us.get(lane, 0.0)
-        for kind, flops in g.costs:
-            f = self._fit(lane, kind)
-            t += f["fixed_us"] + f["us_per_flop"] * flops
-        return t
-
-    # ---- files ----------------------------------------------------------------------------------
-    def to_json(self, path=None) -> str:
-        doc = {"format": JSON_FORMAT, "version": JSON_VERSION, "name": self.name, "source": self.source,
-               "fits": self.fits, "base": self.base, "sync_us": self.sync_us, "launch_us": self.launch_us,
-               "held_out": self.held_out, "trace_source": self.trace_source}
-        text = json.dumps(doc, indent=1)
-        if path is not None:
-            Path(path).write_text(text)
-        return text
-
-    @classmethod
-    def from_json(cls, path) -> "FittedCostModel":
-        try:
-            doc = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ForeignTraceError(path, "document", f"not readable JSON ({e})", f"a {JSON_FORMAT} file") from None
-        if not isinstance(doc, dict) or doc.get("format") != JSON_FORMAT or doc.get("version") != JSON_VERSION:
-            got = (doc.get("format"), doc.get("version")) if isinstance(doc, dict) else type(doc).__name__
-            raise ForeignTraceError(path, "document", f"format/version {got}",
-                                    f"a {JSON_FORMAT} file of version {JSON_VERSION}")
-        return _build(doc["name"], doc["fits"], doc.get("base"), doc.get("source", ""), doc.get("sync_us", 0.0),
-                      doc.get("launch_us", {}), doc.get("held_out", {}), doc.get("trace_source", {}))
-
-
-def _build(name, fits, base, source, sync_us, launch_us, held, trace_source) -> FittedCostModel:
-    rates = {lane: {k: (1e-3 / f["us_per_flop"]) if f["us_per_flop"] > 0 else float("inf") for k, f in kinds.items()}
-             for lane, kinds in fits.items()}
-    return FittedCostModel(name=name, rates=rates, launch_us=dict(launch_us), sync_us=float(sync_us),
-                           op_us={}, source=source, modelled=False, notes={"fitted_from": trace_source},
-                           fits=fits, base=base, held_out=held, trace_source=trace_source)
-
-
 def samples_from_events(trace) -> list[dict]:
     """Fitting samples from a trace's own FLOP counts (no template: e.g. a single-op benchmark log)."""
     out = [{"lane": e["lane"], "kind": e["kind"], "flops": e["flops"], "us": e["end_us"] - e["start_us"],
@@ -196,20 +99,11 @@ def fit(source, name: str = "fitted", base: str | None = "snapdragon-8gen3", tra
         raise ForeignTraceError(meta.get("path", "trace"), "alignment", "no event aligned to a template op",
                                 "an alignment with matched ops")
     held = held_out(samples, train_layers) if len(samples) >= 2 else {}
-    base_model = None
-    if base:
-        from ..schedule.cost import cost_model
-
-        base_model = cost_model(base)
+    base_model = cost_model(base) if base else None
     sync = sync_us if sync_us is not None else (base_model.sync_us if base_model is not None else 0.0)
     src = meta.get("source", {})
     desc = (f"fitted from a measured trace ({src.get('tool', '?')}, {src.get('format', '?')}): {len(samples)} ops; "
             f"held-out median error {held.get('median_rel_error')}; other lanes from {base or 'nothing'}")
-    return _build(name, fit_samples(samples), base, desc, sync, {}, held,
+    return _build_fitted(name, fit_samples(samples), base, desc, sync, {}, held,
                   {"source": src, "path": meta.get("path"), "n_samples": len(samples),
                    "median_us": statistics.median(s["us"] for s in samples)})
-
-
-def load_cost_model(path) -> FittedCostModel:
-    """A fitted cost model saved with FittedCostModel.to_json."""
-    return FittedCostModel.from_json(path)

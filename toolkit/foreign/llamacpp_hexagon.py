@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 
-from ..trace import Trace
 from .base import ForeignTraceError, event, ggml_dims, read_text
 
 FORMAT = "llamacpp-hexagon-op"
@@ -34,8 +33,9 @@ def _tensor(part: str, path, n: int) -> tuple[str, list]:
     return name, ggml_dims(dims)
 
 
-def read(path, version: str | None = None) -> Trace:
-    """The log at `path` -> Trace of one npu-lane event per op (µs as printed; cycles, packets kept per event)."""
+def read(path, version: str | None = None) -> tuple[list, dict]:
+    """The log at `path` -> (events, meta) of a Trace: one npu-lane event per op (µs as printed; cycles, packets
+    kept per event)."""
     text = read_text(path, EXPECTED)
     events, skipped, newer, t = [], 0, 0, 0.0
     for n, line in enumerate(text.splitlines(), 1):
@@ -71,4 +71,4 @@ def read(path, version: str | None = None) -> Trace:
             "time": {"unit": "us as printed (total per op)", "start": "ops laid end to end in log order: the lines "
                      "carry no start time", "cycles": "kept per event; the line states no clock: mhz per event is "
                      "cycles / compute us (implied, not stated)"}}
-    return Trace(events, meta)
+    return events, meta

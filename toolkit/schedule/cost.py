@@ -11,8 +11,11 @@ names of CostModel, COST_MODELS and cost_model, kept for code written against th
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ..foreign.base import ForeignTraceError
 from .graph import ScheduleError, Subgraph
 
 
@@ -96,10 +99,8 @@ def cost_model(name):
     if not isinstance(name, str):
         return name
     if name.endswith(".json"):
-        if _json_format(name) == "edgeprobe-fitted-cost-model":  # fitted from a phone's trace (edgeprobe.foreign)
-            from ..foreign.fit import load_cost_model
-
-            return load_cost_model(name)
+        if _json_format(name) == FITTED_JSON_FORMAT:  # fitted from a phone's trace (edgeprobe.foreign.fit)
+            return load_fitted(name)
         from .measure import MeasuredCostModel
 
         return MeasuredCostModel.from_json(name)
@@ -115,8 +116,6 @@ def cost_model(name):
 
 def _json_format(path) -> str | None:
     """The "format" a cost model's JSON file declares (None: unreadable here, or a measured one, which has none)."""
-    import json
-    from pathlib import Path
 
     try:
         doc = json.loads(Path(path).read_text())
@@ -129,3 +128,98 @@ def _json_format(path) -> str | None:
 DeviceProfile = CostModel
 PROFILES = COST_MODELS
 device_profile = cost_model
+
+
+# ---- fitted from a real trace (edgeprobe.foreign.fit makes them) ----------------------------------------------------
+FITTED_JSON_FORMAT = "edgeprobe-fitted-cost-model"
+FITTED_JSON_VERSION = 1
+_FALLBACK_KIND = {"int8_linear": "linear", "float_sparse": "linear", "linear": "int8_linear"}
+
+
+@dataclass(frozen=True)
+class FittedCostModel(CostModel):
+    """A CostModel fitted from a real trace: per lane and kind fixed_us + us_per_flop (in `fits`); lanes the trace
+    lacks are priced by the named `base` cost model."""
+    fits: dict = field(default_factory=dict)      # lane -> kind -> fit_line(...)
+    base: str | None = None
+    held_out: dict = field(default_factory=dict)
+    trace_source: dict = field(default_factory=dict)
+
+    def _base(self):
+        return cost_model(self.base) if self.base else None
+
+    def _fit(self, lane: str, kind: str) -> dict | None:
+        kinds = self.fits.get(lane)
+        if kinds is None:
+            return None
+        f = kinds.get(kind) or kinds.get(_FALLBACK_KIND.get(kind, ""))
+        if f is None:
+            raise ScheduleError(f"fitted cost model {self.name!r} saw no {kind!r} op on {lane} "
+                                f"(fitted: {', '.join(kinds)})")
+        return f
+
+    def rate(self, lane: str, kind: str) -> float:
+        f = self._fit(lane, kind)
+        if f is None:
+            return self._base().rate(lane, kind) if self.base else super().rate(lane, kind)
+        return float("inf") if f["us_per_flop"] <= 0 else 1e-3 / f["us_per_flop"]
+
+    def op_time_us(self, op: dict, lane: str | None = None) -> float:
+        kind, flops, _ = op["cost"]
+        lane = lane or op["lane"]
+        f = self._fit(lane, kind)
+        if f is None:
+            if not self.base:
+                return super().op_time_us(op, lane)
+            return self._base().op_time_us(op, lane)
+        return f["fixed_us"] + f["us_per_flop"] * flops
+
+    def time_us(self, g, lane: str | None = None) -> float:
+        lane = lane or g.lane
+        if lane not in self.fits:
+            if not self.base:
+                return super().time_us(g, lane)
+            return self._base().time_us(g, lane)
+        t = self.launch_us.get(lane, 0.0)
+        for kind, flops in g.costs:
+            f = self._fit(lane, kind)
+            t += f["fixed_us"] + f["us_per_flop"] * flops
+        return t
+
+    # ---- files ----------------------------------------------------------------------------------
+    def to_json(self, path=None) -> str:
+        doc = {"format": FITTED_JSON_FORMAT, "version": FITTED_JSON_VERSION, "name": self.name, "source": self.source,
+               "fits": self.fits, "base": self.base, "sync_us": self.sync_us, "launch_us": self.launch_us,
+               "held_out": self.held_out, "trace_source": self.trace_source}
+        text = json.dumps(doc, indent=1)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, path) -> "FittedCostModel":
+        try:
+            doc = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ForeignTraceError(path, "document", f"not readable JSON ({e})",
+                                    f"a {FITTED_JSON_FORMAT} file") from None
+        if not isinstance(doc, dict) or (doc.get("format"), doc.get("version")) != (FITTED_JSON_FORMAT,
+                                                                                    FITTED_JSON_VERSION):
+            got = (doc.get("format"), doc.get("version")) if isinstance(doc, dict) else type(doc).__name__
+            raise ForeignTraceError(path, "document", f"format/version {got}",
+                                    f"a {FITTED_JSON_FORMAT} file of version {FITTED_JSON_VERSION}")
+        return _build_fitted(doc["name"], doc["fits"], doc.get("base"), doc.get("source", ""), doc.get("sync_us", 0.0),
+                      doc.get("launch_us", {}), doc.get("held_out", {}), doc.get("trace_source", {}))
+
+
+def _build_fitted(name, fits, base, source, sync_us, launch_us, held, trace_source) -> FittedCostModel:
+    rates = {lane: {k: (1e-3 / f["us_per_flop"]) if f["us_per_flop"] > 0 else float("inf") for k, f in kinds.items()}
+             for lane, kinds in fits.items()}
+    return FittedCostModel(name=name, rates=rates, launch_us=dict(launch_us), sync_us=float(sync_us),
+                           op_us={}, source=source, modelled=False, notes={"fitted_from": trace_source},
+                           fits=fits, base=base, held_out=held, trace_source=trace_source)
+
+
+def load_fitted(path) -> FittedCostModel:
+    """A fitted cost model saved with FittedCostModel.to_json."""
+    return FittedCostModel.from_json(path)

@@ -1,0 +1,36 @@
+"""Which foreign format a file is, and its reader: a file -> (events, meta) of a Trace. Imports no Trace, so
+edgeprobe.trace can read other tools' files through it (Trace.load, Trace.load_foreign) without an import cycle."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import chrome_json, llamacpp_hexagon
+from .base import ForeignTraceError, read_text
+
+READERS = {llamacpp_hexagon.FORMAT: llamacpp_hexagon, chrome_json.FORMAT: chrome_json}
+FORMATS = tuple(READERS)
+
+
+def detect_format(path) -> str:
+    """The format of the file at `path`, from its first bytes and lines."""
+    text = read_text(path, "one of: " + ", ".join(FORMATS))
+    for fmt, mod in READERS.items():
+        if mod.sniff(text):
+            return fmt
+    if "profile-op " in text:
+        raise ForeignTraceError(path, "whole file", "llama.cpp Hexagon 'profile-op'/'trace-op' lines (the 2026 format) "
+                                "have no reader yet: no public sample was found to check one against",
+                                "one of: " + ", ".join(FORMATS))
+    raise ForeignTraceError(path, "whole file", "no known trace format recognized", "one of: " + ", ".join(FORMATS))
+
+
+def read_foreign(path, format: str = "auto") -> tuple[list, dict]:
+    """A foreign trace file -> (events, meta): meta has source {tool, format, version}, skipped records, the time
+    conversion and the path."""
+    if format == "auto":
+        format = detect_format(path)
+    if format not in READERS:
+        raise ForeignTraceError(path, "argument", f"unknown format {format!r}", "one of: auto, " + ", ".join(FORMATS))
+    events, meta = READERS[format].read(Path(path))
+    meta.setdefault("path", str(path))
+    return events, meta

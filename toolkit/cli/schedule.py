@@ -7,6 +7,15 @@ import sys
 from .common import prepared_model, say_for
 
 
+def cost_kind(cost) -> str:
+    """What a cost model's times are: "fitted from a trace" (foreign.fit), "measured" (on an agent), "modelled"."""
+    from ..schedule.cost import FittedCostModel
+
+    if isinstance(cost, FittedCostModel):
+        return "fitted from a trace"
+    return "modelled" if cost.modelled else "measured"
+
+
 def cmd_schedule(args) -> int:
     from .. import models
     from ..quant.qmodel import check_scheme
@@ -48,7 +57,7 @@ def cmd_schedule(args) -> int:
            "scheduler": args.scheduler,
            # device_profile, profile_source: the fields' first names (a contract); cost_model says the same
            "device_profile": cost.name, "cost_model": cost.name, "modelled": cost.modelled,
-           "profile_source": cost.source,
+           "cost_kind": cost_kind(cost), "profile_source": cost.source,
            "prediction_error": cost.fit_error() if hasattr(cost, "fit_error") else None,
            "subgraphs": len(graph.subgraphs), "makespan_ms": sched.makespan_us / 1e3,
            "makespan_vs_in_order": sched.makespan_us / base.makespan_us,
@@ -66,7 +75,7 @@ def cmd_schedule(args) -> int:
         print(json.dumps(out))
     else:
         busy = ", ".join(f"{k} {v:.0f}%" for k, v in out["lanes"].items())
-        how = "modelled" if cost.modelled else "measured"
+        how = cost_kind(cost)
         print(f"{args.scheduler} of {args.scheme} on the {cost.name} cost model ({how}): makespan "
               f"{out['makespan_ms']:.1f} ms "
               f"({out['makespan_vs_in_order']:.2f}x in-order), busy {busy}; {len(graph.subgraphs)} subgraphs, "

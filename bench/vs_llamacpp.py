@@ -3,11 +3,14 @@
 llama.cpp runs through llama-cpp-python, built natively (GGML_NATIVE=ON) into a side environment the first time
 (a few minutes of compiling; never part of `make test`): $EDGEPROBE_CACHE/llamacpp, else ~/.cache/edgeprobe/llamacpp.
 It runs SmolLM2-135M's own GGUF (Q4_1 linears, Q8_0 embedding/head) on 2 threads in its own process, driven over
-a pipe; the agent is a local edgeprobe agent (npu lane: NPU semantics emulated with numba on this CPU). Each
-measurement alternates the two, A/B/A/B, so both see the same machine.
+a pipe, or with --anchor a GGUF of the same model that llama.cpp's own quantizer (llama_model_quantize, requantize
+allowed) makes from the shipped one into the side environment once: q8_0 (the bit width of our int8 schemes), q4_0;
+--anchor both compares int8 and float schemes with Q8_0 and 4-bit ones with Q4_1, each row naming the GGUF it ran;
+the agent is a local edgeprobe agent (npu lane: NPU semantics emulated with numba on this CPU). Each measurement
+alternates the two, A/B/A/B, so both see the same machine.
 
     .venv/bin/python bench/vs_llamacpp.py [--repeats 3] [--lengths 64,256,1024]
-        [--schemes w8a8-shadow,w8a8,q4_0-tile,float]
+        [--schemes w8a8-shadow,w8a8,q4_0-tile,float] [--anchor q4_1|q8_0|q4_0|both]
 
 Prints, per scheme and prompt length: prefill tok/s of llama.cpp and of the agent, warm (model uploaded, one
 prefill done; best of 2) and first run (a new agent process on a store that holds the blobs: its first prefill
@@ -99,11 +102,65 @@ def side_env() -> Path:
     return py
 
 
+# llama.cpp's file types (enum llama_ftype) of the anchors a row can run
+FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7}
+
+QUANTIZE = textwrap.dedent('''
+    import ctypes, sys
+    import llama_cpp
+    p = llama_cpp.llama_model_quantize_default_params()
+    p.ftype, p.allow_requantize, p.nthread = int(sys.argv[3]), True, 2
+    sys.exit(llama_cpp.llama_model_quantize(sys.argv[1].encode(), sys.argv[2].encode(), ctypes.byref(p)))
+''')
+
+
+def gguf_ftype(path: Path) -> int | None:
+    """general.file_type of a GGUF (llama_ftype), None where it does not say."""
+    import gguf
+
+    f = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+    return int(f.parts[f.data[0]][0]) if f is not None else None
+
+
+def anchor_gguf(shipped: Path, anchor: str) -> Path:
+    """The GGUF llama.cpp runs for `anchor`: the shipped one where it already is that type, else one made from it by
+    llama.cpp's own quantizer in the side environment, once (kept there, beside a note of its source)."""
+    if gguf_ftype(shipped) == FTYPES[anchor]:
+        return shipped
+    py = side_env()
+    out = py.parent.parent / "gguf" / f"{shipped.stem.rsplit('.', 1)[0]}.{anchor.upper()}.gguf"
+    note = out.with_suffix(".source")
+    src = f"{shipped} {shipped.stat().st_size} {shipped.stat().st_mtime_ns}"
+    if out.exists() and note.exists() and note.read_text() == src:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".part")
+    t = time.perf_counter()
+    r = subprocess.run([str(py), "-c", QUANTIZE, str(shipped), str(tmp), str(FTYPES[anchor])], capture_output=True,
+                       text=True)
+    if r.returncode or not tmp.exists():
+        sys.exit(f"llama_model_quantize to {anchor.upper()} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    tmp.replace(out)
+    note.write_text(src)
+    print(f"made {out.name} from {shipped.name} with llama.cpp's quantizer in {time.perf_counter() - t:.1f} s "
+          f"({out.stat().st_size / 1e6:.0f} MB)", flush=True)
+    return out
+
+
+def anchor_for(scheme: str, anchor: str) -> str:
+    """The anchor a scheme's rows run against: the one asked for, or with "both" the one of its bit width (4-bit
+    schemes: Q4_1; int8 and float: Q8_0)."""
+    if anchor != "both":
+        return anchor
+    return "q4_1" if scheme.startswith("q4") else "q8_0"
+
+
 class LlamaCpp:
     """llama.cpp in its own process (the side environment), one request per line over a pipe."""
 
     def __init__(self, gguf: Path, n_ctx: int):
         py = side_env()
+        self.gguf = gguf
         self._dir = tempfile.TemporaryDirectory(prefix="llamacpp-worker-")
         self.script = Path(self._dir.name) / "llamacpp_worker.py"
         self.script.write_text(WORKER)
@@ -166,6 +223,10 @@ def main():
     ap.add_argument("--lane-threads", default="auto", choices=["auto", "1"],
                     help="auto: an agent op computing alone uses both cores, as llama.cpp's 2 threads do; 1: one "
                          "core per lane (the agent's default)")
+    ap.add_argument("--anchor", default="q4_1", choices=["q4_1", "q8_0", "q4_0", "both"],
+                    help="the GGUF llama.cpp runs: the shipped Q4_1 (default), a Q8_0 or Q4_0 made from it by "
+                         "llama.cpp's quantizer (once, cached in the side environment), or both: int8 and float "
+                         "schemes against Q8_0, 4-bit ones against Q4_1")
     args = ap.parse_args()
     os.environ["EDGEPROBE_LANE_THREADS"] = args.lane_threads  # the agents started below inherit it
     from edgeprobe import models
@@ -180,12 +241,15 @@ def main():
     ids = m.tokenizer.encode(read_corpus("heldout"))
     decode_schemes = [s for s in args.decode_schemes.split(",") if s]
     qms = {s: prepared(m, s, say=print) for s in dict.fromkeys(schemes + decode_schemes)}
-    llama = LlamaCpp(_smollm2_135m(), max(lengths) + args.steps + 64)
+    anchors = {s: anchor_for(s, args.anchor) for s in dict.fromkeys(schemes + decode_schemes)}
+    shipped = _smollm2_135m()
+    ggufs = {a: anchor_gguf(shipped, a) for a in dict.fromkeys(anchors.values())}
+    workers = {a: LlamaCpp(g, max(lengths) + args.steps + 64) for a, g in ggufs.items()}
     # this harness's long-lived objects (modules, the models, their tokenizer) out of its GC's sight: its full
     # collections walked them in 40-50 ms every few runs, landing in whichever measurement was under way (the
     # agent does the same at its start; llama.cpp's loop makes no Python objects to collect)
     gc.freeze()
-    rows: dict = {}  # (what, scheme, length) -> list of (llama tok/s, agent tok/s) per round
+    rows: dict = {}  # (what, scheme, length, anchor) -> list of (llama tok/s, agent tok/s) per round
     extra: dict = {}
     tmp = tempfile.TemporaryDirectory(prefix="vs-llamacpp-")  # the agents' store: removed at the end
     store = tmp.name
@@ -194,7 +258,7 @@ def main():
         for rnd in range(args.repeats):
             print(f"-- round {rnd + 1}/{args.repeats} (load average {os.getloadavg()[0]:.1f})", flush=True)
             for s in schemes:
-                qm = qms[s]
+                qm, llama = qms[s], workers[anchors[s]]
                 if not args.no_first_run:  # a new agent on a store holding the blobs: its first prefill, cold
                     with Device.local(store=store) as dev:
                         dev.upload(qm, progress=False)
@@ -207,7 +271,7 @@ def main():
                             ll = llama.run(toks)  # llama.cpp's first eval of this length: warm process, fresh KV
                             with Device.local(store=store) as dev:
                                 wall, _ = agent_prefill(dev, qm, toks)
-                            rows.setdefault((what, s, n), []).append((n / ll["prefill_s"], n / wall))
+                            rows.setdefault((what, s, n, anchors[s]), []).append((n / ll["prefill_s"], n / wall))
                 with Device.local(store=store) as dev:
                     dev.upload(qm, progress=False)
                     for n in lengths:
@@ -218,9 +282,9 @@ def main():
                         for _ in range(2):  # A/B/A/B, best of 2 each
                             b.append(llama.run(toks)["prefill_s"])
                             a.append(agent_prefill(dev, qm, toks)[0])
-                        rows.setdefault(("prefill warm", s, n), []).append((n / min(b), n / min(a)))
+                        rows.setdefault(("prefill warm", s, n, anchors[s]), []).append((n / min(b), n / min(a)))
             for s in decode_schemes:
-                qm = qms[s]
+                qm, llama = qms[s], workers[anchors[s]]
                 prompt = ids[:64]
                 # the loop on the agent hands back its tokens and the last step's logits, as llama.cpp's loop keeps
                 # its logits in its process ("agent"), or every step's too ("agent+logits", 12.6 MB for 64 steps)
@@ -237,7 +301,7 @@ def main():
                 ll_s = min(r["decode_s"] for r in lr)
                 for loop, runs in by_loop.items():
                     best = min(runs, key=lambda x: x.decode_s)
-                    rows.setdefault((f"decode@{loop}", s, 64), []).append((args.steps / ll_s,
+                    rows.setdefault((f"decode@{loop}", s, 64, anchors[s]), []).append((args.steps / ll_s,
                                                                            args.steps / best.decode_s))
                     prof, outside, on_agent = decode_profile(best, args.steps)
                     extra.setdefault((s, loop), []).append((prof, outside, best.step_ms, on_agent))
@@ -248,22 +312,26 @@ def main():
                 same = next((i for i, (x, y) in enumerate(zip(lr[0]["tokens"], ours)) if x != y), len(ours))
                 print(f"   decode {s}: the loop on the agent and the loop on the host gave "
                       f"{'the same tokens and logits, bit for bit' if same_bits else 'DIFFERENT results'}; the first "
-                      f"{same} of {args.steps} greedy tokens equal llama.cpp's (Q4_1 weights there; after the first "
-                      "difference the texts part)")
+                      f"{same} of {args.steps} greedy tokens equal llama.cpp's ({anchors[s].upper()} weights there; "
+                      "after the first difference the texts part)")
     finally:
-        llama.close()
+        for w in workers.values():
+            w.close()
         tmp.cleanup()
-    print(f"\nllama.cpp {LLAMA_VERSION} (SmolLM2-135M Q4_1 GGUF, 2 threads) vs the edgeprobe agent (lane threads "
-          f"{args.lane_threads}), same tokens, A/B interleaved; load average at start {load:.1f}; medians of "
-          f"{args.repeats} round(s)")
-    print(f"{'what':<20} {'scheme':<12} {'tokens':>6} {'llama.cpp tok/s':>16} {'agent tok/s':>12} {'ratio':>7}")
-    for (what, s, n), vals in rows.items():
+    print(f"\nllama.cpp {LLAMA_VERSION} (SmolLM2-135M, 2 threads) vs the edgeprobe agent (lane threads "
+          f"{args.lane_threads}), same tokens, A/B interleaved; load average at start {load:.1f}, at the end "
+          f"{os.getloadavg()[0]:.1f}; medians of {args.repeats} round(s)")
+    for a, g in ggufs.items():
+        print(f"   GGUF {a.upper()}: {g} ({'shipped' if g == shipped else 'made by llama_model_quantize'})")
+    print(f"{'what':<20} {'scheme':<12} {'tokens':>6} {'GGUF':>5} {'llama.cpp tok/s':>16} {'agent tok/s':>12} "
+          f"{'ratio':>7}")
+    for (what, s, n, a), vals in rows.items():
         lt = statistics.median(v[0] for v in vals)
         at = statistics.median(v[1] for v in vals)
         ratio = statistics.median(v[1] / v[0] for v in vals)
-        print(f"{what:<20} {s:<12} {n:>6} {lt:16.1f} {at:12.1f} {ratio:6.2f}x")
-    for (what, s, n), vals in rows.items():  # the goal: a first run within 1.5x of a warm one
-        warm = rows.get(("prefill warm", s, n))
+        print(f"{what:<20} {s:<12} {n:>6} {a.upper():>5} {lt:16.1f} {at:12.1f} {ratio:6.2f}x")
+    for (what, s, n, a), vals in rows.items():  # the goal: a first run within 1.5x of a warm one
+        warm = rows.get(("prefill warm", s, n, a))
         if what.startswith("first") and warm:
             first_vs_warm = statistics.median(v[1] for v in warm) / statistics.median(v[1] for v in vals)
             print(f"   {what}, {s}, {n} tokens: {first_vs_warm:.2f}x the warm time")

@@ -49,17 +49,24 @@ class Weights:
     shadow (config only): layers whose linears keep float shadow outliers (w8a8-shadow); True = all.
     floats (config only): every linear a float record (the host's float pass, graph.local.run_float)."""
 
-    def __init__(self, config, manifest: dict | None = None, shadow=True, floats: bool = False):
+    def __init__(self, config, manifest: dict | None = None, shadow=True, floats: bool = False, q8_head: bool = False):
         import dataclasses
 
         self.config = dict(config) if isinstance(config, dict) else dataclasses.asdict(config)
         self.manifest = manifest
         self.floats = floats
+        self.q8_head = q8_head  # config only: price the LM head as the Q8_0 a quantized model carries
         L = self.config["n_layers"]
         self.shadow = set(range(L)) if shadow is True else set() if shadow in (False, None) else set(shadow)
 
     @classmethod
     def of(cls, manifest: dict) -> "Weights":
+        """A QuantizedModel's manifest, or a plan of one made from a config alone (models.config.plan_manifest:
+        stand-in records of its scheme, no blobs)."""
+        plan = manifest.get("planned")
+        if plan is not None:
+            return cls(manifest["config"], None, shadow=plan["shadow"], floats=plan["floats"],
+                       q8_head=plan.get("q8_head", False))
         return cls(manifest["config"], manifest)
 
     def tensor(self, name: str) -> dict:
@@ -80,7 +87,7 @@ class Weights:
         hd = (self.manifest or {}).get("head")
         if hd:
             return [{"blob": hd["codes"]}, {"blob": hd["scales"]}], n + n // 32 * 4
-        return [self.tensor(N.OUTPUT)], n * 4
+        return [self.tensor(N.OUTPUT)], n + n // 32 * 4 if self.q8_head else n * 4
 
     def rec(self, linear: str) -> dict:
         if self.manifest is not None:

@@ -5,6 +5,8 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..errors import ModelFormatError
 
 
@@ -121,3 +123,43 @@ def check_ffn_shapes(cfg: ModelConfig, shapes: dict, path) -> None:
                     f"{path}: tensor {name} has shape {tuple(shapes[name])} but {shape} is implied by {E} experts, "
                     f"hidden {h} and expert FFN {f}; the router and expert shapes disagree with each other or "
                     "with the config")
+
+
+# schemes a config alone can be planned under: their records are the template's stand-ins (no profile, no blobs)
+PLANNED_SCHEMES = ("float", "w8a8", "w8a8-shadow")
+
+
+def plan_manifest(cfg: ModelConfig, scheme: str = "w8a8-shadow", prune_rate: float = 0.85) -> dict:
+    """What schedule.predicted_schedule and graph.template.Weights.of read from a QuantizedModel's manifest, made
+    from a config alone (planning before the weights are downloaded): the config and the scheme's stand-in records.
+
+    Linears cost 1 byte per weight (w8a8, w8a8-shadow) or 4 (float), the LM head Q8_0 when quantized, as
+    quant.quantize writes them. w8a8-shadow keeps the shadow-outlier GEMMs of (1 - prune_rate) of the layers
+    (mllm-NPU prunes the 85% least important); which layers needs a profile of the weights, so the kept ones are
+    spread evenly over the depth. MoE models plan as float: the quantizer's w8a8 schemes need activation
+    statistics inside experts, which it does not collect (quant.qmodel.quantize refuses them too)."""
+    if scheme not in PLANNED_SCHEMES:
+        raise ModelFormatError(f"scheme {scheme!r} cannot be planned from a config alone (its records depend on the "
+                               f"weights); choose one of {', '.join(PLANNED_SCHEMES)}")
+    if cfg.n_experts and scheme != "float":
+        raise ModelFormatError(f"{cfg.name or 'this model'} is a mixture of experts: plan it with --scheme float "
+                               f"(the w8a8 schemes need activation statistics inside experts; {scheme!r} is refused "
+                               "by the quantizer too)")
+    L = cfg.n_layers
+    keep = L - int(np.floor(prune_rate * L)) if scheme == "w8a8-shadow" else 0
+    shadow = sorted({int(i * L // keep) for i in range(keep)}) if keep else []
+    return {"config": dataclasses.asdict(cfg), "scheme": scheme,
+            "model": {"name": cfg.name, "sha256": None},
+            "planned": {"shadow": shadow, "floats": scheme == "float",
+                        "q8_head": scheme != "float" and cfg.hidden % 32 == 0, "prune_rate": prune_rate}}
+
+
+def load_plan(name_or_path, scheme: str = "w8a8-shadow") -> dict:
+    """A config.json (file, or a folder holding it) -> plan_manifest: `predicted_schedule(load_plan(path), ...)`."""
+    from pathlib import Path
+
+    from .hf_loader import config_from_hf, read_config_json
+
+    path = Path(name_or_path)
+    file = path / "config.json" if path.is_dir() else path
+    return plan_manifest(config_from_hf(read_config_json(file), file.parent), scheme)

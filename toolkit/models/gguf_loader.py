@@ -18,8 +18,9 @@ from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, default_cache_dir, file_sha256
 
-SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
-HALVES_ARCHS = ("gemma3", "qwen2", "qwen3")  # llama.cpp runs these with NEOX RoPE: Q/K rows stay in the halves layout
+SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe")
+# llama.cpp runs these with NEOX RoPE: Q/K rows stay in the halves layout
+HALVES_ARCHS = ("gemma3", "qwen2", "qwen3", "qwen3moe")
 # llama.cpp's values for Gemma 3 files that lack the keys (src/llama-model.cpp): 5 local layers to 1 global, local
 # RoPE base
 GEMMA3_SWA_PATTERN, GEMMA3_ROPE_LOCAL = 6, 10000.0
@@ -197,6 +198,10 @@ def load_gguf(path: Path, cache_dir: Path | None | bool = True, name: str = "") 
     """
     path = Path(path)
     if not is_gguf(path):
+        if path.suffix == ".json":  # a config.json alone: plan from it (schedule, the template), no weights
+            from .hf_loader import load_config_only
+
+            return load_config_only(path, name=name)
         open_reader(path)  # raises the precise error
     sha = file_sha256(path)
     if cache_dir is True:

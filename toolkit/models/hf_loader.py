@@ -20,7 +20,18 @@ from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, file_sha256
 
-SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen2", "qwen3")
+# model_type -> the architecture its config.json names: every one parses to a ModelConfig, so the template, cost
+# models and schedules work from its config.json alone
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
+# those whose safetensors this loader reads (the others: config only; Phi-3 fuses qkv and gate_up, Gemma 2 soft-caps
+# its logits, and HF's Gemma norms add 1 to their weights, none of which the loader or forward pass does yet)
+WEIGHT_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+_ARCH_NAME = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}  # the others run as "llama" always did
+_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 _LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm.weight",
@@ -47,6 +58,7 @@ _GLOBAL_NAMES = {
 
 # Mixtral's experts: block_sparse_moe.experts.{e}.w1 (gate) / w3 (up) / w2 (down), stacked per layer.
 _EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
+_EXPERT_PROJ = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
 def gguf_name(hf_name: str) -> str | None:
@@ -64,9 +76,13 @@ def gguf_name(hf_name: str) -> str | None:
         return f"blk.{parts[2]}.{_LAYER_NAMES[rest]}"
     if rest == "block_sparse_moe.gate.weight":
         return f"blk.{parts[2]}.ffn_gate_inp.weight"
-    sub = rest.split(".")  # block_sparse_moe.experts.{e}.w1.weight
+    if rest == "mlp.gate.weight":  # Qwen3-MoE's router
+        return f"blk.{parts[2]}.ffn_gate_inp.weight"
+    sub = rest.split(".")  # block_sparse_moe.experts.{e}.w1.weight, mlp.experts.{e}.gate_proj.weight (Qwen3-MoE)
     if len(sub) == 5 and sub[:2] == ["block_sparse_moe", "experts"] and sub[3] in _EXPERT_NAMES and sub[4] == "weight":
         return f"blk.{parts[2]}.{_EXPERT_NAMES[sub[3]]}.{sub[2]}"
+    if len(sub) == 5 and sub[:2] == ["mlp", "experts"] and sub[3] in _EXPERT_PROJ and sub[4] == "weight":
+        return f"blk.{parts[2]}.{_EXPERT_PROJ[sub[3]]}.{sub[2]}"
     return None
 
 
@@ -125,33 +141,73 @@ def _stacked_loader(parts: list[tuple[Path, str]]):
     return lambda: np.stack([_read_tensor(p, n) for p, n in parts])
 
 
-def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
+def _rope(cfg: dict) -> dict:
+    """RoPE settings, whether nested (transformers >= 5: rope_parameters) or flat (rope_theta, rope_scaling)."""
+    return dict(cfg.get("rope_scaling") or {}, **(cfg.get("rope_parameters") or {}))
+
+
+def _window_layout(model_type: str, cfg: dict, n_layers: int) -> dict:
+    """Sliding-window attention as ModelConfig states it (sliding_window, swa_pattern: every swa_pattern-th layer
+    global). Gemma 2 alternates local and global layers, Gemma 3 has five local to one global; Mistral and Phi-3
+    window every layer, which a pattern longer than the model says (no layer index reaches a global slot)."""
+    window = int(cfg.get("sliding_window") or 0)
+    if not window:
+        return {}
+    if model_type == "gemma2":
+        return {"sliding_window": window, "swa_pattern": 2}
+    if model_type == "gemma3_text":
+        types = cfg.get("layer_types")
+        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+        if types and [t == "full_attention" for t in types] != [(i + 1) % pattern == 0 for i in range(len(types))]:
+            raise UnsupportedModelError(f"layer_types {types[:8]}... is not Gemma 3's every-{pattern}th-layer-global "
+                                        "pattern; only that layout of local and global layers is implemented")
+        return {"sliding_window": window, "swa_pattern": pattern}
+    if model_type in ("mistral", "mixtral", "phi3"):
+        return {"sliding_window": window, "swa_pattern": n_layers + 1}
+    if cfg.get("use_sliding_window"):  # Qwen: the window is off unless use_sliding_window says otherwise
+        raise UnsupportedModelError(f"model_type {model_type!r} with use_sliding_window is not supported; "
+                                    "set use_sliding_window false or use full attention")
+    return {}
+
+
+def architecture_of(cfg: dict) -> str:
+    """The architecture a config.json names (its first `architectures` entry), else its model_type."""
+    archs = cfg.get("architectures") or []
+    return str(archs[0]) if archs else str(cfg.get("model_type"))
+
+
+def check_architecture(cfg: dict, path) -> str:
+    """model_type of a supported architecture, or UnsupportedModelError naming it and the supported ones (one line)."""
     model_type = cfg.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(f"{path}: model_type {model_type!r} is not supported "
-                                    f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); use a Llama-family model "
-                                    "or a Mixtral-layout MoE")
-    moe = {}
-    if model_type == "mixtral":
-        moe = dict(n_experts=int(cfg.get("num_local_experts", 0)),
-                   n_experts_used=int(cfg.get("num_experts_per_tok", 0)),
-                   expert_ffn=int(cfg.get("intermediate_size", 0)), norm_topk=True)
-        if moe["n_experts"] < 1:
-            raise ModelFormatError(f"{path}/config.json: a mixtral config needs num_local_experts >= 1")
-    # transformers >= 5 nests RoPE settings in rope_parameters; older configs use rope_theta/rope_scaling.
-    rope = dict(cfg.get("rope_scaling") or {}, **(cfg.get("rope_parameters") or {}))
+    if model_type in SUPPORTED_MODEL_TYPES:
+        return model_type
+    raise UnsupportedModelError(
+        f"{path}: architecture {architecture_of(cfg)!r} (model_type {model_type!r}) is not supported; supported: "
+        + ", ".join(f"{a} ({t})" for t, a in ARCHITECTURES.items()))
+
+
+def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
+    """config.json (a dict) -> ModelConfig for every architecture of ARCHITECTURES; no weights needed."""
+    model_type = check_architecture(cfg, path)
+    gemma = model_type in GEMMA_TYPES
+    rope = _rope(cfg)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"{path}: FFN activation {cfg['hidden_act']!r} is not supported; "
-                                    "the forward pass implements SwiGLU with silu")
+    act = (cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh") if gemma else cfg.get(
+        "hidden_act", "silu")
+    if act not in _ACTIVATIONS:
+        raise UnsupportedModelError(f"{path}: FFN activation {act!r} is not supported; the forward pass implements "
+                                    "SwiGLU with silu and GeGLU with gelu_pytorch_tanh")
     if model_type != "qwen2" and cfg.get("attention_bias"):
         raise UnsupportedModelError(f"{path}: attention_bias (biases on every attention projection, output included) "
                                     "is not supported; Qwen2's Q/K/V biases are")
     if rope_type not in ("default", None, "llama3"):
         raise UnsupportedModelError(f"{path}: RoPE scaling {rope_type!r} is not supported yet; "
                                     "plain RoPE and Llama 3's ('llama3') are implemented")
+    if float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise UnsupportedModelError(f"{path}: partial_rotary_factor (RoPE on part of each head) is not supported")
     try:
-        hidden, n_heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        hidden, n_heads, n_layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(
+            cfg["num_hidden_layers"])
         theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         head_dim = int(cfg.get("head_dim") or hidden // n_heads)
         factors = ()
@@ -161,9 +217,14 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
             factors = tuple(llama3_freq_factors(head_dim, theta, float(rope["factor"]), float(rope["low_freq_factor"]),
                                                 float(rope["high_freq_factor"]),
                                                 int(rope["original_max_position_embeddings"])))
+        extra = dict(_window_layout(model_type, cfg, n_layers), **_moe(model_type, cfg, path))
+        if gemma:  # Gemma: embeddings times sqrt(hidden) (in float32, as the GGUF loader), norms after attn and FFN
+            extra.update(embed_scale=float(np.sqrt(np.float32(hidden))), post_norms=True)
+            if model_type == "gemma3_text":
+                extra["rope_theta_local"] = float(cfg.get("rope_local_base_freq") or 10000.0)
         return ModelConfig(
-            arch="llama",
-            n_layers=int(cfg["num_hidden_layers"]),
+            arch=_ARCH_NAME.get(model_type, "llama"),
+            n_layers=n_layers,
             hidden=hidden,
             ffn=int(cfg["intermediate_size"]),
             n_heads=n_heads,
@@ -173,19 +234,101 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
             rope_theta=theta,
             rope_freq_factors=factors,
             attn_bias=model_type == "qwen2",  # Qwen2's Q/K/V always carry biases (its config has no switch)
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            act_fn=_ACTIVATIONS[act],
             rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             context_length=int(cfg.get("max_position_embeddings", 2048)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),  # Gemma ties by default, the others do not
             name=str(cfg.get("_name_or_path") or path.name),
-            **moe,
+            **extra,
         )
     except KeyError as e:
-        raise ModelFormatError(f"{path}/config.json lacks {e.args[0]!r}; it is not a complete Llama config") from e
+        raise ModelFormatError(f"{path}/config.json lacks {e.args[0]!r}; it is not a complete "
+                               f"{architecture_of(cfg)} config") from e
+
+
+def _moe(model_type: str, cfg: dict, path) -> dict:
+    """Mixture-of-experts fields: Mixtral (intermediate_size is each expert's) and Qwen3-MoE (moe_intermediate_size;
+    every layer sparse: mlp_only_layers empty, decoder_sparse_step 1)."""
+    if model_type == "mixtral":
+        moe = dict(n_experts=int(cfg.get("num_local_experts", 0)),
+                   n_experts_used=int(cfg.get("num_experts_per_tok", 0)),
+                   expert_ffn=int(cfg.get("intermediate_size", 0)), norm_topk=True)
+        if moe["n_experts"] < 1:
+            raise ModelFormatError(f"{path}/config.json: a mixtral config needs num_local_experts >= 1")
+        return moe
+    if model_type == "qwen3_moe":
+        if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
+            raise UnsupportedModelError(f"{path}: dense layers among the MoE layers (mlp_only_layers, "
+                                        "decoder_sparse_step) are not supported; every layer must be sparse")
+        return dict(n_experts=int(cfg["num_experts"]), n_experts_used=int(cfg["num_experts_per_tok"]),
+                    expert_ffn=int(cfg["moe_intermediate_size"]), norm_topk=bool(cfg.get("norm_topk_prob", True)))
+    return {}
+
+
+def read_config_json(file: Path) -> dict:
+    try:
+        doc = json.loads(Path(file).read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{file} is not valid JSON ({e})") from e
+    if not isinstance(doc, dict):
+        raise ModelFormatError(f"{file} is not a config.json (a JSON object)")
+    return doc
+
+
+class _NoWeights:
+    """The tokenizer and weights of a model known by its config.json alone: any use says, in one line, that the
+    command needs the checkpoint (schedule and the template plan from the config; run, profile, quantize do not)."""
+
+    def __init__(self, source: Path):
+        self._source = source
+
+    def error(self) -> ModelFormatError:
+        return ModelFormatError(f"{self._source} is a config.json alone (no weights): `edgeprobe schedule` plans from "
+                                "it; this command needs the checkpoint (a GGUF file or a folder with *.safetensors)")
+
+    def __getattr__(self, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        raise self.error()
+
+
+class ConfigOnlyWeights(LazyWeights):
+    """No tensors: every lookup raises the one-line error of _NoWeights."""
+
+    def __init__(self, source: Path):
+        super().__init__({}, None)
+        self._none = _NoWeights(source)
+
+    def __getitem__(self, name):
+        raise self._none.error()
+
+    def get(self, name, default=None):
+        raise self._none.error()
+
+    def materialize(self):
+        raise self._none.error()
+
+
+def load_config_only(file: Path, name: str = "") -> Model:
+    """A Model from a config.json alone: config and template, no tokenizer or weights (meta format "config")."""
+    file = Path(file)
+    hf_cfg = read_config_json(file)
+    cfg = config_from_hf(hf_cfg, file.parent)
+    return Model(config=cfg, tokenizer=_NoWeights(file), weights=ConfigOnlyWeights(file), source=str(file),
+                 sha256=file_sha256(file), name=name or cfg.name, meta={"format": "config"})
+
+
+def is_config_only_folder(path: Path) -> bool:
+    """A folder with a config.json and no weights (neither *.safetensors nor PyTorch *.bin / *.pt)."""
+    return (path / "config.json").exists() and not any(
+        next(path.glob(pattern), None) for pattern in ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf"))
 
 
 def load_hf_folder(path: Path, name: str = "") -> Model:
     path = Path(path)
+    if is_config_only_folder(path):
+        return load_config_only(path / "config.json", name=name)
     for need in ("config.json", "tokenizer.json"):
         if not (path / need).exists():
             raise ModelFormatError(f"{path} has no {need}; a Hugging Face model folder needs config.json, "
@@ -193,11 +336,12 @@ def load_hf_folder(path: Path, name: str = "") -> Model:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelFormatError(f"{path} has no *.safetensors file; convert .bin checkpoints to safetensors first")
-    try:
-        hf_cfg = json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise ModelFormatError(f"{path}/config.json is not valid JSON ({e})") from e
+    hf_cfg = read_config_json(path / "config.json")
     cfg = config_from_hf(hf_cfg, path)
+    if hf_cfg["model_type"] not in WEIGHT_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"{path}: {architecture_of(hf_cfg)} plans from its config.json (edgeprobe schedule) but its safetensors "
+            f"are not loaded yet (weights load for {', '.join(ARCHITECTURES[t] for t in WEIGHT_MODEL_TYPES)})")
     loaders, shapes, experts = {}, {}, {}
     for file in files:
         try:

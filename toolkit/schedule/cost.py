@@ -56,13 +56,13 @@ class CostModel:
         return t
 
 
-# Snapdragon 8 Gen 3 (Xiaomi 14), modelled from mllm-NPU §3.4: "Qwen1.5-1.8B, prompt 256: NPU execution
-# 315 ms, about twice the CPU's". The rates are chosen so that this cost model, on Qwen1.5-1.8B's chunk graph
-# at prompt 256 / chunk 256, gives exactly that: NPU int8 linears 2.0 TOP/s effective (315 ms), CPU float
-# work (attention, shadow outliers) 90 GFLOP/s effective (158 ms).
-# GPU (Adreno 750) as a fixed FP16 rate, 1 TFLOP/s effective (HeteroLLM §2: GPU prefill throughput is a
-# fraction of the NPU's). Sync: ~100 µs per cross-processor hand-off (HeteroLLM §4.2 measures syncs of tens
-# to hundreds of µs).
+# Snapdragon 8 Gen 3 (Xiaomi 14, mllm-NPU §4.1's test phone), modelled from one sentence of mllm-NPU §3.4:
+# "Qwen1.5-1.8B, prompt 256: NPU execution 315 ms, about twice the CPU's". The rates are chosen so that this cost
+# model, on Qwen1.5-1.8B's chunk graph at prompt 256 / chunk 256, gives exactly that: NPU int8 linears 2.0 TOP/s
+# effective (315 ms), CPU float work (attention, shadow outliers) 90 GFLOP/s effective (158 ms).
+# GPU (Adreno 750): HeteroLLM §1 measures the 8 Gen 3's GPU at about 1 TFLOPS in practice (2.8 peak). Sync: 100 µs
+# per cross-processor hand-off (HeteroLLM §3.1: 50-100 µs after a GPU sync; §4.2: usleep's 80-100 µs granularity).
+# The launch costs and the other per-kind rates are assumptions, not from a paper.
 SNAPDRAGON_8GEN3 = CostModel(
     name="snapdragon-8gen3",
     rates={"npu": {"int8_linear": 2000.0, "default": 2000.0},
@@ -70,8 +70,11 @@ SNAPDRAGON_8GEN3 = CostModel(
            "gpu": {"attention": 1000.0, "float_sparse": 200.0, "default": 1000.0, "int8_linear": 1000.0}},
     launch_us={"npu": 50.0, "cpu": 20.0, "gpu": 30.0},
     sync_us=100.0,
-    source="modelled: calibrated to mllm-NPU §3.4 (Qwen1.5-1.8B, 256 tokens: NPU 315 ms, CPU about half) and "
-           "HeteroLLM §2",
+    source="modelled, not measured: NPU int8 2.0 TOP/s and CPU 90 GFLOP/s chosen to reproduce mllm-NPU §3.4's "
+           "sentence 'Qwen1.5-1.8B, prompt 256: NPU execution 315 ms, about twice the CPU' (Xiaomi 14, §4.1); "
+           "GPU 1 TFLOP/s from HeteroLLM §1 (8 Gen 3 GPU ~1 TFLOPS in practice); sync 100 µs from HeteroLLM "
+           "§3.1/§4.2 (50-100 µs GPU sync, 80-100 µs usleep); launch costs and other per-kind rates assumed. "
+           "Not refitted: no real trace of this SoC is bundled (tests/data/foreign holds Snapdragon 8 Elite traces)",
 )
 
 # This host's lanes as edgeprobe emulates them (2 cores): rates from bench/quant.py and bench/agent.py —

@@ -219,3 +219,98 @@ def test_fit_from_a_benchmark_log_without_layers():
     assert m.held_out["median_rel_error"] == pytest.approx(np.median(errs), rel=1e-12)
     assert m.fits["npu"]["MUL_MAT"]["us_per_flop"] == pytest.approx(np.mean(us) / flops, rel=1e-12)
     assert fit_line([1.0, 2.0], [3.0, 5.0])["fixed_us"] == pytest.approx(1.0)
+
+
+# ---- bad input: one line naming the file, the line or record, and the format expected --------------------------
+def _cli(argv, capsys) -> tuple[int, str, str]:
+    from edgeprobe.cli import main
+
+    rc = main(argv)
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_cli_import_bad_input_is_one_line_naming_file_line_and_format(tmp_path, capsys):
+    lines = HEX.read_text().splitlines()
+    cut = tmp_path / "truncated.log"
+    cut.write_text("\n".join(lines[:-1] + [lines[-1][:120]]) + "\n")  # a log cut mid-line (the process killed)
+    rc, out, err = _cli(["trace", "import", str(cut), "--out", str(tmp_path / "o1")], capsys)
+    assert rc == 2 and out == "" and err.count("\n") == 1
+    assert str(cut) in err and f"line {len(lines)}:" in err and "expected llama.cpp Hexagon per-op profile" in err
+    other = tmp_path / "config.json"
+    other.write_text(json.dumps(LFM2_CONFIG))
+    rc, out, err = _cli(["trace", "import", str(other), "--out", str(tmp_path / "o2")], capsys)
+    assert rc == 2 and err.count("\n") == 1 and str(other) in err and "whole file" in err
+    assert "expected one of: llamacpp-hexagon-op, chrome-json" in err
+    rc, out, err = _cli(["trace", "import", str(other), "--format", "chrome-json", "--out", str(tmp_path / "o3")],
+                        capsys)
+    assert rc == 2 and err.count("\n") == 1 and f"{other}: document:" in err and "Chrome trace-event JSON" in err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o3").exists()  # nothing written for a bad file
+
+
+def test_cli_import_mixed_log_reports_the_lines_skipped(tmp_path, capsys):
+    prof = [l for l in HEX.read_text().splitlines() if not l.startswith("#")]
+    other = [l for l in README.read_text().splitlines() if not l.startswith("#")]
+    mixed = tmp_path / "mixed.log"
+    mixed.write_text("\n".join([other[0], prof[0], other[1], other[2], prof[1], prof[2]] + other[3:] + prof[3:]))
+    rc, out, _ = _cli(["trace", "import", str(mixed), "--out", str(tmp_path / "o"), "--json"], capsys)
+    s = json.loads(out)
+    assert rc == 0 and (s["events"], s["skipped"], s["format"]) == (4, 7, "llamacpp-hexagon-op")
+    rc, out, _ = _cli(["trace", "import", str(mixed), "--out", str(tmp_path / "o")], capsys)
+    assert rc == 0 and "read 4 events" in out and "7 records skipped" in out
+
+
+def test_chrome_json_bad_records_name_their_index(tmp_path):
+    doc = json.loads(LFM2.read_text())
+    nph = json.loads(json.dumps(doc))
+    del nph["traceEvents"][7]["ph"]
+    p = tmp_path / "noph.json"
+    p.write_text(json.dumps(nph))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(p, format="chrome-json")
+    _one_line_error(exc, p, "traceEvents[7]")
+    lone = {"traceEvents": doc["traceEvents"][:4] + [{"ph": "E", "pid": 1, "tid": 1, "ts": 5.0}]}
+    p = tmp_path / "lone_end.json"
+    p.write_text(json.dumps(lone))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(p)
+    _one_line_error(exc, p, "traceEvents[4]")
+    p = tmp_path / "numbers.json"
+    p.write_text("[1, 2, 3]")
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(p, format="chrome-json")
+    _one_line_error(exc, p, "document[0]")
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(tmp_path / "absent.json")
+    _one_line_error(exc, tmp_path / "absent.json", "file")
+
+
+def test_edgeprobe_own_traces_are_not_imported_as_measured(tmp_path):
+    from edgeprobe.trace import Trace
+
+    t = load_foreign(LFM2)
+    chrome = t.to_chrome_json(tmp_path / "ours.json")
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(chrome)
+    _one_line_error(exc, chrome, "document")
+    assert "edgeprobe wrote" in str(exc.value)
+    assert len(Trace.load(chrome).events) == 46  # what opens it instead
+    saved = t.save(tmp_path / "saved.json")
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(saved)
+    _one_line_error(exc, saved, "whole file")
+    assert "edgeprobe wrote" in str(exc.value)
+
+
+def test_hexagon_newer_lines_are_named_not_guessed(tmp_path):
+    # the newer line's shape as issue text describes it; no reader parses it (no public sample), the error says so
+    newer = tmp_path / "newer.log"
+    newer.write_text("ggml-hex: HTP0 profile-op MUL_MAT|a|b|c|d|e|usec 1 cycles 2 start 3 mhz 4\n")
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(newer)
+    _one_line_error(exc, newer, "whole file")
+    assert "no reader yet" in str(exc.value)
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(newer, format="llamacpp-hexagon-op")
+    _one_line_error(exc, newer, "whole file")
+    assert "1 newer 'profile-op' lines" in str(exc.value)

@@ -12,6 +12,7 @@ from .base import ForeignTraceError, event, ggml_dims, read_text
 
 FORMAT = "chrome-json"
 EXPECTED = "Chrome trace-event JSON ({\"traceEvents\": [...]} or a list of events with ph, ts (µs), dur)"
+_OWN_KEY = "edgeprobe_chrome"  # edgeprobe.trace.CHROME_KEY: otherData's mark of a file edgeprobe wrote
 _LANES = (("hmx", "hmx"), ("dma", "dma"), ("hvx", "npu"), ("npu", "npu"), ("htp", "npu"), ("dsp", "npu"),
           ("hexagon", "npu"), ("gpu", "gpu"), ("adreno", "gpu"), ("opencl", "gpu"), ("cpu", "cpu"))
 
@@ -50,10 +51,20 @@ def read(path) -> tuple[list, dict]:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise ForeignTraceError(path, f"line {e.lineno} column {e.colno}", f"not JSON ({e.msg})", EXPECTED) from None
+    if isinstance(doc, dict) and ({"events", "meta"} <= set(doc) and "traceEvents" not in doc
+                                  or isinstance(doc.get("otherData"), dict) and _OWN_KEY in doc["otherData"]):
+        # edgeprobe's own trace (emulated or predicted times): importing it would mark those times measured
+        raise ForeignTraceError(path, "document", "a trace edgeprobe wrote (open it with `edgeprobe trace show` or "
+                                "Trace.load)", EXPECTED + " recorded by another tool")
     raw = doc.get("traceEvents") if isinstance(doc, dict) else doc
-    if not isinstance(raw, list) or not raw or not all(isinstance(r, dict) and "ph" in r for r in raw):
+    if not isinstance(raw, list) or not raw:
         what = f"top-level keys {sorted(doc)[:6]}" if isinstance(doc, dict) else f"a {type(doc).__name__}"
         raise ForeignTraceError(path, "document", f"{what}: no list of trace events with 'ph'", EXPECTED)
+    bad = next((i for i, r in enumerate(raw) if not isinstance(r, dict) or "ph" not in r), None)
+    if bad is not None:
+        where = "traceEvents" if isinstance(doc, dict) else "document"
+        raise ForeignTraceError(path, f"{where}[{bad}]", f"a record without 'ph': {json.dumps(raw[bad])[:60]}",
+                                EXPECTED)
     threads, procs = {}, {}
     for r in raw:
         if r["ph"] == "M" and r.get("name") == "thread_name":

@@ -21,6 +21,9 @@ def detect_format(path) -> str:
         raise ForeignTraceError(path, "whole file", "llama.cpp Hexagon 'profile-op'/'trace-op' lines (the 2026 format) "
                                 "have no reader yet: no public sample was found to check one against",
                                 "one of: " + ", ".join(FORMATS))
+    if text.lstrip().startswith('{"events"'):
+        raise ForeignTraceError(path, "whole file", "a trace edgeprobe wrote (Trace.save): open it with Trace.load or "
+                                "`edgeprobe trace show`", "another tool's trace, one of: " + ", ".join(FORMATS))
     raise ForeignTraceError(path, "whole file", "no known trace format recognized", "one of: " + ", ".join(FORMATS))
 
 

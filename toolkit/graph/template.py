@@ -109,7 +109,8 @@ class Weights:
         c = self.config
         h, d = c["hidden"], c["head_dim"]
         q, kv = c["n_heads"] * d, c["n_kv_heads"] * d
-        p = N.matmul_of(linear.split("_exps.")[0]) if "_exps." in linear else N.matmul_of(linear)
+        # an expert "blk.0.ffn_gate_exps.3" is shaped by its stacked tensor ffn_gate_exps (expert_ffn wide)
+        p = N.matmul_of(linear.rsplit(".", 1)[0]) if "_exps." in linear else N.matmul_of(linear)
         f, fe, fs = c["ffn"], c.get("expert_ffn") or c["ffn"], c.get("shared_expert_ffn", 0)
         return {"attn_q": (q, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, q),
                 "ffn_gate": (f, h), "ffn_up": (f, h), "ffn_down": (h, f), "ffn_gate_exps": (fe, h),

@@ -314,3 +314,99 @@ def test_hexagon_newer_lines_are_named_not_guessed(tmp_path):
         load_foreign(newer, format="llamacpp-hexagon-op")
     _one_line_error(exc, newer, "whole file")
     assert "1 newer 'profile-op' lines" in str(exc.value)
+
+
+# ---- llama.cpp OpenCL cl_profiling.csv (Adreno) ---------------------------------------------------------------
+OPENCL = DATA / "llamacpp_opencl" / "eagle_adreno_cl_profiling.csv"
+# the EAGLE draft layer of the fixture, shapes read from its output sizes (SOURCE.md): one Llama-3-8B-shaped layer
+EAGLE_CONFIG = dict(arch="llama", n_layers=1, hidden=4096, ffn=14336, n_heads=32, n_kv_heads=8, head_dim=128,
+                    vocab_size=128256)
+
+
+def _csv_rows():
+    return [l.split(",") for l in OPENCL.read_text().splitlines()[1:]]
+
+
+def test_opencl_csv_events_and_times_as_written():
+    t = load_foreign(OPENCL)
+    rows = _csv_rows()
+    assert detect_format(OPENCL) == "llamacpp-opencl-csv" and t.meta["source"]["format"] == "llamacpp-opencl-csv"
+    assert len(t.events) == len(rows) == 118 and t.lanes == ["gpu"]
+    ends = np.cumsum([float(r[2]) * 1e3 for r in rows])
+    assert [e["end_us"] for e in t.events] == pytest.approx(list(ends), rel=1e-12)
+    assert [e["start_us"] for e in t.events][1:] == pytest.approx(list(ends[:-1]), rel=1e-12)
+    q = t.events[4]
+    assert (q["name"], q["kernel"], q["kind"], q["layer"]) == ("Qcur-0", "kernel_mul_mat_Ab_Bi_8x4", "MUL_MAT", 0)
+    assert q["shape"] == [4096, 2, 1, 1] and q["rows"] == 2 and q["global_size"] == [1, 1024, 32]
+    rope = t.events[5]
+    assert (rope["kind"], rope["shape"], rope["rows"]) == ("ROPE", [128, 32, 2, 1], 2)  # [head_dim, heads, tokens]
+    kinds = {e["kernel"]: e["kind"] for e in t.events}
+    assert kinds["kernel_gemv_noshuffle"] == kinds["mul_mm_f16_f32_kq"] == "MUL_MAT"
+    assert (kinds["kernel_transpose_32_16"], kinds["kernel_rms_norm_mul"]) == ("TRANSPOSE", "RMS_NORM+MUL")
+    assert t.events[0]["layer"] == -1 and next(e for e in t.events if e["name"].startswith("cache_k_l0"))["layer"] == 0
+    assert all(e["measured"] is True and e["emulated"] is False for e in t.events)
+
+
+def test_opencl_csv_alignment_rows_per_pass_and_held_out():
+    a = align(load_foreign(OPENCL), EAGLE_CONFIG)
+    ev = a.trace.events
+    # four passes; each matched linear priced by the template over the rows the kernel's output says it ran
+    passes = [e for e in ev if e.get("template_ops") == ["blk.0.attn_q"]]
+    assert [e["pass"] for e in passes] == [0, 1, 2, 3] and [e["rows"] for e in passes] == [2, 33, 1, 4]
+    flops = [s["flops"] for s in a.samples() if s["template_ops"] == ["blk.0.attn_q"]]
+    assert flops == [2 * 4096 * 4096 * r for r in (2, 33, 1, 4)]
+    down = [s for s in a.samples() if s["template_ops"] == ["blk.0.ffn_down"]]
+    assert [s["flops"] for s in down] == [2 * 14336 * 4096 * r for r in (1, 1, 1, 4)]  # last-layer rows cut to 1
+    un = {e["kind"] for e in ev if "unmatched" in e}
+    assert {"TRANSPOSE", "SET_ROWS", "SOFT_MAX"} <= un and "SWIGLU" not in un
+    assert next(e for e in ev if e["name"] == "inp_embd_fc_out")["unmatched"] == "no layer of the model"
+    rows = _csv_rows()
+    assert a.total_us == pytest.approx(sum(float(r[2]) * 1e3 for r in rows), rel=1e-12)
+    matched = sum(float(r[2]) * 1e3 for r, e in zip(rows, ev) if e.get("template_ops"))
+    assert a.matched_us == pytest.approx(matched, rel=1e-12)
+    m = fit(a, name="adreno")
+    samples = a.samples()
+    train = [s for s in samples if s["pass"] in (0, 2)]
+    errs = []
+    for s in (s for s in samples if s["pass"] in (1, 3)):
+        same = [x for x in train if x["kind"] == s["kind"]]
+        ca, cb = _ref_fit([x["flops"] for x in same], [x["us"] for x in same])
+        errs.append(abs(ca + cb * s["flops"] - s["us"]) / s["us"])
+    assert m.held_out["split"].startswith("one layer") and m.held_out["n_predicted"] == len(errs) == 22
+    assert m.held_out["median_rel_error"] == pytest.approx(np.median(errs), rel=1e-9)
+
+
+def test_opencl_csv_bad_input(tmp_path):
+    lines = OPENCL.read_text().splitlines()
+    cut = tmp_path / "cut.csv"
+    cut.write_text("\n".join(lines[:10] + [lines[10][:30]]))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(cut)
+    _one_line_error(exc, cut, "line 11")
+    odd = tmp_path / "odd.csv"
+    odd.write_text("\n".join(lines[:5] + ["ggml_opencl: flushing profiling events"] + lines[5:8]))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(odd)
+    _one_line_error(exc, odd, "line 6")
+    bad = tmp_path / "bad.csv"
+    bad.write_text("\n".join(lines[:3] + [lines[3].replace("0.465920", "fast")]))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(bad)
+    _one_line_error(exc, bad, "line 4")
+    nohead = tmp_path / "nohead.csv"
+    nohead.write_text("\n".join(lines[1:]))
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(nohead, format="llamacpp-opencl-csv")
+    _one_line_error(exc, nohead, "line 1")
+    only = tmp_path / "header.csv"
+    only.write_text(lines[0] + "\n")
+    with pytest.raises(ForeignTraceError) as exc:
+        load_foreign(only)
+    _one_line_error(exc, only, "whole file")
+
+
+def test_cli_imports_the_opencl_csv_by_its_header(tmp_path, capsys):
+    rc, out, _ = _cli(["trace", "import", str(OPENCL), "--out", str(tmp_path / "o"), "--json"], capsys)
+    s = json.loads(out)
+    assert rc == 0 and (s["format"], s["events"], s["lanes"]) == ("llamacpp-opencl-csv", 118, ["gpu"])
+    assert json.loads((tmp_path / "o" / "trace.json").read_text())["traceEvents"]

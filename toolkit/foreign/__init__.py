@@ -5,6 +5,7 @@
 Formats with a reader (each checked against real excerpts quoted from public threads, tests/data/foreign):
   llamacpp-hexagon-op   llama.cpp Hexagon backend per-op profile lines on stderr (its 2025 format)
   chrome-json           Chrome trace-event JSON (Perfetto legacy JSON), e.g. exported from a Hexagon profile
+  llamacpp-opencl-csv   llama.cpp OpenCL backend's cl_profiling.csv (GGML_OPENCL_PROFILING, Adreno GPUs)
 align.py matches an imported trace to the model template's ops; fit.py fits a cost model from the aligned ops.
 """
 from __future__ import annotations

@@ -21,7 +21,8 @@ from ..trace import Trace
 from .base import ForeignTraceError
 
 _LINEAR = re.compile(r"(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)(?![a-z_])")
-_GGML_NAMES = {"Qcur": "attn_q", "Kcur": "attn_k", "Vcur": "attn_v"}  # llama.cpp graph tensor -> the linear making it
+# llama.cpp graph tensor -> the linear making it
+_GGML_NAMES = {"Qcur": "attn_q", "Kcur": "attn_k", "Vcur": "attn_v", "attn_out-": "attn_output", "ffn_out-": "ffn_down"}
 
 
 def model_config(model) -> dict:
@@ -65,11 +66,11 @@ class Alignment:
         for e in self.trace.events:
             if not e.get("template_ops"):
                 continue
-            costs = [self._op[n]["cost"] for n in e["template_ops"]]
+            costs = e.get("template_costs") or [self._op[n]["cost"] for n in e["template_ops"]]
             kind = max(costs, key=lambda c: c[1])[0]
             out.append({"lane": e["lane"], "kind": kind, "flops": sum(c[1] for c in costs),
                         "bytes": sum(c[2] for c in costs), "us": e["end_us"] - e["start_us"], "layer": e["layer"],
-                        "op": e["kind"], "template_ops": list(e["template_ops"])})
+                        "op": e["kind"], "template_ops": list(e["template_ops"]), "pass": e.get("pass", 0)})
         return out
 
     def __post_init__(self):
@@ -119,6 +120,9 @@ def _candidates(e: dict, done: set, layer: int) -> tuple[list, str | None]:
     if parts[0] == "RMS_NORM":
         if q or k:
             return ["q_norm" if q else "k_norm"], None
+        named = next((s for s in ("attn_norm", "ffn_norm") if s in t), None)  # llama.cpp's `ffn_norm-0`
+        if named:
+            return [named], None
         nxt = next((s for s in ("attn_norm", "ffn_norm") if f"blk.{layer}.{s}" not in done), None)
         return ([nxt], None) if nxt else ([], "a third norm in the layer")
     return [], f"op type {kind} has no template op"
@@ -140,16 +144,21 @@ def _shape_ok(e: dict, suffixes: list, ops: dict, layer: int) -> str | None:
 
 def align(trace: Trace, model, tokens: int | None = None) -> Alignment:
     """Match `trace`'s events to the template ops of `model` (see model_config) run over `tokens` rows (default: the
-    activation rows of the trace's first matmul). Returns an Alignment with a copy of the trace whose events carry
-    template_ops and group (the template's subgraph, as Trace.compare matches) or unmatched (the reason)."""
+    activation rows of the trace's first matmul). An event that says its own rows (`rows`: a CSV of passes of
+    several lengths) is priced by the template over those rows (template_costs). Returns an Alignment with a copy of
+    the trace whose events carry template_ops and group (the template's subgraph, as Trace.compare matches) or
+    unmatched (the reason)."""
     from ..graph.template import Weights, model_ops
 
     cfg = model_config(model)
     if tokens is None:
         mm = next((e for e in trace.events if e["kind"].startswith("MUL_MAT") and len(e.get("input_shapes", [])) > 1),
                   None)
-        tokens = int(mm["input_shapes"][1][1]) if mm else 1
-    ops = model_ops(Weights(cfg, shadow=False, floats=True), tokens)
+        rows = next((e["rows"] for e in trace.events if e["kind"].startswith("MUL_MAT") and e.get("rows")), 1)
+        tokens = int(mm["input_shapes"][1][1]) if mm else int(rows)
+    weights = Weights(cfg, shadow=False, floats=True)
+    ops = model_ops(weights, tokens)
+    at_rows = {tokens: {o["name"]: o for o in ops}}
     by_name = {o["name"]: o for o in ops}
     index = {o["name"]: i for i, o in enumerate(ops)}
     events = copy.deepcopy(trace.events)
@@ -183,6 +192,11 @@ def align(trace: Trace, model, tokens: int | None = None) -> Alignment:
         done.update(names)
         e["template_ops"] = names
         e["group"] = by_name[names[0]]["group"]
+        r = int(e.get("rows") or tokens)
+        if r != tokens:
+            if r not in at_rows:
+                at_rows[r] = {o["name"]: o for o in model_ops(weights, r)}
+            e["template_costs"] = [list(at_rows[r][n]["cost"]) for n in names]
         e["pass"] = passes
         matched_us += dur
         k["matched_us"] += dur

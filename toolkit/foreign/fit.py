@@ -46,10 +46,17 @@ def fit_samples(samples: list) -> dict:
 
 
 def held_out(samples: list, train_layers=None) -> dict:
-    """Fit on samples of `train_layers` (default: even layers; without layers, even-indexed samples), predict the rest:
+    """Fit on samples of `train_layers` (default: even layers; one layer: even passes; without layers, even-indexed
+    samples), predict the rest:
     per predicted sample its relative error; ops of a lane and kind absent from the training part are counted apart."""
     layers = sorted({s["layer"] for s in samples})
-    if layers == [-1] or not layers:
+    passes = sorted({s.get("pass", 0) for s in samples})
+    if len(layers) == 1 and layers != [-1] and len(passes) > 1 and train_layers is None:
+        # one layer (a draft model, a one-layer benchmark): fit on the even forward passes, predict the odd ones
+        train = [s for s in samples if s.get("pass", 0) % 2 == 0]
+        test = [s for s in samples if s.get("pass", 0) % 2 == 1]
+        split = f"one layer: fit on passes {passes[0::2]}, predict passes {passes[1::2]}"
+    elif layers == [-1] or not layers:
         train = [s for i, s in enumerate(samples) if i % 2 == 0]
         test = [s for i, s in enumerate(samples) if i % 2 == 1]
         split = "even-indexed samples / odd-indexed samples (no layers in the trace)"

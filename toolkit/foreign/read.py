@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import chrome_json, llamacpp_hexagon
+from . import chrome_json, llamacpp_hexagon, llamacpp_opencl
 from .base import ForeignTraceError, read_text
 
-READERS = {llamacpp_hexagon.FORMAT: llamacpp_hexagon, chrome_json.FORMAT: chrome_json}
+READERS = {llamacpp_hexagon.FORMAT: llamacpp_hexagon, chrome_json.FORMAT: chrome_json,
+           llamacpp_opencl.FORMAT: llamacpp_opencl}
 FORMATS = tuple(READERS)
 
 

@@ -182,3 +182,92 @@ def test_schedule_cli_plans_an_8b_model_from_its_config():
     graph, sched = predicted_schedule(plan, 1024, 256, "ooo", cost_model("snapdragon-8gen3"))
     assert out["makespan_ms"] == sched.makespan_us / 1e3 and out["subgraphs"] == len(graph.subgraphs)
     assert out["cost_model"] == "snapdragon-8gen3" and out["modelled"] is True
+
+
+def test_generated_qwen3_moe_gguf_runs_end_to_end_as_transformers_does(tmp_path):
+    """A 2-layer qwen3moe GGUF with Qwen3-30B-A3B's head shapes (32 query heads, 4 KV heads, head_dim 128, top-8
+    routing, expert FFN 768; hidden, experts and vocabulary shrunk), random F16 weights written with the `gguf`
+    package, loaded and run through the forward pass; transformers' Qwen3MoeForCausalLM with the same weights gives
+    the reference logits."""
+    import gguf
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from edgeprobe.forward import forward
+
+    j = _json("qwen3-30b-a3b")
+    H, KV, d, k, fe = (j["num_attention_heads"], j["num_key_value_heads"], j["head_dim"], j["num_experts_per_tok"],
+                       j["moe_intermediate_size"])
+    h, E, L, vocab = 256, 16, 2, 512
+    rng = np.random.default_rng(0)
+    w = lambda *shape, s=0.05: (rng.standard_normal(shape) * s).astype(np.float16)  # F16 in the file: exact in f32
+    t = {"token_embd.weight": w(vocab, h, s=1.0), "output_norm.weight": (1 + w(h)).astype(np.float16),
+         "output.weight": w(vocab, h)}
+    for i in range(L):
+        t.update({f"blk.{i}.attn_norm.weight": 1 + w(h), f"blk.{i}.ffn_norm.weight": 1 + w(h),
+                  f"blk.{i}.attn_q.weight": w(H * d, h), f"blk.{i}.attn_k.weight": w(KV * d, h),
+                  f"blk.{i}.attn_v.weight": w(KV * d, h), f"blk.{i}.attn_output.weight": w(h, H * d),
+                  f"blk.{i}.attn_q_norm.weight": 1 + w(d), f"blk.{i}.attn_k_norm.weight": 1 + w(d),
+                  f"blk.{i}.ffn_gate_inp.weight": w(E, h, s=0.5), f"blk.{i}.ffn_gate_exps.weight": w(E, fe, h),
+                  f"blk.{i}.ffn_up_exps.weight": w(E, fe, h), f"blk.{i}.ffn_down_exps.weight": w(E, h, fe)})
+    path = tmp_path / "qwen3moe-2l.gguf"
+    g = gguf.GGUFWriter(str(path), "qwen3moe")
+    g.add_block_count(L)
+    g.add_context_length(j["max_position_embeddings"])
+    g.add_embedding_length(h)
+    g.add_feed_forward_length(j["intermediate_size"])
+    g.add_head_count(H)
+    g.add_head_count_kv(KV)
+    g.add_key_length(d)
+    g.add_value_length(d)
+    g.add_rope_freq_base(j["rope_theta"])
+    g.add_layer_norm_rms_eps(j["rms_norm_eps"])
+    g.add_expert_count(E)
+    g.add_expert_used_count(k)
+    g.add_expert_feed_forward_length(fe)
+    g.add_tokenizer_model("gpt2")
+    g.add_token_list([f"<{i}>" for i in range(vocab)])
+    for name, arr in t.items():
+        g.add_tensor(name, np.asarray(arr, np.float16))
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+
+    m = models.load(path, cache_dir=None)
+    c = m.config
+    assert (c.arch, c.n_layers, c.n_heads, c.n_kv_heads, c.head_dim, c.n_experts, c.n_experts_used, c.expert_ffn,
+            c.qk_norm) == ("qwen3moe", L, H, KV, d, E, k, fe, True)
+    ids = rng.integers(0, vocab, 12)
+    ours = forward(m, ids)
+
+    hf_cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=h, intermediate_size=j["intermediate_size"],
+                            moe_intermediate_size=fe, num_hidden_layers=L, num_attention_heads=H,
+                            num_key_value_heads=KV, head_dim=d, num_experts=E, num_experts_per_tok=k,
+                            norm_topk_prob=True, rope_theta=j["rope_theta"], rms_norm_eps=j["rms_norm_eps"],
+                            max_position_embeddings=j["max_position_embeddings"], tie_word_embeddings=False)
+    ref_model = Qwen3MoeForCausalLM(hf_cfg).eval()
+    f32 = lambda a: torch.from_numpy(np.asarray(a, np.float32))
+    sd = {"model.embed_tokens.weight": f32(t["token_embd.weight"]), "model.norm.weight": f32(t["output_norm.weight"]),
+          "lm_head.weight": f32(t["output.weight"])}
+    for i in range(L):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        sd.update({p + "input_layernorm.weight": f32(t[b + "attn_norm.weight"]),
+                   p + "post_attention_layernorm.weight": f32(t[b + "ffn_norm.weight"]),
+                   p + "self_attn.q_proj.weight": f32(t[b + "attn_q.weight"]),
+                   p + "self_attn.k_proj.weight": f32(t[b + "attn_k.weight"]),
+                   p + "self_attn.v_proj.weight": f32(t[b + "attn_v.weight"]),
+                   p + "self_attn.o_proj.weight": f32(t[b + "attn_output.weight"]),
+                   p + "self_attn.q_norm.weight": f32(t[b + "attn_q_norm.weight"]),
+                   p + "self_attn.k_norm.weight": f32(t[b + "attn_k_norm.weight"]),
+                   p + "mlp.gate.weight": f32(t[b + "ffn_gate_inp.weight"]),
+                   p + "mlp.experts.gate_up_proj": f32(np.concatenate([t[b + "ffn_gate_exps.weight"],
+                                                                       t[b + "ffn_up_exps.weight"]], axis=1)),
+                   p + "mlp.experts.down_proj": f32(t[b + "ffn_down_exps.weight"])})
+    missing, unexpected = ref_model.load_state_dict(sd, strict=False)
+    assert not unexpected and not [n for n in missing if "rotary" not in n]
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
+    assert ours.shape == ref.shape == (len(ids), vocab)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert np.abs(ours - ref).max() < 1e-3 * max(1.0, float(np.abs(ref).max()))

@@ -207,6 +207,7 @@ class Context:
     blob_args: dict | None = None    # op name -> its inputs' resolved blobs (None elsewhere), kept for one run: a
                                      # decode loop's steps resolve a step op's ~65 blobs once; set only where get
                                      # is the run's own cache (its arrays never change within the run)
+    numerics: object = None          # the run's numerics capture (edgeprobe_kernels.numerics.Capture), if asked
 
 
 def run_untraced(plan: Plan, inputs: dict, ctx: Context) -> dict:
@@ -232,6 +233,18 @@ def run_untraced(plan: Plan, inputs: dict, ctx: Context) -> dict:
             if not unread[key] and key not in keep:
                 del results[key]
     return {n: results[n] for n in plan.outputs}
+
+
+def _capture(capture, name: str, out, fixed: dict):
+    """The numerics capture of op `name`'s output on its lane -> (the output, its "numerics:<op>" trace event)."""
+    t0 = now_us()
+    try:
+        out = capture.take(name, out)
+    except ValueError as e:  # numerics.CaptureError: a full tensor over the limit
+        raise AgentError(getattr(e, "code", "bad_request"), str(e)) from None
+    return out, {"name": f"numerics:{name}", "kind": "numerics", "lane": fixed["lane"], "layer": fixed["layer"],
+                 "chunk": fixed["chunk"], "deps": [name], "group": f"numerics:{fixed['group']}", "start_us": t0,
+                 "end_us": now_us(), "bytes_in": int(out.nbytes), "bytes_out": 0, "flops": 0, "emulated": False}
 
 
 def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | None = None,
@@ -269,6 +282,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
         backend = {"backend": ctx.kernels[lane]} if lane in ctx.kernels else {}
         emulated = ctx.emulated.get(lane, False)
         steps, enter, leave = plan.steps, CORES_IN_USE.enter, CORES_IN_USE.leave
+        capture = ctx.numerics
         if solo:  # the pass's one count of cores (see the docstring): its ops' enter / leave do nothing
             solo_threads = enter()
             enter, leave = (lambda side: solo_threads), (lambda side: None)
@@ -325,12 +339,17 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                         ev["threads"] = threads
                     if event:
                         ev.update(event)  # the op's own fields (emulated among them) win
+                cap_ev = None
+                if capture is not None and name in capture.ops:  # its own event: timelines with it never pass for plain
+                    out, cap_ev = _capture(capture, name, out, fixed)
                 with lock:
                     results[name] = out
                     if subs:
                         events.extend(subs)
                     else:
                         events.append(ev)
+                    if cap_ev is not None:
+                        events.append(cap_ev)
                     for key in reads:
                         unread[key] -= 1
                         if not unread[key] and key not in keep:

@@ -37,6 +37,8 @@ import msgpack
 import numpy as np
 import zmq
 
+from edgeprobe_kernels.numerics import Capture, CaptureError
+
 from . import __version__
 from .backends import check_backend, lane_backends, lane_kernels, opencl_devices, opencl_unavailable
 from .executor import EMULATED_LANES, LANES, Cancelled, Context, execute, validate
@@ -622,11 +624,15 @@ class Agent:
             if sess.length + advance * steps > sess.capacity:
                 raise ProtocolError("context_full", f"{sess.length + advance * steps} positions exceed the session's "
                                                     f"capacity {sess.capacity}")
+        try:  # None unless asked; a pattern naming no op, or a malformed field, refused before the run
+            capture = Capture.of_request(h.get("numerics"), plan.order)
+        except CaptureError as e:
+            raise ProtocolError(e.code, str(e)) from None
         run = _Run(rid, ident, session=sess, advance=advance * steps, steps=steps, keep=keep, loop=loop)
         inputs = {n: np.array(a) for n, a in zip(names, arrays)}  # own the bytes: frames are recycled
         self.runs[(ident, rid)] = run
         try:
-            self.workers.submit(self._run_worker, run, plan, inputs)
+            self.workers.submit(self._run_worker, run, plan, inputs, capture)
         except BaseException:
             del self.runs[(ident, rid)]  # no worker: the error reply below is this request's one reply
             raise
@@ -667,7 +673,7 @@ class Agent:
         outs = {out: np.stack(kept) if run.keep == "all" else kept[-1], "fed": np.stack(fed, axis=1)}
         return outs, events, {"step_counters": step_counters}
 
-    def _run_worker(self, run: _Run, plan, inputs) -> None:
+    def _run_worker(self, run: _Run, plan, inputs, capture=None) -> None:
         """Runs on its own thread; hands the loop exactly one ("run_done", ...) item, whatever happens."""
         header, arrays = error_reply(run.rid, "internal", "the run ended without a result"), ()
         total = len(plan.order) * run.steps
@@ -692,7 +698,7 @@ class Agent:
                           read_blob=partial(self.store.read_cold, on_read=flash.add), map_blob=self.store.map,
                           blob_meta=self.store.meta, layout=partial(self.store.layout, on_read=flash.add),
                           backends={"npu": self.npu_backend}, kernels=self.kernels, emulated=self.emulated,
-                          blob_args={} if run.loop and self.store.memory_budget is None else None)
+                          blob_args={} if run.loop and self.store.memory_budget is None else None, numerics=capture)
             t0 = now_us()
             try:
                 with self.store.running():
@@ -705,6 +711,9 @@ class Agent:
                       "events": events + flash.events(), "counters": {k: int(v) for k, v in ctx.counters.items()},
                       "start_us": t0, "end_us": t1, **more}
             arrays = [np.ascontiguousarray(a) for a in outs.values()]
+            if capture is not None:  # summaries in the header, full tensors as frames after the outputs'
+                header["numerics"], full = capture.reply()
+                arrays += full
         except Cancelled:
             header = error_reply(run.rid, "cancelled", "the run was cancelled")
         except AgentError as e:

@@ -1,0 +1,126 @@
+"""Per-op output summaries for the numerics capture (issue 41): the same code on the host and on the agent.
+
+A summary of an op's output x (any numeric dtype, any shape) is a msgpack-able map:
+    shape, dtype, size, l2 (float64 sqrt of the sum of squares of the finite values), max_abs, mean (finite values),
+    nonfinite (NaN and +-inf count), zeros, hist: 64 counts of floor(log2|x|) over the finite non-zero values, bin b
+    holding exponents HIST_LO + b (values below HIST_LO, subnormals among them, in bin 0; above, in bin 63).
+The exponent comes from float32's bit pattern (no log), so the histogram is exact and costs one integer pass.
+`Capture` is what the agent's executor calls after each op whose name it wants (edgeprobe_agent.executor).
+"""
+from __future__ import annotations
+
+import fnmatch
+import threading
+
+import numpy as np
+
+HIST_BINS = 64
+HIST_LO = -32                       # bin 0: floor(log2|x|) <= -32; bin 63: >= 31
+MAX_FULL_BYTES = 256 << 20          # full tensors one run may send back unless the request sets full_limit_bytes
+_ABS = np.uint32(0x7FFFFFFF)
+
+
+def summarize(x) -> dict:
+    """The summary of one array (see the module doc); float32 math for the histogram, float64 sums for the moments."""
+    a = np.asarray(x)
+    out = {"shape": list(a.shape), "dtype": a.dtype.name, "size": int(a.size)}
+    f = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
+    bits = f.view(np.uint32)
+    exp = (bits >> np.uint32(23)).astype(np.int16) & 0xFF  # biased exponent: 255 inf/nan, 0 zero/subnormal
+    nonfinite = int(np.count_nonzero(exp == 255))
+    zeros = int(np.count_nonzero((bits & _ABS) == 0))
+    e = np.clip(exp - (127 - (-HIST_LO)), 0, HIST_BINS - 1)  # floor(log2|x|) - HIST_LO, clamped into the bins
+    hist = np.bincount(e, minlength=HIST_BINS).astype(np.int64)
+    hist[-1] -= nonfinite  # exponent 255 landed in the top bin
+    hist[0] -= zeros       # exponent 0 with mantissa 0 landed in the bottom bin
+    d = f.astype(np.float64)
+    if nonfinite:
+        d = d[np.isfinite(d)]
+    n = d.size
+    out.update(l2=float(np.sqrt(np.dot(d, d))) if n else 0.0, max_abs=float(np.abs(d).max()) if n else 0.0,
+               mean=float(d.sum() / n) if n else 0.0, nonfinite=nonfinite, zeros=zeros, hist=hist.tolist())
+    return out
+
+
+def select(names, pattern) -> list:
+    """The names a pattern picks, in their order: None picks all; else comma-separated shell globs ("blk.1.*")."""
+    if pattern is None:
+        return list(names)
+    pats = [p.strip() for p in str(pattern).split(",") if p.strip()]
+    return [n for n in names if any(fnmatch.fnmatchcase(n, p) for p in pats)]
+
+
+class CaptureError(ValueError):
+    """A capture that cannot be done: code is an agent error code ("bad_request", "memory_budget")."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class Capture:
+    """One run's numerics capture: `ops` the names to summarize, `full` those whose whole output is kept too.
+    take(name, out) -> out (changed only by the test-only fault), called by the executor from any lane's thread.
+    fault (TEST ONLY, request field numerics.fault = {"op", "index", "codes"}): adds codes * max|x| / 127 (one int8
+    code at a per-tensor scale) to element `index` of that op's output, which then flows on to later ops."""
+
+    def __init__(self, names, pattern=None, full=(), limit_bytes: int = MAX_FULL_BYTES, fault: dict | None = None):
+        self.ops = frozenset(select(names, pattern))
+        if not self.ops:
+            raise CaptureError("bad_request", f"numerics ops pattern {pattern!r} names no op of the plan")
+        missing = [n for n in full if n not in set(names)]
+        if missing:
+            raise CaptureError("bad_request", f"numerics full names {missing[:3]} which are not ops of the plan")
+        self.full = frozenset(full)
+        self.ops |= self.full
+        self.limit = int(limit_bytes)
+        self.fault = fault or None
+        self.summaries: list = []
+        self.tensors: list = []   # (name, array) of full captures, in capture order
+        self.full_bytes = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of_request(cls, field, names) -> "Capture | None":
+        """A run request's `numerics` field {"ops": pattern | None, "full": [names], "full_limit_bytes": int,
+        "fault": {...} (test only)} over the plan's op names -> its Capture (None: no field, no capture)."""
+        if field is None:
+            return None
+        if not isinstance(field, dict):
+            raise CaptureError("bad_request", "numerics must be a map {'ops': pattern or null, 'full': [op names]}")
+        pattern, full = field.get("ops"), field.get("full") or []
+        limit, fault = field.get("full_limit_bytes", MAX_FULL_BYTES), field.get("fault")
+        if pattern is not None and not isinstance(pattern, str) or not isinstance(full, list) \
+                or not all(isinstance(n, str) for n in full) or not isinstance(limit, int) \
+                or fault is not None and not (isinstance(fault, dict) and isinstance(fault.get("op"), str)):
+            raise CaptureError("bad_request", "numerics: 'ops' is a glob pattern or null, 'full' a list of op names, "
+                                              "'full_limit_bytes' an integer, 'fault' (test only) a map with 'op'")
+        return cls(names, pattern, full, limit, fault)
+
+    def take(self, name: str, out):
+        if self.fault is not None and self.fault.get("op") == name:
+            out = np.array(out, dtype=np.float32, copy=True)
+            flat = out.reshape(-1)
+            amax = float(np.abs(flat).max()) if flat.size else 0.0
+            flat[int(self.fault.get("index", 0)) % max(flat.size, 1)] += float(self.fault.get("codes", 1)) * amax / 127
+        s = summarize(out)
+        s["op"] = name
+        kept = None
+        if name in self.full:
+            kept = np.array(out, copy=True)  # kernels may reuse their buffers (arena) after the op
+        with self._lock:
+            if kept is not None:
+                if self.full_bytes + kept.nbytes > self.limit:
+                    raise CaptureError("memory_budget", f"full capture of {name!r} would bring the run's full tensors "
+                                                        f"to {self.full_bytes + kept.nbytes} bytes, over the limit of "
+                                                        f"{self.limit} bytes; capture fewer ops in full or raise "
+                                                        "full_limit_bytes")
+                self.full_bytes += kept.nbytes
+                self.tensors.append((name, kept))
+            self.summaries.append(s)
+        return out
+
+    def reply(self) -> tuple[dict, list]:
+        """(the reply's numerics map, the full tensors as frames in the order its "full" lists them)."""
+        return ({"summaries": self.summaries, "full": [n for n, _ in self.tensors], "full_bytes": self.full_bytes},
+                [a for _, a in self.tensors])

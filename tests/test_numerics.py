@@ -1,0 +1,117 @@
+"""The numerics capture's maths (edgeprobe_kernels.numerics) against numpy directly, the executor's capture hook, and
+the host capture at the template's op names (edgeprobe.numerics)."""
+import numpy as np
+import pytest
+
+from edgeprobe_kernels.numerics import HIST_BINS, HIST_LO, Capture, CaptureError, select, summarize
+
+
+def _ref_hist(x):
+    f = np.asarray(x, np.float32).reshape(-1)
+    f = f[np.isfinite(f) & (f != 0)]
+    e = np.floor(np.log2(np.abs(f).astype(np.float64))).astype(np.int64)
+    return np.bincount(np.clip(e - HIST_LO, 0, HIST_BINS - 1), minlength=HIST_BINS)
+
+
+def test_summary_of_a_random_tensor_matches_numpy():
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((37, 53)) * np.exp(rng.uniform(-20, 20, (37, 53)))).astype(np.float32)
+    s = summarize(x)
+    d = x.astype(np.float64)
+    assert s["shape"] == [37, 53] and s["dtype"] == "float32" and s["size"] == x.size
+    assert s["l2"] == pytest.approx(np.linalg.norm(d), rel=1e-12)
+    assert s["max_abs"] == np.abs(d).max() and s["mean"] == pytest.approx(d.mean(), rel=1e-12, abs=1e-300)
+    assert s["nonfinite"] == 0 and s["zeros"] == 0
+    assert s["hist"] == _ref_hist(x).tolist() and sum(s["hist"]) == x.size
+
+
+def test_histogram_bins_are_floor_log2_with_clamped_ends_and_special_values_counted_apart():
+    x = np.array([1.0, 1.5, 2.0, -3.99, 0.5, 2.0 ** -40, 1e-45, 2.0 ** 40, 0.0, -0.0, np.inf, -np.inf, np.nan],
+                 np.float32)
+    s = summarize(x)
+    h = s["hist"]
+    assert h[0 - HIST_LO] == 2        # 1.0, 1.5: floor(log2) 0
+    assert h[1 - HIST_LO] == 2        # 2.0, -3.99: floor(log2) 1
+    assert h[-1 - HIST_LO] == 1       # 0.5
+    assert h[0] == 2                  # 2^-40 and a subnormal: clamped into the bottom bin
+    assert h[-1] == 1                 # 2^40: clamped into the top bin
+    assert sum(h) == 8 and s["zeros"] == 2 and s["nonfinite"] == 3
+    finite = x[np.isfinite(x)].astype(np.float64)
+    assert s["l2"] == pytest.approx(np.linalg.norm(finite), rel=1e-12) and s["max_abs"] == 2.0 ** 40
+    assert s["hist"] == _ref_hist(x).tolist()
+
+
+def test_summary_of_integer_and_empty_tensors():
+    s = summarize(np.arange(-3, 5, dtype=np.int32))
+    assert s["dtype"] == "int32" and s["l2"] == pytest.approx(np.sqrt(sum(i * i for i in range(-3, 5))))
+    assert s["zeros"] == 1 and s["mean"] == 0.5 and s["max_abs"] == 4
+    e = summarize(np.zeros((0, 4), np.float32))
+    assert e["size"] == 0 and e["l2"] == 0 and sum(e["hist"]) == 0
+
+
+def test_select_takes_comma_separated_globs_in_plan_order():
+    names = ["embed", "blk.0.attn_q", "blk.1.attn_q", "blk.10.attn_q", "blk.1.ffn_up", "lm_head"]
+    assert select(names, None) == names
+    assert select(names, "blk.1.*") == ["blk.1.attn_q", "blk.1.ffn_up"]
+    assert select(names, "lm_head, *.attn_q") == ["blk.0.attn_q", "blk.1.attn_q", "blk.10.attn_q", "lm_head"]
+    assert select(names, "blk.9.*") == []
+
+
+def test_capture_refuses_a_pattern_naming_nothing_and_a_full_capture_over_its_limit():
+    with pytest.raises(CaptureError, match=r"'blk\.99\.\*' names no op") as e:
+        Capture(["a", "b"], "blk.99.*")
+    assert e.value.code == "bad_request"
+    cap = Capture(["a", "b"], None, full=["a", "b"], limit_bytes=600)
+    cap.take("a", np.ones(100, np.float32))
+    with pytest.raises(CaptureError, match="800 bytes, over the limit of 600 bytes") as e:
+        cap.take("b", np.ones(100, np.float32))
+    assert e.value.code == "memory_budget"
+    assert Capture.of_request(None, ["a"]) is None
+    with pytest.raises(CaptureError, match="glob pattern"):
+        Capture.of_request({"ops": 3}, ["a"])
+
+
+def test_the_test_only_fault_moves_one_element_by_one_code():
+    x = np.linspace(-2, 1, 12, dtype=np.float32)
+    cap = Capture(["a"], None, full=["a"], fault={"op": "a", "index": 3, "codes": 1})
+    y = cap.take("a", x)
+    assert np.flatnonzero(y != x).tolist() == [3] and y[3] - x[3] == pytest.approx(2 / 127)
+    assert cap.summaries[0]["l2"] == pytest.approx(np.linalg.norm(y.astype(np.float64)))
+
+
+def test_the_executor_captures_chosen_ops_with_their_own_trace_events():
+    from edgeprobe_agent.executor import Context, execute, validate
+
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    plan = validate({"ops": [{"name": "x", "kind": "add", "lane": "cpu", "inputs": [{"input": "a"}, {"input": "a"}]},
+                             {"name": "y", "kind": "add", "lane": "npu", "inputs": [{"op": "x"}, {"input": "a"}]}],
+                     "outputs": ["y"]}, has_blob=lambda s: True)
+    cap = Capture(plan.order, "y", full=["y"], fault=None)
+    outs, events = execute(plan, {"a": a}, Context(get=None, numerics=cap))
+    assert [s["op"] for s in cap.summaries] == ["y"] and cap.summaries[0]["l2"] == pytest.approx(np.linalg.norm(3 * a))
+    assert np.array_equal(cap.tensors[0][1], 3 * a)
+    ev = {e["name"]: e for e in events}
+    assert ev["numerics:y"]["lane"] == "npu" and ev["numerics:y"]["kind"] == "numerics"
+    assert ev["numerics:y"]["start_us"] >= ev["y"]["end_us"] and "numerics:x" not in ev
+    # a fault at x flows on into y, as a kernel's wrong output would
+    cap = Capture(plan.order, None, fault={"op": "x", "index": 0, "codes": 127})
+    outs2, _ = execute(plan, {"a": a}, Context(get=None, numerics=cap))
+    assert outs2["y"][0, 0] == outs["y"][0, 0] + 10 and (outs2["y"].reshape(-1)[1:] == outs["y"].reshape(-1)[1:]).all()
+
+
+def test_host_capture_of_the_float_plan_has_distance_zero_to_itself(smollm):
+    from edgeprobe.numerics import compare, host_numerics
+
+    toks = np.arange(100, 108)
+    a, fa = host_numerics(smollm, toks, "blk.0.*,lm_head", full=["blk.0.ffn_down", "lm_head"])
+    b, fb = host_numerics(smollm, toks, "blk.0.*,lm_head", full=["blk.0.ffn_down", "lm_head"])
+    assert list(a)[:3] == ["blk.0.attn_norm", "blk.0.attn_q", "blk.0.attn_k"] and "lm_head" in a
+    assert a["lm_head"]["shape"] == [1, smollm.config.vocab_size]
+    rep = compare(a, b, b, smollm.config.n_layers, 1e-6, fa, fb, fb)
+    assert rep.first_divergent is None and len(rep.ops) == len(a)
+    assert all(r["device_vs_sim"]["rel_l2"] == 0 and r["device_vs_sim"]["max_abs"] == 0 for r in rep.ops)
+    assert rep.by_name()["lm_head"]["device_vs_sim"]["method"] == "full"
+    assert rep.by_name()["blk.0.attn_q"]["device_vs_sim"]["method"] == "summary"
+    # the host's lm_head capture is the forward pass's own logits
+    from edgeprobe.forward import forward
+    assert np.array_equal(fa["lm_head"], forward(smollm, toks, logits="last")[None])

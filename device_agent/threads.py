@@ -1,43 +1,35 @@
-"""How many cores an op's kernels may use: all of them while no other lane is computing, else one.
+"""How many cores an op's kernels may use: what the one thread policy gives while no other lane is computing, else one.
 
 A lane stands for one processor, so lanes that overlap get a core each (the agent starts BLAS and numba with one
 thread). But a lane computing alone — a decode step, or the NPU's GEMMs between the CPU's norms in a
 layer-by-layer prefill — would leave the other core idle, which llama.cpp on the same cores does not: there the
-op's BLAS and numba kernels use every core. Each trace event records the threads its op had.
+op's BLAS and numba kernels use the cores that other processes leave free (edgeprobe_kernels.threads, the policy
+host passes use too: all cores on a quiet machine, one beside a CPU-bound process). Each trace event records the
+threads its op had.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import glob
-import os
 import threading
 
-CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+from edgeprobe_kernels.threads import CORES, POLICY, ThreadPolicy, _openblas
 
 
 def _openblas_setter():
     """numpy's bundled OpenBLAS's set_num_threads (process-wide), or None (another BLAS: left as started)."""
-    try:
-        import numpy as np
-
-        libs = glob.glob(os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs", "lib*openblas*"))
-        for path in libs:
-            lib = ctypes.CDLL(path)
-            for name in ("scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_",
-                         "openblas_set_num_threads"):
-                if hasattr(lib, name):
-                    return getattr(lib, name)
-    except OSError:
-        pass
-    return None
+    pair = _openblas()
+    return pair[0] if pair is not None else None
 
 
 class Cores:
     """Counts the lanes computing right now (every run's, one lock) and sets each op's thread counts."""
 
-    def __init__(self, cores: int = CORES):
+    def __init__(self, cores: int = CORES, policy: ThreadPolicy | None = None):
         self.cores, self.enabled = cores, False
+        # until enable(): a policy that measures nothing (all cores to an op alone); enable() takes the process's
+        # measured POLICY unless one was given
+        self._given = policy is not None
+        self.policy = policy if policy is not None else ThreadPolicy(cores, load=None, env=False)
         self._busy = 0
         self._blas = 1
         self._lock = threading.Lock()
@@ -45,10 +37,12 @@ class Cores:
         self._numba_n = threading.local()  # the count last set on each thread (numba's is per thread)
 
     def enable(self) -> None:
-        """In the agent process (which starts BLAS with one thread): give lone ops every core from now on. Not
-        in a host process running plans in-process, whose BLAS settings are its user's."""
+        """In the agent process (which starts BLAS with one thread): give lone ops the cores the policy finds free
+        from now on. Not in a host process running plans in-process: its passes set threads by host_pass."""
         if self.cores < 2:
             return
+        if not self._given:
+            self.policy = POLICY
         self._set_blas = _openblas_setter()
         try:
             import numba
@@ -101,7 +95,7 @@ class Cores:
         else:
             with self._lock:
                 self._busy += 1
-                k = self.cores if self._busy == 1 else 1
+                k = self.policy.threads(self.cores) if self._busy == 1 else 1
                 if self._set_blas is not None and k != self._blas:
                     self._set_blas(k)  # process-wide: an op already running keeps the threads it started with
                     self._blas = k

@@ -8,6 +8,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from edgeprobe_kernels.sampling import log_softmax  # noqa: F401  (re-exported: evaluate.log_softmax)
+from edgeprobe_kernels.threads import host_pass
 
 from .errors import TextError, WindowError
 from .forward import Hooks, LinearFn, forward
@@ -48,7 +49,8 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
     shorter than `window` is dropped. `hooks`/`linear` pass through to the forward pass, so the same
     function evaluates quantized simulations. Models whose tokenizer adds BOS (Gemma) see windows of BOS +
     (window - 1) text tokens and all window - 1 text tokens are scored, as llama.cpp's perplexity does; a
-    leading BOS in `ids` (from encode) is dropped first.
+    leading BOS in `ids` (from encode) is dropped first. Threads: the cores other processes leave free, decided
+    again per window (edgeprobe_kernels.threads).
     """
     if not isinstance(window, (int, np.integer)) or window < 2:
         raise WindowError(f"window must be an integer >= 2 (it scores positions 1..window-1), got {window!r}")
@@ -70,11 +72,13 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
     if max_windows is not None:
         n = min(n, int(max_windows))
     total, t0 = 0.0, time.perf_counter()
-    for w in tqdm(range(n), desc="perplexity", unit="win", disable=not progress, leave=False):
-        chunk = ids[w * step:(w + 1) * step]
-        if bos is not None:
-            chunk = np.concatenate([[bos], chunk]).astype(ids.dtype)
-        total += float(window_nll(forward(model, chunk, hooks=hooks, linear=linear), chunk).sum())
+    with host_pass() as threads:
+        for w in tqdm(range(n), desc="perplexity", unit="win", disable=not progress, leave=False):
+            threads.tick()
+            chunk = ids[w * step:(w + 1) * step]
+            if bos is not None:
+                chunk = np.concatenate([[bos], chunk]).astype(ids.dtype)
+            total += float(window_nll(forward(model, chunk, hooks=hooks, linear=linear), chunk).sum())
     secs = time.perf_counter() - t0
     scored = n * (window - 1)
     nll = total / scored

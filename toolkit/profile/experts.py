@@ -108,17 +108,22 @@ def record_routing(model: Model, ids, window: int = 256, max_tokens: int | None 
     """Run `ids` window by window (each an independent sequence) and keep every token's routing."""
     from tqdm.auto import tqdm
 
+    from edgeprobe_kernels.threads import host_pass
+
     from ..forward import forward
     from .runner import windows
 
     rec = _RoutingRecorder(model)
     hooks = rec.hooks()
     exps, ws = [], []
-    for chunk in tqdm(windows(ids, window, max_tokens), desc="routing", unit="win", disable=not progress, leave=False):
-        forward(model, chunk, hooks=hooks, logits="none")
-        e, w = rec.take()
-        exps.append(e)
-        ws.append(w)
+    with host_pass() as threads:  # the cores other processes leave free, per window
+        for chunk in tqdm(windows(ids, window, max_tokens), desc="routing", unit="win", disable=not progress,
+                          leave=False):
+            threads.tick()
+            forward(model, chunk, hooks=hooks, logits="none")
+            e, w = rec.take()
+            exps.append(e)
+            ws.append(w)
     starts = np.cumsum([0] + [len(e) for e in exps[:-1]]).astype(np.int64)
     return RoutingTrace(np.concatenate(exps), np.concatenate(ws), starts, model.config.n_experts, model.name)
 

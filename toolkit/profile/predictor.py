@@ -14,6 +14,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from edgeprobe_kernels import names as N
+from edgeprobe_kernels.threads import host_pass, tick
 
 from ..forward import forward
 from ..models import Model
@@ -57,6 +58,7 @@ def _collect(model: Model, ids, window: int, layers: range) -> tuple[dict, dict]
         hooks[N.blk(i, N.FFN_IN_HOOK)] = lambda n, x: xs[N.layer_of(n)].append(x.copy())
         hooks[N.blk(i, N.FFN_ACT_HOOK)] = lambda n, x: acts[N.layer_of(n)].append(x.copy())
     for chunk in windows(ids, window):
+        tick()
         forward(model, chunk, hooks=hooks, logits="none")
     return {i: np.concatenate(v) for i, v in xs.items()}, {i: np.concatenate(v) for i, v in acts.items()}
 
@@ -100,6 +102,7 @@ def _fit(x, y, A, B, b, steps: int, lr: float):
     return A, B, b
 
 
+@host_pass()  # the cores other processes leave free (edgeprobe_kernels.threads), decided again per window and layer
 def train_predictors(model: Model, train_ids, test_ids, thresholds, rank: int = 32, steps: int = 40,
                      lr: float = 3e-3, target_recall: float = 0.95, window: int = 512,
                      progress: bool = True) -> PredictorReport:
@@ -113,6 +116,7 @@ def train_predictors(model: Model, train_ids, test_ids, thresholds, rank: int = 
     xte, ate = _collect(model, test_ids, window, range(L))
     rec, prec, frac, err, cuts, weights = [], [], [], [], [], {}
     for i in tqdm(range(L), desc="predictors", unit="layer", disable=not progress, leave=False):
+        tick()
         ytr, yte = np.abs(atr[i]) > taus[i], np.abs(ate[i]) > taus[i]
         wg = model.weights[f"blk.{i}.ffn_gate.weight"]  # [ffn, hidden]
         U, S, Vt = _top_singular(wg, rank)

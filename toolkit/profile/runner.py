@@ -6,6 +6,8 @@ from collections import defaultdict
 import numpy as np
 from tqdm.auto import tqdm
 
+from edgeprobe_kernels.threads import host_pass
+
 from ..errors import TextError, WindowError
 from ..forward import forward
 from ..models import Model
@@ -45,14 +47,17 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
     """Feed `ids` (int[tokens]) through the forward pass, window by window, into each profile.
 
     Each window is one sequence from an empty cache; the LM head is skipped (profiles read hidden
-    activations only). Memory does not grow with the number of tokens. Returns the profiles.
+    activations only). Memory does not grow with the number of tokens. Returns the profiles. Threads: the
+    cores other processes leave free, decided again per window (edgeprobe_kernels.threads).
     """
     chunks = windows(ids, window, max_tokens)
     hooks = combine_hooks(p.hooks(model) for p in profiles)
-    for chunk in tqdm(chunks, desc=desc, unit="win", disable=not progress, leave=False):
-        for p in profiles:
-            p.begin_window(chunk)
-        forward(model, chunk, hooks=hooks, logits="none")
-        for p in profiles:
-            p.end_window(len(chunk))
+    with host_pass() as threads:
+        for chunk in tqdm(chunks, desc=desc, unit="win", disable=not progress, leave=False):
+            threads.tick()
+            for p in profiles:
+                p.begin_window(chunk)
+            forward(model, chunk, hooks=hooks, logits="none")
+            for p in profiles:
+                p.end_window(len(chunk))
     return profiles if len(profiles) != 1 else profiles[0]

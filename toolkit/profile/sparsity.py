@@ -22,6 +22,7 @@ import numpy as np
 
 from edgeprobe_kernels import names as N
 from edgeprobe_kernels.activation_stats import pack_active, window_counts
+from edgeprobe_kernels.threads import host_pass
 
 from ..forward import forward
 from ..models import Model
@@ -44,6 +45,7 @@ def dropped_output(a: np.ndarray, dropped: np.ndarray, wd: np.ndarray) -> np.nda
     return np.where(dropped, a, 0.0).astype(np.float32) @ wd.T
 
 
+@host_pass()  # the cores other processes leave free (edgeprobe_kernels.threads)
 def calibrate_thresholds(model: Model, ids, eps: float = 0.01, tokens: int = 512, act_fn: str | None = None,
                          iters: int = 18) -> dict[int, float]:
     """Per-layer magnitude thresholds tau_i (see module doc) on the first `tokens` of `ids`.

@@ -1,0 +1,208 @@
+"""The one thread policy: how many cores a host pass (eval, calibration, profiles) or an agent lane's lone op may use.
+
+A multi-threaded BLAS or numba kernel splits its work evenly and waits for its slowest thread: beside one CPU-bound
+process a 2-thread pass on 2 cores kept 0.68x of its quiet one-thread speed, beside a 2-thread BLAS job 0.1-0.2x.
+So the policy counts the cores other processes keep busy (/proc/stat's busy time on this process's cores minus this
+process's own CPU time, over the last ~0.25 s) and uses the rest: all cores on a quiet machine, one beside a hog.
+Host passes enter `host_pass()` (and `tick()` per window); the agent's lanes ask `POLICY.threads()` for an op that
+computes alone (edgeprobe_agent.threads.Cores), while overlapping lanes keep one core each.
+EDGEPROBE_THREADS=N fixes the count at N (no measuring).
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import glob
+import math
+import os
+import sys
+import threading
+import time
+
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+BUSY_SHARE = 0.4      # a core that other processes use more than this share of the time is theirs
+INTERVAL_S = 0.25     # the shortest interval a measurement averages over (/proc/stat counts in 10 ms ticks)
+FIRST_S = 0.08        # a pass starts after a measurement this long (its own: the load may have changed since)
+
+
+def threads_for(cores: int, others: float) -> int:
+    """The decision: threads for work that may use `cores` while other processes keep `others` cores busy
+    (averaged, 0..cores). Each core counted busy costs a thread; never fewer than one."""
+    taken = math.floor(max(0.0, others) + 1.0 - BUSY_SHARE)
+    return max(1, min(cores, cores - taken))
+
+
+def _openblas():
+    """(set_num_threads, get_num_threads) of numpy's bundled OpenBLAS (process-wide), or None (another BLAS: left
+    as started)."""
+    try:
+        import numpy as np
+
+        libs = glob.glob(os.path.join(os.path.dirname(np.__file__), "..", "numpy.libs", "lib*openblas*"))
+        for path in libs:
+            lib = ctypes.CDLL(path)
+            for prefix, suffix in (("scipy_openblas", "64_"), ("openblas", "64_"), ("openblas", "")):
+                setter, getter = f"{prefix}_set_num_threads{suffix}", f"{prefix}_get_num_threads{suffix}"
+                if hasattr(lib, setter) and hasattr(lib, getter):
+                    get = getattr(lib, getter)
+                    get.restype = ctypes.c_int
+                    return getattr(lib, setter), get
+    except OSError:
+        pass
+    return None
+
+
+class CpuLoad:
+    """Cores other processes kept busy between two samples: busy jiffies (user, nice, system, irq, softirq,
+    steal) of this process's CPUs in /proc/stat, minus this process's own CPU time (every thread, spinning BLAS
+    workers included). Without a readable /proc/stat (macOS; an Android app) it reports 0: a quiet machine."""
+
+    def __init__(self, cpus=None, stat_path: str = "/proc/stat"):
+        self.cpus = {f"cpu{c}" for c in (cpus if cpus is not None else
+                                         os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else ())}
+        self.path = stat_path
+        self.tick_s = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+    def sample(self) -> tuple[float, float, float] | None:
+        """(monotonic s, busy CPU-seconds of our CPUs since boot, this process's CPU-seconds), or None."""
+        try:
+            with open(self.path, "rb") as f:
+                text = f.read().decode()
+        except OSError:
+            return None
+        busy = 0
+        for line in text.splitlines():
+            if not line.startswith("cpu"):
+                break
+            name, *fields = line.split()
+            if name in self.cpus:
+                v = [int(x) for x in fields[:8]] + [0] * (8 - len(fields[:8]))
+                busy += v[0] + v[1] + v[2] + v[5] + v[6] + v[7]  # user nice system irq softirq steal
+        return time.monotonic(), busy * self.tick_s, time.process_time()
+
+    def between(self, a, b) -> float:
+        """Other processes' busy cores from sample a to sample b, clipped to 0..len(cpus)."""
+        dt = b[0] - a[0]
+        if dt <= 0:
+            return 0.0
+        return min(float(len(self.cpus)), max(0.0, ((b[1] - a[1]) - (b[2] - a[2])) / dt))
+
+
+class ThreadPolicy:
+    """Threads = the cores not busy with other processes (threads_for), measured by `load` at most every
+    INTERVAL_S. load: a CpuLoad, a callable returning others' busy cores (tests inject one), or None (assume a
+    quiet machine: all cores). fixed: a count that overrides the measurement; None takes EDGEPROBE_THREADS's
+    when `env` (the user's word), else measures."""
+
+    def __init__(self, cores: int = CORES, load=None, fixed: int | None = None, env: bool = True):
+        self.cores, self.load = cores, load
+        word = os.environ.get("EDGEPROBE_THREADS", "") if env else ""
+        self.fixed = fixed if fixed is not None else (int(word) if word.isdigit() and int(word) > 0 else None)
+        self.last = None            # the count of the last decision (the bench prints it)
+        self.chosen: dict = {}      # count -> decisions made with it
+        self._others = 0.0
+        self._sample = None
+        self._measuring = threading.Lock()
+        self._lock = threading.Lock()  # the host passes' count and BLAS's saved count
+        self._blas = _openblas_pair()  # set / get, resolved once
+        self._depth = 0             # host passes running in this process (BLAS's count is process-wide)
+        self._blas_before = None
+        self._blas_now = None
+
+    def others(self, fresh: bool = False) -> float:
+        """Cores other processes keep busy: the last measurement, renewed once INTERVAL_S have passed. fresh: a
+        pass starts, so it measures a new interval of FIRST_S (this process idle meanwhile)."""
+        load = self.load
+        if load is None:
+            return 0.0
+        if not isinstance(load, CpuLoad):
+            return float(load())
+        s, now = self._sample, time.monotonic()
+        if not fresh and s is not None and now - s[0] < INTERVAL_S:
+            return self._others
+        if not self._measuring.acquire(blocking=False):
+            return self._others  # another lane is measuring: its result serves this op too
+        try:
+            s = self._sample
+            if s is None or fresh:
+                s = self._sample = load.sample()
+                if s is None or not fresh:
+                    return self._others  # no /proc/stat, or a lane's first op: the next one has an interval
+                time.sleep(FIRST_S)
+            b = load.sample()
+            if b is not None:
+                self._others, self._sample = load.between(s, b), b
+            return self._others
+        finally:
+            self._measuring.release()
+
+    def threads(self, cap: int | None = None, fresh: bool = False) -> int:
+        """The thread count for work that may use `cap` cores (default all of this process's)."""
+        cores = min(cap or self.cores, self.cores) if self.fixed is None else min(cap or self.fixed, self.fixed)
+        k = cores if self.fixed is not None else threads_for(cores, self.others(fresh))
+        self.last = k
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return k
+
+    def tick(self, fresh: bool = False) -> int:
+        """Inside host_pass: decide again (cheap: a measurement at most every INTERVAL_S) and set BLAS's count and
+        this thread's numba count to it. Call it per window or layer. Returns the count; outside a pass it sets
+        nothing (nothing would set it back)."""
+        if not self._depth:
+            return self.last
+        k = self.threads(fresh=fresh)
+        if self._blas is not None and k != self._blas_now:
+            self._blas[0](k)  # process-wide: a BLAS call already running keeps the threads it started with
+            self._blas_now = k
+        numba = sys.modules.get("numba")  # not imported for it: a pass that runs no numba kernel pays nothing
+        if numba is not None:
+            n = min(k, numba.config.NUMBA_NUM_THREADS)
+            if numba.get_num_threads() != n:
+                numba.set_num_threads(n)  # per calling thread
+        return k
+
+    @contextlib.contextmanager
+    def host_pass(self):
+        """A host pass's threads: measured at entry, renewed by tick(), BLAS's and this thread's numba counts set
+        back to what they were at exit. Nested passes share the outermost one's BLAS count."""
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1 and self._blas is not None:
+                self._blas_before = self._blas_now = int(self._blas[1]())
+        numba = sys.modules.get("numba")
+        numba_before = numba.get_num_threads() if numba is not None else None
+        try:
+            self.tick(fresh=True)
+            yield self
+        finally:
+            if numba_before is not None:
+                numba.set_num_threads(numba_before)
+            with self._lock:
+                self._depth -= 1
+                if self._depth == 0 and self._blas is not None and self._blas_now != self._blas_before:
+                    self._blas[0](self._blas_before)
+                    self._blas_now = self._blas_before
+
+
+_OPENBLAS: list = []
+
+
+def _openblas_pair():
+    """_openblas(), looked up once per process."""
+    if not _OPENBLAS:
+        _OPENBLAS.append(_openblas())
+    return _OPENBLAS[0]
+
+
+POLICY = ThreadPolicy(load=CpuLoad())
+
+
+def host_pass():
+    """`with host_pass() as p:` around a host pass (p.tick() per window), or `@host_pass()` on a pass's function:
+    the process's one POLICY."""
+    return POLICY.host_pass()
+
+
+def tick() -> int | None:
+    """POLICY.tick(): inside a host pass, decide again per window or layer."""
+    return POLICY.tick()

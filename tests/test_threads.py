@@ -1,0 +1,131 @@
+"""The one thread policy (edgeprobe_kernels.threads): its decision from the measured busy cores, the BLAS and numba
+counts it sets and gives back, and that host passes and the agent's lanes both take their counts from it."""
+from types import SimpleNamespace
+
+import numba
+import numpy as np
+import pytest
+from threadpoolctl import threadpool_info, threadpool_limits
+
+from edgeprobe_kernels import threads as T
+
+
+def _blas() -> int:
+    """numpy's OpenBLAS thread count, read back through threadpoolctl."""
+    (info,) = [i for i in threadpool_info() if i["internal_api"] == "openblas"]
+    return info["num_threads"]
+
+
+@pytest.mark.parametrize("cores, others, want", [
+    (2, 0.0, 2), (2, 0.39, 2), (2, 0.41, 1), (2, 0.67, 1), (2, 1.0, 1), (2, 1.33, 1), (2, 2.0, 1),
+    (4, 0.0, 4), (4, 0.5, 3), (4, 1.0, 3), (4, 1.5, 2), (4, 2.41, 1), (4, 4.0, 1),
+    (1, 0.0, 1), (2, -0.2, 2),
+])
+def test_the_decision_leaves_each_core_other_processes_use_over_40_percent_to_them(cores, others, want):
+    assert T.threads_for(cores, others) == want
+    assert T.ThreadPolicy(cores, load=lambda: others, env=False).threads() == want
+
+
+def test_a_fixed_count_wins_over_the_measurement(monkeypatch):
+    assert T.ThreadPolicy(2, load=lambda: 2.0, fixed=2).threads() == 2
+    monkeypatch.setenv("EDGEPROBE_THREADS", "1")
+    assert T.ThreadPolicy(2, load=lambda: 0.0).threads() == 1
+    assert T.ThreadPolicy(2, load=lambda: 0.0, env=False).threads() == 2  # the agent's unmeasured placeholder
+    assert T.ThreadPolicy(2, load=None, env=False).threads() == 2  # no measurement: a quiet machine
+
+
+def test_cpu_load_is_the_busy_time_of_our_cpus_minus_our_own(tmp_path):
+    # jiffies: user nice system idle iowait irq softirq steal; cpu2 is not ours and is left out
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  0 0 0 0 0 0 0 0\ncpu0 100 0 20 500 5 1 2 3\ncpu1 10 0 0 900 0 0 0 0\n"
+                    "cpu2 999 0 0 0 0 0 0 0\nintr 1\n")
+    load = T.CpuLoad(cpus=[0, 1], stat_path=str(stat))
+    t, busy, own = load.sample()
+    assert busy == pytest.approx((100 + 20 + 1 + 2 + 3 + 10) * load.tick_s)
+    # one second: 1.5 CPU-seconds busy, 0.2 of them this process's own -> 1.3 cores used by others
+    assert load.between((0.0, 10.0, 1.0), (1.0, 11.5, 1.2)) == pytest.approx(1.3)
+    assert load.between((0.0, 10.0, 1.0), (1.0, 14.0, 1.0)) == 2.0  # clipped to our CPUs
+    assert load.between((0.0, 10.0, 1.0), (1.0, 10.1, 1.5)) == 0.0  # ticks lag process_time: never negative
+    assert T.CpuLoad(cpus=[0], stat_path=str(tmp_path / "none")).sample() is None
+
+
+def test_a_host_pass_sets_blas_and_numba_then_gives_them_back():
+    assert T._openblas() is not None and numba.config.NUMBA_NUM_THREADS >= 2  # this suite runs on 2+ cores
+    busy = {"others": 1.0}
+    p = T.ThreadPolicy(2, load=lambda: busy["others"], env=False)
+    with threadpool_limits(limits=2, user_api="blas"):
+        numba.set_num_threads(2)
+        assert p.tick() is None and _blas() == 2  # outside a pass nothing is set
+        with p.host_pass() as q:
+            assert q is p and (_blas(), numba.get_num_threads()) == (1, 1)  # beside a busy core: one thread
+            busy["others"] = 0.0
+            assert p.tick() == 2 and (_blas(), numba.get_num_threads()) == (2, 2)  # the neighbour left
+            busy["others"] = 1.0
+            with p.host_pass():  # nested: shares the outer pass's count, gives back nothing of the outer's
+                assert (_blas(), numba.get_num_threads()) == (1, 1)
+            assert _blas() == 1
+        assert (_blas(), numba.get_num_threads()) == (2, 2)
+        with pytest.raises(RuntimeError):
+            with p.host_pass():
+                raise RuntimeError("a failing pass still gives the counts back")
+        assert (_blas(), numba.get_num_threads()) == (2, 2)
+
+
+def test_agent_lanes_and_host_passes_take_their_counts_from_the_same_policy(monkeypatch):
+    from edgeprobe_agent import executor
+    from edgeprobe_agent.executor import Context, execute, validate
+    from edgeprobe_agent.threads import CORES_IN_USE, Cores
+    from edgeprobe_kernels import llama_ops
+
+    monkeypatch.setattr(llama_ops, "SPLIT_HOOK", None)  # enable() installs its hook: given back after the test
+    c = Cores(cores=2)
+    c.enable()
+    assert c.policy is T.POLICY and CORES_IN_USE.policy is not T.POLICY  # the agent's takes POLICY in enable()
+    busy = {"others": 1.0}
+    monkeypatch.setattr(T.POLICY, "load", lambda: busy["others"])
+    monkeypatch.setattr(T.POLICY, "fixed", None)
+    monkeypatch.setattr(executor, "CORES_IN_USE", c)
+    one_lane = {"ops": [{"name": f"c{i}", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}, {"input": "x"}]}
+                        for i in range(3)], "outputs": ["c2"]}
+    plan = validate(one_lane, has_blob=lambda s: False)
+    with threadpool_limits(limits=2, user_api="blas"):
+        seen = {}
+        for others in (1.0, 0.0):
+            busy["others"] = others
+            _, events = execute(plan, {"x": np.ones((2, 2), np.float32)}, Context(get=None))
+            with T.host_pass():
+                seen[others] = ({e["threads"] for e in events}, _blas(), numba.get_num_threads())
+        # a lone lane's op and a host pass: the same count, recorded in each trace event
+        assert seen == {1.0: ({1}, 1, 1), 0.0: ({2}, 2, 2)}
+        assert c.enter() == 2 and c.enter() == 1  # lanes that overlap keep one core each
+        c.leave()
+        c.leave()
+
+
+def test_eval_and_profile_passes_run_inside_the_policy(monkeypatch):
+    from edgeprobe import evaluate
+    from edgeprobe import forward as forward_module
+    from edgeprobe.profile import experts, runner
+
+    monkeypatch.setattr(T.POLICY, "load", lambda: 1.0)  # a neighbour holds a core: passes get one thread
+    monkeypatch.setattr(T.POLICY, "fixed", None)
+    counts = []
+
+    def fake_forward(model, tokens, **kw):
+        counts.append((_blas(), numba.get_num_threads()))
+        return np.zeros((len(tokens), 8), np.float32)
+
+    model = SimpleNamespace(config=SimpleNamespace(context_length=64, vocab_size=8, n_experts=1), tokenizer=None,
+                            name="fake")
+    with threadpool_limits(limits=2, user_api="blas"):
+        numba.set_num_threads(2)
+        monkeypatch.setattr(evaluate, "forward", fake_forward)
+        evaluate.perplexity(model, np.arange(16) % 8, window=4, max_windows=2, progress=False)
+        monkeypatch.setattr(runner, "forward", fake_forward)
+        prof = SimpleNamespace(hooks=lambda m: {}, begin_window=lambda c: None, end_window=lambda n: None)
+        runner.run(model, np.arange(16), prof, window=4, progress=False)  # calibration, outliers, sparsity
+        monkeypatch.setattr(forward_module, "forward", fake_forward)  # record_routing imports it when called
+        monkeypatch.setattr(experts, "_RoutingRecorder", lambda m: SimpleNamespace(
+            hooks=lambda: {}, take=lambda: (np.zeros((4, 1, 1), np.int16), np.zeros((4, 1, 1), np.float32))))
+        trace = experts.record_routing(model, np.arange(8), window=4, progress=False)
+        assert trace.tokens == 8 and counts == [(1, 1)] * 8 and (_blas(), numba.get_num_threads()) == (2, 2)

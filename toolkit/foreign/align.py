@@ -93,6 +93,12 @@ def _linear(e: dict) -> str | None:
     return None
 
 
+def _head(e: dict) -> bool:
+    """The LM head's matmul: llama.cpp's `result_output` tensor, or the `output.weight` it reads."""
+    t = _text(e)
+    return e["kind"].startswith("MUL_MAT") and bool("result_output" in t or re.search(r"(?<![.\w])output\.weight", t))
+
+
 def _candidates(e: dict, done: set, layer: int) -> tuple[list, str | None]:
     """Template op suffixes (in the layer) this event computes, or ([], reason)."""
     kind, t = e["kind"], _text(e)
@@ -171,14 +177,24 @@ def align(trace: Trace, model, tokens: int | None = None) -> Alignment:
         total_us += dur
         layer = e.get("layer", -1)
         reason = None
-        if layer is None or layer < 0 or layer >= cfg["n_layers"]:
-            sfx, reason = [], "no layer of the model"
+        if _head(e):
+            sfx, names = [], ["lm_head"]
+        elif layer is None or layer < 0 or layer >= cfg["n_layers"]:
+            sfx, reason, names = [], "no layer of the model", []
         else:
             sfx, reason = _candidates(e, done, layer)
-        names = [f"blk.{layer}.{s}" for s in sfx]
+            names = [f"blk.{layer}.{s}" for s in sfx]
         if not reason:
             missing = [n for n in names if n not in by_name]
-            reason = f"the template has no {', '.join(missing)}" if missing else _shape_ok(e, sfx, by_name, layer)
+            reason = (f"the template has no {', '.join(missing)}" if missing
+                      else _shape_ok(e, sfx, by_name, layer) if sfx else None)
+        r = int(e.get("rows") or tokens)
+        if not reason and r != tokens and r not in at_rows:
+            at_rows[r] = {o["name"]: o for o in model_ops(weights, r)}
+        if not reason and e.get("rows"):
+            other = next((n for n in names if at_rows[r][n]["shape"][0] != r), None)
+            if other:  # e.g. the template's LM head takes the last row only; a draft model's takes every row
+                reason = f"the template computes {other} on {at_rows[r][other]['shape'][0]} rows, the trace on {r}"
         k = by_kind.setdefault(e["kind"], {"matched_us": 0.0, "unmatched_us": 0.0, "events": 0})
         k["events"] += 1
         if reason:
@@ -192,10 +208,7 @@ def align(trace: Trace, model, tokens: int | None = None) -> Alignment:
         done.update(names)
         e["template_ops"] = names
         e["group"] = by_name[names[0]]["group"]
-        r = int(e.get("rows") or tokens)
         if r != tokens:
-            if r not in at_rows:
-                at_rows[r] = {o["name"]: o for o in model_ops(weights, r)}
             e["template_costs"] = [list(at_rows[r][n]["cost"]) for n in names]
         e["pass"] = passes
         matched_us += dur

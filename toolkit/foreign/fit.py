@@ -51,7 +51,8 @@ def held_out(samples: list, train_layers=None) -> dict:
     per predicted sample its relative error; ops of a lane and kind absent from the training part are counted apart."""
     layers = sorted({s["layer"] for s in samples})
     passes = sorted({s.get("pass", 0) for s in samples})
-    if len(layers) == 1 and layers != [-1] and len(passes) > 1 and train_layers is None:
+    blocks = [l for l in layers if l >= 0]  # -1: ops outside the layers (the LM head) go with their pass
+    if len(blocks) == 1 and len(passes) > 1 and train_layers is None:
         # one layer (a draft model, a one-layer benchmark): fit on the even forward passes, predict the odd ones
         train = [s for s in samples if s.get("pass", 0) % 2 == 0]
         test = [s for s in samples if s.get("pass", 0) % 2 == 1]

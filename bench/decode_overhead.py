@@ -1,0 +1,118 @@
+"""Where a batch-1 decode step's time goes on the agent: its ops, and the time between them (issue 42, item 2).
+
+A local agent decodes --steps greedy tokens after a --prompt-token prompt, the loop on the agent (one request for all
+steps, as a phone's runtime loops) and, with --host-loop, on the host too (a round trip per token). From the trace:
+the time in ops (each event's span; a fused op broken into its parts), a step's span on the agent minus that (the
+overhead on the agent), and the host's wall time per step minus the time in ops (round trips, the reply and its trace
+on top). The overhead on the agent is split by where it falls: before an op that waits for another lane's op (a
+cross-lane hand-off: a thread wakes), before an op that follows one of its own lane, and between steps.
+Schemes are measured in turns (A/B/A/B) so they see the same machine; the load average is printed with each turn.
+--variant DIR adds a second agent whose edgeprobe_agent package comes from DIR (a patched copy of device_agent/ named
+edgeprobe_agent), measured in turns with the installed one: an A/B of an agent change in one run.
+
+    .venv/bin/python bench/decode_overhead.py [--schemes q4_0-tile,w8a8] [--steps 16] [--rounds 2] [--host-loop]
+        [--variant DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import tempfile
+
+
+def step_overhead(dec, steps: int) -> dict:
+    """Per-step ms (medians over steps 1..n-1) of: time in ops, the step's span on the agent, the gaps before ops
+    waiting on another lane, before ops following their own lane, between steps; and the host's wall per step."""
+    by: dict = {}
+    for e in dec.trace.events:
+        g = e.get("group", "")
+        if g.startswith("step") and g != "step0":
+            by.setdefault(int(g[4:]), []).append(e)
+    rows = []
+    prev_end = None
+    for i in sorted(by):
+        evs = sorted(by[i], key=lambda e: e["start_us"])
+        lane_of = {e["name"]: e["lane"] for e in evs}
+        in_ops = sum(e["end_us"] - e["start_us"] for e in evs)
+        span = evs[-1]["end_us"] - evs[0]["start_us"]
+        cross = same = 0.0
+        end = evs[0]["start_us"]
+        for e in evs:
+            gap = max(e["start_us"] - end, 0)
+            if any(lane_of.get(d, e["lane"]) != e["lane"] for d in e.get("deps", [])):
+                cross += gap
+            else:
+                same += gap
+            end = max(end, e["end_us"])
+        between = evs[0]["start_us"] - prev_end if prev_end is not None else float("nan")
+        prev_end = evs[-1]["end_us"]
+        rows.append((in_ops, span, cross, same, between, len(evs),
+                     sum(1 for e in evs if any(lane_of.get(d, e["lane"]) != e["lane"] for d in e.get("deps", []))),
+                     len({e["lane"] for e in evs})))
+    med = lambda k: statistics.median(r[k] for r in rows) / 1e3
+    wall = dec.decode_s / steps * 1e3
+    return {"in_ops": med(0), "span": med(1), "on_agent": med(1) - med(0), "cross_lane": med(2), "same_lane": med(3),
+            "between_steps": statistics.median(r[4] for r in rows[1:]) / 1e3 if len(rows) > 1 else float("nan"),
+            "ops": rows[0][5], "handoffs": rows[0][6], "lanes": rows[0][7], "wall": wall, "host": wall - med(0)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--schemes", default="q4_0-tile,w8a8")
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--host-loop", action="store_true", help="also the loop on the host (a round trip per token)")
+    ap.add_argument("--variant", help="a folder holding a patched edgeprobe_agent package: its agent runs in turns")
+    args = ap.parse_args()
+    from edgeprobe import models
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.device import Device
+    from edgeprobe.prepare import prepared
+
+    m = models.load("smollm2-135m")
+    ids = m.tokenizer.encode(read_corpus("heldout"))[:args.prompt]
+    schemes = [s for s in args.schemes.split(",") if s]
+    qms = {s: prepared(m, s, say=print) for s in schemes}
+    loops = ["agent"] + (["host"] if args.host_loop else [])
+    how = {"agent": dict(loop="agent", logits="last"), "host": dict(loop="host")}
+    got: dict = {}
+    with contextlib.ExitStack() as stack:
+        agents = {"installed": stack.enter_context(Device.local(store=stack.enter_context(tempfile.TemporaryDirectory(
+            prefix="decode-overhead-"))))}
+        if args.variant:  # the agent process imports edgeprobe_agent from the variant's folder first
+            old = os.environ.get("PYTHONPATH")
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(args.variant), old]))
+            try:
+                agents["variant"] = stack.enter_context(Device.local(store=stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix="decode-overhead-"))))
+            finally:
+                os.environ.pop("PYTHONPATH") if old is None else os.environ.update(PYTHONPATH=old)
+        for dev in agents.values():
+            for s in schemes:
+                for loop in loops:
+                    dev.generate(qms[s], ids, 4, progress=False, **how[loop])  # upload, runners built, warm
+        for r in range(args.rounds):
+            for s in schemes:
+                for loop in loops:
+                    for agent, dev in agents.items():
+                        load = os.getloadavg()[0]
+                        d = dev.generate(qms[s], ids, args.steps, progress=False, **how[loop])
+                        got.setdefault((s, loop, agent), []).append({**step_overhead(d, args.steps), "load": load})
+    print(f"\nbatch-1 decode, {args.steps} steps after a {args.prompt}-token prompt, medians over steps and "
+          f"{args.rounds} round(s) (ms per step; load average at each run in brackets)")
+    for (s, loop, agent), runs in got.items():
+        med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+        loads = ", ".join(f"{r['load']:.1f}" for r in runs)
+        who = f"{agent} agent, " if args.variant else ""
+        print(f"{s:<10} {who}loop on the {loop:<5}: wall {med['wall']:6.1f}, in ops {med['in_ops']:6.1f}, "
+              f"outside ops on the agent {med['on_agent']:5.2f} (before {med['handoffs']} cross-lane hand-offs "
+              f"{med['cross_lane']:5.2f}, after an op of the same lane {med['same_lane']:5.2f}; between steps "
+              f"{med['between_steps']:.2f}), outside ops seen from the host {med['host']:5.2f}; {med['ops']} ops "
+              f"on {med['lanes']} lane(s) a step [load {loads}]")
+
+
+if __name__ == "__main__":
+    main()

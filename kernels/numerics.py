@@ -17,28 +17,64 @@ import numpy as np
 HIST_BINS = 64
 HIST_LO = -32                       # bin 0: floor(log2|x|) <= -32; bin 63: >= 31
 MAX_FULL_BYTES = 256 << 20          # full tensors one run may send back unless the request sets full_limit_bytes
-_ABS = np.uint32(0x7FFFFFFF)
 
 
-def summarize(x) -> dict:
-    """The summary of one array (see the module doc); float32 math for the histogram, float64 sums for the moments."""
+try:  # one serial pass per tensor where numba is (the local agent, the host); numpy's passes elsewhere (arm64)
+    import numba
+except ImportError:
+    numba = None
+
+
+def _moments_numpy(f: np.ndarray) -> tuple:
+    """f float32[n] -> (counts int64[256] of the biased exponent, sum x^2, sum x, max |x|, zeros), finite x only
+    in the sums (no BLAS: its threads crawl on a loaded phone's cores)."""
+    counts = np.bincount((f.view(np.uint32) >> np.uint32(23)).astype(np.uint8), minlength=256)
+    if counts[255]:
+        f = f[np.isfinite(f)]
+    if not f.size:
+        return counts, 0.0, 0.0, 0.0, 0
+    return (counts, float(np.einsum("i,i->", f, f, dtype=np.float64)), float(f.sum(dtype=np.float64)),
+            float(max(f.max(), -f.min())), int(np.count_nonzero(f == 0)) if counts[0] else 0)
+
+
+if numba is not None:
+    @numba.njit(nogil=True, cache=True)
+    def _moments_numba(f):
+        counts = np.zeros(256, np.int64)
+        bits = f.view(np.uint32)
+        ss, sm, mx, zeros = 0.0, 0.0, 0.0, 0
+        for i in range(f.size):
+            e = (bits[i] >> 23) & 0xFF
+            counts[e] += 1
+            if e != 255:
+                v = np.float64(f[i])
+                ss += v * v
+                sm += v
+                a = abs(v)
+                if a > mx:
+                    mx = a
+                if e == 0 and v == 0.0:
+                    zeros += 1
+        return counts, ss, sm, mx, zeros
+else:
+    _moments_numba = None
+
+
+def summarize(x, use_numba: bool = True) -> dict:
+    """The summary of one array (see the module doc): float64 sums, an exact histogram from float32 exponent bits."""
     a = np.asarray(x)
     out = {"shape": list(a.shape), "dtype": a.dtype.name, "size": int(a.size)}
     f = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
-    bits = f.view(np.uint32)
-    exp = (bits >> np.uint32(23)).astype(np.int16) & 0xFF  # biased exponent: 255 inf/nan, 0 zero/subnormal
-    nonfinite = int(np.count_nonzero(exp == 255))
-    zeros = int(np.count_nonzero((bits & _ABS) == 0))
-    e = np.clip(exp - (127 - (-HIST_LO)), 0, HIST_BINS - 1)  # floor(log2|x|) - HIST_LO, clamped into the bins
-    hist = np.bincount(e, minlength=HIST_BINS).astype(np.int64)
-    hist[-1] -= nonfinite  # exponent 255 landed in the top bin
-    hist[0] -= zeros       # exponent 0 with mantissa 0 landed in the bottom bin
-    d = f.astype(np.float64)
-    if nonfinite:
-        d = d[np.isfinite(d)]
-    n = d.size
-    out.update(l2=float(np.sqrt(np.dot(d, d))) if n else 0.0, max_abs=float(np.abs(d).max()) if n else 0.0,
-               mean=float(d.sum() / n) if n else 0.0, nonfinite=nonfinite, zeros=zeros, hist=hist.tolist())
+    moments = _moments_numba if use_numba and _moments_numba is not None else _moments_numpy
+    counts, ss, sm, mx, zeros = moments(f)
+    nonfinite = int(counts[255])
+    lo = 127 + HIST_LO  # the biased exponent of bin 0
+    hist = counts[lo:lo + HIST_BINS].astype(np.int64)
+    hist[0] += counts[:lo].sum() - zeros  # below the bins: subnormals and tiny values
+    hist[-1] += counts[lo + HIST_BINS:255].sum()
+    n = f.size - nonfinite
+    out.update(l2=float(np.sqrt(ss)), max_abs=float(mx), mean=float(sm / n) if n else 0.0, nonfinite=nonfinite,
+               zeros=int(zeros), hist=hist.tolist())
     return out
 
 

@@ -13,10 +13,14 @@ def _ref_hist(x):
     return np.bincount(np.clip(e - HIST_LO, 0, HIST_BINS - 1), minlength=HIST_BINS)
 
 
-def test_summary_of_a_random_tensor_matches_numpy():
+BOTH = pytest.mark.parametrize("use_numba", [True, False], ids=["numba", "numpy"])
+
+
+@BOTH
+def test_summary_of_a_random_tensor_matches_numpy(use_numba):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((37, 53)) * np.exp(rng.uniform(-20, 20, (37, 53)))).astype(np.float32)
-    s = summarize(x)
+    s = summarize(x, use_numba)
     d = x.astype(np.float64)
     assert s["shape"] == [37, 53] and s["dtype"] == "float32" and s["size"] == x.size
     assert s["l2"] == pytest.approx(np.linalg.norm(d), rel=1e-12)
@@ -25,10 +29,11 @@ def test_summary_of_a_random_tensor_matches_numpy():
     assert s["hist"] == _ref_hist(x).tolist() and sum(s["hist"]) == x.size
 
 
-def test_histogram_bins_are_floor_log2_with_clamped_ends_and_special_values_counted_apart():
+@BOTH
+def test_histogram_bins_are_floor_log2_with_clamped_ends_and_special_values_counted_apart(use_numba):
     x = np.array([1.0, 1.5, 2.0, -3.99, 0.5, 2.0 ** -40, 1e-45, 2.0 ** 40, 0.0, -0.0, np.inf, -np.inf, np.nan],
                  np.float32)
-    s = summarize(x)
+    s = summarize(x, use_numba)
     h = s["hist"]
     assert h[0 - HIST_LO] == 2        # 1.0, 1.5: floor(log2) 0
     assert h[1 - HIST_LO] == 2        # 2.0, -3.99: floor(log2) 1
@@ -41,11 +46,12 @@ def test_histogram_bins_are_floor_log2_with_clamped_ends_and_special_values_coun
     assert s["hist"] == _ref_hist(x).tolist()
 
 
-def test_summary_of_integer_and_empty_tensors():
-    s = summarize(np.arange(-3, 5, dtype=np.int32))
+@BOTH
+def test_summary_of_integer_and_empty_tensors(use_numba):
+    s = summarize(np.arange(-3, 5, dtype=np.int32), use_numba)
     assert s["dtype"] == "int32" and s["l2"] == pytest.approx(np.sqrt(sum(i * i for i in range(-3, 5))))
     assert s["zeros"] == 1 and s["mean"] == 0.5 and s["max_abs"] == 4
-    e = summarize(np.zeros((0, 4), np.float32))
+    e = summarize(np.zeros((0, 4), np.float32), use_numba)
     assert e["size"] == 0 and e["l2"] == 0 and sum(e["hist"]) == 0
 
 

@@ -169,6 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--ssh-key", help="private key for --device ssh://")
     r.add_argument("--known-hosts", help="known_hosts file that must hold the device's host key (ssh)")
     r.add_argument("--trace", help="write the trace as Chrome/Perfetto JSON here")
+    r.add_argument("--numerics", action="store_true",
+                   help="capture each op's output on the agent (L2, max, mean, log2 histogram, non-finite count; "
+                        "whole tensors where they fit) and compare it op by op with the host's simulation of the "
+                        "scheme and with the float model; the JSON adds numerics (the first divergent op)")
+    r.add_argument("--numerics-ops", metavar="PATTERN",
+                   help="with --numerics: the ops to capture, comma-separated globs ('blk.1.*,lm_head'; default all)")
+    r.add_argument("--numerics-out", metavar="DIR",
+                   help="with --numerics: write numerics.json and numerics.html (divergence by depth) here")
+    r.add_argument("--numerics-tolerance", type=float, metavar="REL_L2",
+                   help="with --numerics: the device-vs-simulation relative L2 error past which an op diverged "
+                        "(default 1e-4)")
     r.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(fn=cmd_run)

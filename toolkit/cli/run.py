@@ -65,6 +65,10 @@ def cmd_run(args) -> int:
         print("edgeprobe: error: --store is one agent's flash; with several --device each local agent picks a store of "
               "its own (and says which)", file=sys.stderr)
         return 2
+    why = _numerics_refusal(args, specs)
+    if why:
+        print(f"edgeprobe: error: {why}", file=sys.stderr)
+        return 2
     if len(specs) > 1 and args.decode is not None:
         print("edgeprobe: error: --decode runs on one device; give one --device (several run one prefill and compare)",
               file=sys.stderr)
@@ -88,6 +92,10 @@ def cmd_run(args) -> int:
         say(f"--chunk {args.chunk} is longer than the {n}-token prompt: prefilling it as one chunk of {n} tokens")
         args.chunk = n
     tokens = ids[:n]
+    if args.numerics and args.numerics_ops is not None and not _numerics_ops_exist(model, n, args.numerics_ops):
+        print(f"edgeprobe: error: --numerics-ops {args.numerics_ops!r} names no op of the plan (ops are named like "
+              "'embed', 'blk.1.attn_q', 'blk.1.*', 'lm_head')", file=sys.stderr)
+        return 2
     if len(specs) > 1:
         return _run_farm(args, specs, model, ids, tokens, say)
     args.device = specs[0]  # one device: its JSON names it as a string, as ever
@@ -167,6 +175,7 @@ def _reference_fields(args, res, info: dict, ref) -> dict:
 
 def _run_one(args, model, ids, tokens, say) -> int:
     from ..device import open_device
+    from ..numerics import NumericsError
     from ..schedule import ScheduleError
     from ..workflows import host_logits
 
@@ -193,8 +202,11 @@ def _run_one(args, model, ids, tokens, say) -> int:
         try:
             if args.decode:
                 return _run_decode(args, dev, qm, model, tokens, progress, before)
-            res, extra = _prefill(args, dev, qm, tokens, ids, progress)
-        except ScheduleError as e:
+            if args.numerics:
+                res, extra = _prefill_numerics(args, dev, qm, model, tokens, progress)
+            else:
+                res, extra = _prefill(args, dev, qm, tokens, ids, progress)
+        except (ScheduleError, NumericsError) as e:
             print(f"edgeprobe: error: {e}", file=sys.stderr)
             return 2
         upload = dev.uploaded_bytes - before
@@ -219,6 +231,8 @@ def _run_one(args, model, ids, tokens, say) -> int:
             print(f"predicted makespan {out['predicted_makespan_ms']:.1f} ms = "
                   f"{out['predicted_over_measured']:.2f}x the measured "
                   f"({out.get('cost_model', args.cost_model)} cost model)")
+        if out.get("numerics"):
+            _say_numerics(out["numerics"])
         if out["npu_dsp"]:
             d = out["npu_dsp"]
             print(f"npu lane on {d['isa']} (qemu-hexagon): {d['hvx_packets']} packets, estimated "
@@ -303,6 +317,60 @@ def _prefill(args, dev, qm, tokens, ids, progress: bool, per_device: bool = Fals
     res = dev.prefill_chunked(qm, tokens, chunk=args.chunk, scheduler=args.scheduler, cost_model=cost,
                               progress=progress)
     return res, {"device_profile": cost.name, "cost_model": cost.name}  # device_profile: the field's first name
+
+
+def _numerics_refusal(args, specs) -> str | None:
+    """Why --numerics and its flags cannot run as asked (None: they can)."""
+    given = [f for f, v in (("--numerics-ops", args.numerics_ops), ("--numerics-out", args.numerics_out),
+                            ("--numerics-tolerance", args.numerics_tolerance)) if v is not None]
+    if not args.numerics:
+        return f"{given[0]} applies with --numerics; add --numerics" if given else None
+    if len(specs) > 1 or args.decode is not None or args.scheduler != "layer":
+        return ("--numerics captures one device's layer-by-layer prefill: give one --device, leave --scheduler at "
+                "layer and drop --decode")
+    if args.numerics_tolerance is not None and not args.numerics_tolerance > 0:
+        return f"--numerics-tolerance must be a positive relative L2 error, got {args.numerics_tolerance}"
+    return None
+
+
+def _numerics_ops_exist(model, n: int, pattern: str) -> bool:
+    """Whether the glob pattern names an op of the model's n-token prefill (the template's names, nothing run)."""
+    from edgeprobe_kernels.numerics import select
+
+    from ..forward import HOST_OPS
+    from ..graph.local import float_plan
+
+    return bool(select(float_plan(model.config, n, 1, False, "last", HOST_OPS).order, pattern))
+
+
+def _prefill_numerics(args, dev, qm, model, tokens, progress: bool):
+    """--numerics: the prefill with every chosen op captured, compared with the host -> (RunResult, extra fields)."""
+    from ..numerics import DEFAULT_TOLERANCE, prefill_numerics
+
+    tol = args.numerics_tolerance or DEFAULT_TOLERANCE
+    res = prefill_numerics(dev, qm, tokens, ops=args.numerics_ops, float_model=model, tolerance=tol,
+                           progress=progress)
+    rep = res.numerics
+    worst = max(rep.ops, key=lambda r: r["device_vs_sim"]["rel_l2"])
+    out = {"tolerance": tol, "ops": len(rep.ops), "full_captured": rep.meta["full_captured"],
+           "first_divergent": rep.first_divergent,
+           "max_device_vs_sim": {"op": worst["op"], **worst["device_vs_sim"]},
+           "capture_ms": sum(e["end_us"] - e["start_us"] for e in res.trace.events if e["kind"] == "numerics") / 1e3}
+    if args.numerics_out:
+        out["files"] = rep.write(args.numerics_out)
+    return res, {"numerics": out}
+
+
+def _say_numerics(nm: dict) -> None:
+    """--numerics in words: the first divergent op, or the largest device-vs-simulation error."""
+    f = nm["first_divergent"]
+    where = (f"first divergent op {f['op']} (relative L2 {f['rel_l2']:.3g} vs the simulation, tolerance "
+             f"{nm['tolerance']:g})" if f else
+             f"no op leaves the simulation by more than relative L2 {nm['tolerance']:g} (largest: "
+             f"{nm['max_device_vs_sim']['op']}, {nm['max_device_vs_sim']['rel_l2']:.3g})")
+    files = f"; wrote {nm['files']['json']} and {nm['files']['html']}" if nm.get("files") else ""
+    print(f"numerics of {nm['ops']} ops ({nm['full_captured']} whole, capture {nm['capture_ms']:.1f} ms on the "
+          f"lanes): {where}{files}")
 
 
 def _dsp_totals(events) -> dict | None:

@@ -9,7 +9,8 @@ import pytest
 from edgeprobe.errors import EdgeprobeError
 from edgeprobe.foreign import ForeignTraceError, detect_format, load_foreign
 from edgeprobe.foreign.align import align
-from edgeprobe.foreign.fit import FittedCostModel, fit, fit_line, load_cost_model
+from edgeprobe.foreign.fit import FittedCostModel, fit, fit_line, fit_samples, held_out, load_cost_model
+from edgeprobe.schedule.cost import _build_fitted
 
 DATA = Path(__file__).parent / "data" / "foreign"
 HEX = DATA / "llamacpp_hexagon" / "issue18139_mul_mat.log"
@@ -153,16 +154,51 @@ def test_alignment_checks_weight_shapes():
 
 
 # ---- fitted cost model --------------------------------------------------------------------------------
-def _ref_fit(xs, ys):
-    """Independent least squares (numpy lstsq) of us = a + b * flops; one size or a negative fixed cost: through the
-    origin."""
+def _lawson_hanson(A, y):
+    """Independent NNLS (Lawson & Hanson's active-set method) of min |A x - y|, x >= 0."""
+    n = A.shape[1]
+    x, passive = np.zeros(n), np.zeros(n, bool)
+    for _ in range(50):
+        w = A.T @ (y - A @ x)
+        if passive.all() or w[~passive].max() <= 1e-12 * np.abs(A.T @ y).max():
+            return x
+        passive[np.argmax(np.where(passive, -np.inf, w))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(A[:, passive], y, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            neg = passive & (z <= 0)
+            alpha = np.min(x[neg] / (x[neg] - z[neg]))
+            x = x + alpha * (z - x)
+            passive &= x > 1e-15
+    return x
+
+
+def _ref_fit(xs, ys, bs=None, gemv=False):
+    """Independent fit of us = a + b * flops + c * bytes, a, b, c >= 0 (Lawson-Hanson). The documented tie rule:
+    bytes exactly proportional to FLOPs (one M) -> bytes is dropped, or FLOPs in a GEMV (M below threshold) regime.
+    Returns (a, b, c)."""
     xs, ys = np.asarray(xs, float), np.asarray(ys, float)
-    if len(set(xs)) < 2:
-        return 0.0, ys.mean() / xs.mean()
-    (a, b), *_ = np.linalg.lstsq(np.stack([np.ones_like(xs), xs], 1), ys, rcond=None)
-    if a < 0 or b <= 0:  # the documented rule: a negative fixed cost -> a line through the origin
-        return 0.0, float(xs @ ys / (xs @ xs))
-    return a, b
+    bs = np.zeros_like(xs) if bs is None else np.asarray(bs, float)
+    cols = [np.ones_like(xs), xs, bs]
+    keep = [True, True, bool(bs.any())]
+    if bs.any() and np.linalg.matrix_rank(np.stack([xs / xs.max(), bs / bs.max()], 1)) < 2:
+        keep[1 if gemv else 2] = False
+    if len(set(zip(xs, bs))) < 2:  # one size: the rate (or bandwidth) alone, through the origin
+        keep[0] = False
+    idx = [i for i in range(3) if keep[i]]
+    A = np.stack([cols[i] / cols[i].max() for i in idx], 1)
+    sol = _lawson_hanson(A, ys)
+    out = [0.0, 0.0, 0.0]
+    for i, v in zip(idx, sol):
+        out[i] = v / cols[i].max()
+    return tuple(out)
+
+
+def _ref_pred(c, s):
+    return c[0] + c[1] * s["flops"] + c[2] * s.get("bytes", 0)
 
 
 def test_fit_held_out_error_recomputed_independently(tmp_path):
@@ -174,39 +210,122 @@ def test_fit_held_out_error_recomputed_independently(tmp_path):
     errs = []
     for s in test:
         same = [t for t in train if t["kind"] == s["kind"]]
-        ca, cb = _ref_fit([t["flops"] for t in same], [t["us"] for t in same])
-        errs.append(abs(ca + cb * s["flops"] - s["us"]) / s["us"])
+        c = _ref_fit([t["flops"] for t in same], [t["us"] for t in same], [t["bytes"] for t in same])
+        errs.append(abs(_ref_pred(c, s) - s["us"]) / s["us"])
     h = m.held_out
     assert h["n_predicted"] == len(test) == 5 and h["n_unseen_kind"] == 0
     assert h["median_rel_error"] == pytest.approx(np.median(errs), rel=1e-9)
     assert h["time_weighted_rel_error"] == pytest.approx(np.average(errs, weights=[s["us"] for s in test]), rel=1e-9)
     lin = [s for s in samples if s["kind"] == "linear"]
-    ra, rb = _ref_fit([s["flops"] for s in lin], [s["us"] for s in lin])
+    ra, rb, rc = _ref_fit([s["flops"] for s in lin], [s["us"] for s in lin], [s["bytes"] for s in lin])
     f = m.fits["npu"]["linear"]
+    # one M (2 rows) in the whole trace: bytes ∝ FLOPs, one regime, priced by FLOPs
+    assert f["regime"] == "one: every op has M = 2" and "below" not in f and f["us_per_byte"] == rc == 0
     assert f["fixed_us"] == pytest.approx(ra, rel=1e-9) and f["us_per_flop"] == pytest.approx(rb, rel=1e-9)
     op = next(o for o in a.ops if o["name"] == "blk.5.ffn_down")
     assert m.op_time_us(op, "npu") == pytest.approx(ra + rb * op["cost"][1], rel=1e-12)
     path = tmp_path / "lfm2.json"
     m.to_json(path)
+    assert json.loads(path.read_text())["version"] == 2
     again = load_cost_model(path)
     assert again == m and isinstance(again, FittedCostModel)
 
 
+def _synthetic(kernels=True):
+    """Ops of known cost: M < 3 a GEMV (5 µs + bytes / 50 B/µs), M >= 3 a GEMM (30 µs + 1 µs/MFLOP + 1 µs/kB);
+    weights of 1 or 4 bytes each, so bytes and FLOPs are not proportional within a regime."""
+    out = []
+    for i, (k, n) in enumerate([(64, 128), (128, 128), (256, 64), (512, 256)]):
+        for bpw in (1, 4):
+            for m in (1, 2, 3, 8, 16):
+                fl, by = 2 * m * k * n, bpw * k * n
+                us = 5 + by / 50 if m < 3 else 30 + fl * 1e-6 + by * 1e-3
+                out.append({"lane": "gpu", "kind": "linear", "flops": fl, "bytes": by, "rows": m, "us": us,
+                            "kernel": ("gemv" if m < 3 else "gemm") if kernels else None, "name": f"w{i}.{bpw}",
+                            "layer": 0})
+    return out
+
+
+def test_fit_recovers_known_coefficients_in_both_regimes():
+    s = _synthetic()
+    f = fit_line([x["flops"] for x in s], [x["us"] for x in s], [x["bytes"] for x in s], [x["rows"] for x in s],
+                 [x["kernel"] for x in s], [x["name"] for x in s])
+    assert f["regime"] == "two: M < 3 and M >= 3 (gemv / gemm)" and f["below"]["rows_lt"] == 3
+    assert (f["fixed_us"], f["us_per_flop"], f["us_per_byte"]) == pytest.approx((30, 1e-6, 1e-3), rel=1e-9)
+    b = f["below"]
+    assert (b["fixed_us"], b["us_per_flop"], b["us_per_byte"]) == pytest.approx((5, 0, 0.02), rel=1e-9, abs=1e-15)
+    assert b["bandwidth_gbs"] == pytest.approx(0.05, rel=1e-9) and f["fit_median_rel_error"] < 1e-9
+    assert (b["rows_range"], f["rows_range"], b["kernels"], f["kernels"]) == ([1, 2], [3, 16], ["gemv"], ["gemm"])
+    # without kernel names the threshold is found from the times alone (it halves the squared error)
+    g = fit_line([x["flops"] for x in s], [x["us"] for x in s], [x["bytes"] for x in s], [x["rows"] for x in s])
+    assert g["below"]["rows_lt"] == 3 and g["us_per_byte"] == pytest.approx(1e-3, rel=1e-9)
+    # one law for every M, one kernel: one regime, said so; the bytes term still recovered
+    one = [{**x, "us": 7 + x["flops"] * 2e-6 + x["bytes"] * 5e-3, "kernel": "gemm"} for x in s]
+    h = fit_line([x["flops"] for x in one], [x["us"] for x in one], [x["bytes"] for x in one],
+                 [x["rows"] for x in one], [x["kernel"] for x in one], [x["name"] for x in one])
+    assert "below" not in h and h["regime"] == "one: no M threshold separates the kernels an op runs"
+    assert (h["fixed_us"], h["us_per_flop"], h["us_per_byte"]) == pytest.approx((7, 2e-6, 5e-3), rel=1e-9)
+    # too few ops below every threshold: one regime
+    few = [x for x in s if x["rows"] != 2][:-12]
+    assert "below" not in fit_line([x["flops"] for x in few], [x["us"] for x in few], [x["bytes"] for x in few],
+                                   [1 if x["rows"] == 1 and i < 2 else 8 for i, x in enumerate(few)])
+    # held out on the synthetic ops: exact
+    h2 = held_out([{**x, "layer": i % 2} for i, x in enumerate(s)])
+    assert h2["max_rel_error"] == pytest.approx(0, abs=1e-9)
+
+
+def test_fitted_model_priced_per_regime_and_bytes_and_version_1_files_load(tmp_path):
+    s = _synthetic()
+    m = _build_fitted("syn", fit_samples(s), None, "synthetic", 0.0, {}, {}, {})
+    op = lambda m_, fl, by: {"cost": ["linear", fl, by], "shape": [m_, 64], "lane": "gpu"}
+    assert m.op_time_us(op(1, 2 * 64 * 64, 4096)) == pytest.approx(5 + 4096 / 50, rel=1e-9)
+    assert m.op_time_us(op(32, 2 * 32 * 64 * 64, 4096)) == pytest.approx(30 + 2 * 32 * 4096e-6 + 4.096, rel=1e-9)
+    v1 = tmp_path / "v1.json"  # a file written before the bytes term: FLOPs only
+    v1.write_text(json.dumps({"format": "edgeprobe-fitted-cost-model", "version": 1, "name": "old", "source": "x",
+                              "fits": {"npu": {"linear": {"fixed_us": 10.0, "us_per_flop": 1e-6, "rate_gflops": 1000.0,
+                                                          "n": 3, "sizes": 2}}}, "base": "snapdragon-8gen3",
+                              "sync_us": 100.0, "launch_us": {}, "held_out": {}, "trace_source": {}}))
+    old = load_cost_model(v1)
+    assert old.op_time_us({"cost": ["int8_linear", 4e6, 1e6], "shape": [1, 8], "lane": "npu"}) == 14.0
+    assert old.rate("npu", "linear") == pytest.approx(1000.0)
+
+
 def test_fitted_model_prices_schedules_and_rejects_other_json(tmp_path):
     from edgeprobe.models import ModelConfig
-    from edgeprobe.schedule.cost import cost_model
+    from edgeprobe.models.config import plan_manifest
+    from edgeprobe.schedule.cost import cost_model, fitted_time_us
     from edgeprobe.schedule.graph import chunk_graph
+    from edgeprobe.schedule.predict import predicted_schedule
     from edgeprobe.schedule.schedulers import schedule
 
     m = fit(align(load_foreign(LFM2), LFM2_CONFIG))
     g = chunk_graph(ModelConfig(**LFM2_CONFIG), 128, 64)
     base = cost_model("snapdragon-8gen3")
     for sg in g.subgraphs:  # fitted lanes by the fit, the others by the named base
+        fits = m.fits.get(sg.lane, {})
+        lin = sum(fl for k, fl in sg.costs if k in ("linear", "int8_linear")) or 1
         want = base.time_us(sg) if sg.lane not in m.fits else sum(
-            m.fits[sg.lane].get(k, m.fits[sg.lane].get("linear"))["fixed_us"]
-            + m.fits[sg.lane].get(k, m.fits[sg.lane].get("linear"))["us_per_flop"] * fl for k, fl in sg.costs)
+            fitted_time_us(fits.get(k, fits.get("linear")), fl,
+                           sg.weight_bytes * fl / lin if k in ("linear", "int8_linear") else 0, sg.tokens)
+            for k, fl in sg.costs)
         assert m.time_us(sg) == pytest.approx(want, rel=1e-12)
     assert len(schedule(g, m, "ooo").slots) == len(g.subgraphs)
+    # a config-only model: predicted_schedule plans it (float stand-ins) and prices each op of the graph
+    lin = fit_samples([{**x, "lane": "npu"} for x in _synthetic()])["npu"]["linear"]
+    fits = {"npu": {"linear": lin, "elementwise": {"fixed_us": 1.0, "us_per_flop": 1e-3}}}  # a version-1 fit beside
+    syn = _build_fitted("syn", fits, "snapdragon-8gen3", "synthetic", 100.0, {}, {}, {})
+    cfg = ModelConfig(**LFM2_CONFIG)
+    graph, plan = predicted_schedule(cfg, 128, 64, "ooo", syn, scheme="float")
+    assert [x.costs for x in graph.subgraphs] == [x.costs for x in chunk_graph(
+        cfg, 128, 64, manifest=plan_manifest(cfg, "float")).subgraphs]
+    ops = graph.ops_of()
+    for sg in graph.subgraphs:
+        want = base.time_us(sg) if sg.lane not in fits else sum(
+            fitted_time_us(fits[sg.lane][o["cost"][0]], *o["cost"][1:], o["shape"][0]) for o in ops[sg.name])
+        _, s, e = plan.slots[sg.name]
+        assert e - s == pytest.approx(want, rel=1e-12)
+    head = next(o for o in graph.ops if o["name"] == "lm_head")  # 1 row: the GEMV regime, by its weight bytes
+    assert head["shape"][0] == 1 and syn.op_time_us(head, "npu") == pytest.approx(5 + head["cost"][2] / 50, rel=1e-9)
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"format": "edgeprobe-fitted-cost-model", "version": 99}))
     with pytest.raises(ForeignTraceError) as exc:
@@ -221,10 +340,10 @@ def test_fit_from_a_benchmark_log_without_layers():
     errs = [abs(b * flops - u) / u for u in (us[1], us[3])]
     assert m.held_out["median_rel_error"] == pytest.approx(np.median(errs), rel=1e-12)
     assert m.fits["npu"]["MUL_MAT"]["us_per_flop"] == pytest.approx(np.mean(us) / flops, rel=1e-12)
+    assert m.fits["npu"]["MUL_MAT"]["regime"] == "one: every op has M = 64"
     assert fit_line([1.0, 2.0], [3.0, 5.0])["fixed_us"] == pytest.approx(1.0)
 
 
-# ---- bad input: one line naming the file, the line or record, and the format expected --------------------------
 def _cli(argv, capsys) -> tuple[int, str, str]:
     from edgeprobe.cli import main
 
@@ -373,15 +492,27 @@ def test_opencl_csv_alignment_rows_per_pass_and_held_out():
     matched = sum(float(r[2]) * 1e3 for r, e in zip(rows, ev) if e.get("template_ops"))
     assert a.matched_us == pytest.approx(matched, rel=1e-12)
     m = fit(a, name="adreno")
-    samples = a.samples()
+    # the trace's kernels: a matmul runs kernel_gemv_noshuffle at 1 row and kernel_mul_mat_Ab_Bi_8x4 at 2 and more
+    # (the LM head keeps Ab_Bi at 1 row); elementwise kernels do not change with rows
+    rows = [e["rows"] for e in ev if e.get("template_ops")]
+    samples = [{**s, "rows": r} for s, r in zip(a.samples(), rows)]
+    lin = m.fits["gpu"]["linear"]
+    assert lin["regime"] == "two: M < 2 and M >= 2 (kernel_gemv_noshuffle / kernel_mul_mat_Ab_Bi_8x4)"
+    assert lin["below"]["kernels"] == ["kernel_gemv_noshuffle", "kernel_mul_mat_Ab_Bi_8x4"]
+    assert "below" not in m.fits["gpu"]["elementwise"]
     train = [s for s in samples if s["pass"] in (0, 2)]
-    errs = []
+    errs, w = [], []
     for s in (s for s in samples if s["pass"] in (1, 3)):
-        same = [x for x in train if x["kind"] == s["kind"]]
-        ca, cb = _ref_fit([x["flops"] for x in same], [x["us"] for x in same])
-        errs.append(abs(ca + cb * s["flops"] - s["us"]) / s["us"])
+        gemv = s["kind"] == "linear" and s["rows"] < 2
+        same = [x for x in train if x["kind"] == s["kind"] and (s["kind"] != "linear" or (x["rows"] < 2) == gemv)]
+        c = _ref_fit([x["flops"] for x in same], [x["us"] for x in same], [x["bytes"] for x in same], gemv)
+        errs.append(abs(_ref_pred(c, s) - s["us"]) / s["us"])
+        w.append(s["us"])
     assert m.held_out["split"].startswith("one layer") and m.held_out["n_predicted"] == len(errs) == 23
     assert m.held_out["median_rel_error"] == pytest.approx(np.median(errs), rel=1e-9)
+    assert m.held_out["time_weighted_rel_error"] == pytest.approx(np.average(errs, weights=w), rel=1e-9)
+    # 1-row matmuls are priced by their weight bytes (the GEMV streams them), not their FLOPs
+    assert lin["below"]["us_per_flop"] == 0 and lin["below"]["bandwidth_gbs"] > 0
 
 
 def test_opencl_csv_bad_input(tmp_path):

@@ -1,47 +1,147 @@
 """A cost model fitted from a real trace (HeteroLLM §4's "predicted" mode, from measured ops instead of one sentence).
 
-Per lane and cost kind (graph.template's: linear, int8_linear, attention, elementwise, ...) a fixed cost per op and a
-time per FLOP, by least squares over aligned ops: us = fixed_us + us_per_flop * FLOPs. One size only: the fixed
-cost is 0 and the rate is the mean (said so in `sizes`). Held-out error: fit on some layers, predict the others.
-The result is a FittedCostModel (schedule.cost, beside the named ones) usable wherever a cost model is.
+Per lane and cost kind (graph.template's: linear, int8_linear, attention, elementwise, ...):
+us = fixed_us + us_per_flop * FLOPs + us_per_byte * weight bytes, by non-negative least squares over the aligned ops
+(a 1-row matmul is a GEMV, priced by the weights it streams, not its FLOPs). Where the ops' token rows M span a kernel
+change (llama.cpp's OpenCL runs kernel_gemv_noshuffle at M=1 and kernel_mul_mat_Ab_Bi_8x4 above), a second set of
+coefficients for M below a threshold found from the data (`below`), only when both regimes hold MIN_REGIME ops.
+Held-out error: fit on some layers (or passes), predict the others. The result is a FittedCostModel (schedule.cost).
 """
 from __future__ import annotations
 
+import itertools
 import statistics
 
 import numpy as np
 
 from ..schedule.cost import FITTED_JSON_FORMAT as JSON_FORMAT  # noqa: F401  (importable from here as before)
-from ..schedule.cost import FittedCostModel, _build_fitted, cost_model
+from ..schedule.cost import FittedCostModel, _build_fitted, cost_model, fitted_time_us
 from ..schedule.cost import load_fitted as load_cost_model  # noqa: F401
 from .base import ForeignTraceError
 
+MIN_REGIME = 3        # ops each side of an M threshold needs before the threshold is fitted
+SPLIT_GAIN = 0.5      # without kernel names, a threshold is kept only if it at least halves the squared error
+_TIE = 1e-9           # relative squared-error margin within which the simpler (or preferred) solution is kept
 
-def fit_line(flops: list, us: list) -> dict:
-    """Least squares us = fixed_us + us_per_flop * flops, both >= 0 (negative fixed -> through the origin)."""
+
+def nnls(columns: dict, y, prefer=("flops", "bytes", "fixed")) -> tuple[dict, float]:
+    """Non-negative least squares y ~ sum_c coef_c * columns[c] ({name: float64[n]}), exact: every subset of the
+    (at most 3) columns solved by lstsq, the feasible (all coef >= 0, full rank) one of least squared error kept;
+    within _TIE of it the fewest columns, then `prefer`'s order (collinear columns: one M makes bytes ∝ FLOPs).
+    Returns ({name: coef}, squared error); an all-zero column is left out (coef 0)."""
+    y = np.asarray(y, np.float64)
+    names = [c for c in prefer if c in columns and np.any(np.asarray(columns[c]) != 0)]
+    scale = {c: float(np.max(np.abs(columns[c]))) for c in names}
+    cands = []
+    for k in range(1, len(names) + 1):
+        cands += list(itertools.combinations(names, k))  # fewest columns first, then `prefer`'s order
+    best, sols = None, []
+    for sub in cands:
+        A = np.stack([np.asarray(columns[c], np.float64) / scale[c] for c in sub], 1)
+        if np.linalg.matrix_rank(A) < len(sub):
+            continue
+        x, *_ = np.linalg.lstsq(A, y, rcond=None)
+        if np.any(x < 0):
+            continue
+        r = float(np.sum((A @ x - y) ** 2))
+        sols.append((sub, x, r))
+        best = r if best is None else min(best, r)
+    coef = {c: 0.0 for c in columns}
+    if best is None:
+        return coef, float(y @ y)
+    sub, x, r = next(s for s in sols if s[2] <= best + _TIE * max(float(y @ y), 1e-300))
+    for c, v in zip(sub, x):
+        coef[c] = float(v / scale[c])
+    return coef, r
+
+
+def _coefs(flops, by, us, prefer) -> dict:
+    """One regime's coefficients (see nnls) and how well they fit the ops they came from."""
+    coef, _ = nnls({"fixed": np.ones_like(us), "flops": flops, "bytes": by}, us, prefer)
+    a, b, c = coef["fixed"], coef["flops"], coef["bytes"]
+    rel = np.abs(a + b * flops + c * by - us) / np.maximum(us, 1e-9)
+    return {"fixed_us": a, "us_per_flop": b, "us_per_byte": c, "rate_gflops": (1e-3 / b) if b > 0 else None,
+            "bandwidth_gbs": (1e-3 / c) if c > 0 else None, "n": int(len(us)), "sizes": len(set(flops.tolist())),
+            "fit_median_rel_error": float(np.median(rel)),
+            "flops_range": [float(flops.min()), float(flops.max())],  # outside them a prediction extrapolates
+            "bytes_range": [float(by.min()), float(by.max())]}
+
+
+def _sse(f: dict, flops, by, us) -> float:
+    return float(np.sum((f["fixed_us"] + f["us_per_flop"] * flops + f["us_per_byte"] * by - us) ** 2))
+
+
+def _separates(ops, kernels, lo) -> bool:
+    """Whether every op seen on both sides of a threshold runs disjoint kernel sets below and above it."""
+    sides: dict = {}
+    for o, k, b in zip(ops, kernels, lo):
+        sides.setdefault(o, (set(), set()))[0 if b else 1].add(k)
+    both = [(a, b) for a, b in sides.values() if a and b]
+    return bool(both) and all(not (a & b) for a, b in both)
+
+
+def _main_kernel(kernels) -> str:
+    return max(sorted(set(kernels)), key=list(kernels).count)
+
+
+def fit_line(flops: list, us: list, bytes: list | None = None, rows: list | None = None,
+             kernels: list | None = None, ops: list | None = None) -> dict:
+    """us = fixed_us + us_per_flop * flops + us_per_byte * bytes, coefficients >= 0 (nnls; equal fits: FLOPs
+    before bytes, a GEMV regime bytes before FLOPs). rows (token rows M per op): the threshold t of least squared
+    error with MIN_REGIME ops each side gives M < t its own coefficients (`below`). With kernel names and op names
+    (the same template op at several M), t must separate kernels: every op seen on both sides runs other kernels
+    below t than above, and one op at least is seen on both; without them, t must at least halve the squared error."""
     x, y = np.asarray(flops, np.float64), np.asarray(us, np.float64)
-    sizes = len(set(x.tolist()))
-    if sizes >= 2:
-        b, a = np.polyfit(x, y, 1)
-        if a < 0 or b <= 0:
-            a, b = 0.0, float(x @ y / (x @ x)) if (x @ x) > 0 else 0.0
-            if b <= 0:
-                a, b = float(y.mean()), 0.0
-    else:
-        a, b = (0.0, float(y.mean() / x.mean())) if x.mean() > 0 else (float(y.mean()), 0.0)
-    pred = a + b * x
-    rel = np.abs(pred - y) / np.maximum(y, 1e-9)
-    return {"fixed_us": float(a), "us_per_flop": float(b), "rate_gflops": (1e-3 / b) if b > 0 else None,
-            "n": int(len(x)), "sizes": sizes, "fit_median_rel_error": float(np.median(rel)),
-            "flops_range": [float(x.min()), float(x.max())]}  # outside it a prediction extrapolates
+    by = np.zeros_like(x) if bytes is None else np.asarray(bytes, np.float64)
+    one = _coefs(x, by, y, ("flops", "bytes", "fixed"))
+    m = None if rows is None or any(r is None for r in rows) else np.asarray(rows, np.int64)
+    if m is None:
+        return {**one, "regime": "one: the ops' token rows are not known"}
+    one["rows_range"] = [int(m.min()), int(m.max())]
+    named = kernels is not None and ops is not None and all(kernels) and all(ops)
+    distinct = sorted(set(m.tolist()))
+    best, why = None, (f"one: every op has M = {distinct[0]}" if len(distinct) == 1 else
+                       f"one: fewer than {MIN_REGIME} ops on each side of every M threshold")
+    for t in distinct[1:]:
+        lo, hi = m < t, m >= t
+        if lo.sum() < MIN_REGIME or hi.sum() < MIN_REGIME:
+            continue
+        if named and not _separates(ops, kernels, lo):
+            why = "one: no M threshold separates the kernels an op runs"
+            continue
+        flo = _coefs(x[lo], by[lo], y[lo], ("bytes", "flops", "fixed"))
+        fhi = _coefs(x[hi], by[hi], y[hi], ("flops", "bytes", "fixed"))
+        sse = _sse(flo, x[lo], by[lo], y[lo]) + _sse(fhi, x[hi], by[hi], y[hi])
+        if not named and sse > SPLIT_GAIN * _sse(one, x, by, y):
+            why = "one: no M threshold halves the squared error"
+            continue
+        if best is None or sse < best[0]:
+            best = (sse, t, flo, fhi, lo, hi)
+    if best is None:
+        return {**one, "regime": why}
+    _, t, flo, fhi, lo, hi = best
+    kern = lambda sel: sorted({k for k, b in zip(kernels, sel) if b}) if named else None
+    return {**fhi, "rows_range": [int(m[hi].min()), int(m[hi].max())], "kernels": kern(hi),
+            "regime": f"two: M < {t} and M >= {t}" + (f" ({_main_kernel([k for k, b in zip(kernels, lo) if b])} / "
+                                                      f"{_main_kernel([k for k, b in zip(kernels, hi) if b])})"
+                                                      if named else ""),
+            "below": {**flo, "rows_lt": int(t), "rows_range": [int(m[lo].min()), int(m[lo].max())],
+                      "kernels": kern(lo)}}
+
+
+def _op_name(s: dict) -> str | None:
+    """The op a sample measures (its template ops, else the trace's name): one op seen at several M."""
+    return "+".join(s["template_ops"]) if s.get("template_ops") else s.get("name")
 
 
 def fit_samples(samples: list) -> dict:
-    """{lane: {kind: fit_line(...)}} over samples [{lane, kind, flops, us}]."""
+    """{lane: {kind: fit_line(...)}} over samples [{lane, kind, flops, us, bytes?, rows?, kernel?}]."""
     groups: dict = {}
     for s in samples:
         groups.setdefault(s["lane"], {}).setdefault(s["kind"], []).append(s)
-    return {lane: {k: fit_line([s["flops"] for s in v], [s["us"] for s in v]) for k, v in kinds.items()}
+    return {lane: {k: fit_line([s["flops"] for s in v], [s["us"] for s in v], [s.get("bytes", 0) for s in v],
+                               [s.get("rows") for s in v], [s.get("kernel") for s in v], [_op_name(s) for s in v])
+                for k, v in kinds.items()}
             for lane, kinds in groups.items()}
 
 
@@ -76,7 +176,7 @@ def held_out(samples: list, train_layers=None) -> dict:
         if f is None:
             unseen += 1
             continue
-        errs.append(abs(f["fixed_us"] + f["us_per_flop"] * s["flops"] - s["us"]) / s["us"])
+        errs.append(abs(fitted_time_us(f, s["flops"], s.get("bytes", 0), s.get("rows")) - s["us"]) / s["us"])
         weights.append(s["us"])
     return {"split": split, "n_train": len(train), "n_predicted": len(errs), "n_unseen_kind": unseen,
             "median_rel_error": float(np.median(errs)) if errs else None,
@@ -88,7 +188,9 @@ def held_out(samples: list, train_layers=None) -> dict:
 def samples_from_events(trace) -> list[dict]:
     """Fitting samples from a trace's own FLOP counts (no template: e.g. a single-op benchmark log)."""
     out = [{"lane": e["lane"], "kind": e["kind"], "flops": e["flops"], "us": e["end_us"] - e["start_us"],
-            "layer": e.get("layer", -1)} for e in trace.events if e.get("flops")]
+            "layer": e.get("layer", -1), "bytes": e.get("bytes", 0), "rows": _rows(e), "kernel": e.get("kernel"),
+            "name": e.get("name")}
+           for e in trace.events if e.get("flops")]
     if not out:
         raise ForeignTraceError(trace.meta.get("path", "trace"), "events", "no event with a FLOP count",
                                 "events with flops (or align the trace to a model first)")
@@ -100,7 +202,7 @@ def fit(source, name: str = "fitted", base: str | None = "snapdragon-8gen3", tra
     """A FittedCostModel from an Alignment (align.align: template FLOPs of the matched ops) or a Trace whose events
     carry FLOPs. held_out: the error of a fit on some layers predicting the others; the model is then fit on all."""
     if hasattr(source, "samples"):
-        samples, meta = source.samples(), source.trace.meta
+        samples, meta = _aligned_samples(source), source.trace.meta
     else:
         samples, meta = samples_from_events(source), source.meta
     if not samples:
@@ -115,3 +217,21 @@ def fit(source, name: str = "fitted", base: str | None = "snapdragon-8gen3", tra
     return _build_fitted(name, fit_samples(samples), base, desc, sync, {}, held,
                   {"source": src, "path": meta.get("path"), "n_samples": len(samples),
                    "median_us": statistics.median(s["us"] for s in samples)})
+
+
+def _rows(e: dict) -> int | None:
+    """An event's token rows M: as its reader states them, or a matmul's activation columns (ggml's src1 ne[1])."""
+    if e.get("rows"):
+        return int(e["rows"])
+    shapes = e.get("input_shapes")
+    return int(shapes[1][1]) if e["kind"].startswith("MUL_MAT") and shapes and len(shapes) > 1 else None
+
+
+def _aligned_samples(a) -> list[dict]:
+    """Alignment.samples() with each op's token rows (the event's own, else the template's) and kernel name."""
+    tokens = a.trace.meta.get("aligned_to", {}).get("tokens")
+    events = [e for e in a.trace.events if e.get("template_ops")]
+    out = a.samples()
+    assert len(out) == len(events)  # samples() is one per matched event, in order
+    return [{**s, "rows": int(e.get("rows") or tokens) if (e.get("rows") or tokens) else None,
+             "kernel": e.get("kernel")} for s, e in zip(out, events)]

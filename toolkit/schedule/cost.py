@@ -12,7 +12,7 @@ names of CostModel, COST_MODELS and cost_model, kept for code written against th
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..foreign.base import ForeignTraceError
@@ -135,18 +135,35 @@ device_profile = cost_model
 
 # ---- fitted from a real trace (edgeprobe.foreign.fit makes them) ----------------------------------------------------
 FITTED_JSON_FORMAT = "edgeprobe-fitted-cost-model"
-FITTED_JSON_VERSION = 1
+FITTED_JSON_VERSION = 2   # 2: a bytes term (us_per_byte) and an M-threshold regime (below); 1 (FLOPs only) loads
+FITTED_JSON_VERSIONS = (1, 2)
 _FALLBACK_KIND = {"int8_linear": "linear", "float_sparse": "linear", "linear": "int8_linear"}
+_BYTES_KINDS = ("linear", "int8_linear")  # the template's kinds whose ops read weight bytes
+
+
+def fitted_time_us(f: dict, flops: float, nbytes: float = 0.0, rows: int | None = None) -> float:
+    """One op under a lane/kind fit: fixed_us + us_per_flop * FLOPs + us_per_byte * bytes, with the `below`
+    regime's coefficients when the op's token rows M are under its threshold (version-1 fits: no bytes term)."""
+    b = f.get("below")
+    if b is not None and rows is not None and rows < b["rows_lt"]:
+        f = b
+    return f["fixed_us"] + f["us_per_flop"] * flops + f.get("us_per_byte", 0.0) * nbytes
 
 
 @dataclass(frozen=True)
 class FittedCostModel(CostModel):
-    """A CostModel fitted from a real trace: per lane and kind fixed_us + us_per_flop (in `fits`); lanes the trace
-    lacks are priced by the named `base` cost model."""
+    """A CostModel fitted from a real trace: per lane and kind fixed_us + us_per_flop * FLOPs + us_per_byte * weight
+    bytes, with other coefficients below an M threshold where the trace showed a kernel change (`fits`, see
+    foreign.fit.fit_line); lanes the trace lacks are priced by the named `base` cost model.
+
+    A Subgraph carries (kind, FLOPs) per op: time_us prices its ops one by one (bytes and rows exact) when the model
+    is bound to the graph (for_graph; schedule.predict does it), else it shares the subgraph's weight_bytes among its
+    linears by FLOPs and takes its rows (`tokens`) for each op."""
     fits: dict = field(default_factory=dict)      # lane -> kind -> fit_line(...)
     base: str | None = None
     held_out: dict = field(default_factory=dict)
     trace_source: dict = field(default_factory=dict)
+    graph_ops: dict = field(default_factory=dict, compare=False, repr=False)  # subgraph name -> its op dicts
 
     def _base(self):
         return cost_model(self.base) if self.base else None
@@ -167,15 +184,19 @@ class FittedCostModel(CostModel):
             return self._base().rate(lane, kind) if self.base else super().rate(lane, kind)
         return float("inf") if f["us_per_flop"] <= 0 else 1e-3 / f["us_per_flop"]
 
+    def for_graph(self, graph) -> "FittedCostModel":
+        """This model priced op by op over `graph`'s template ops (a ChunkGraph): exact bytes and rows per op."""
+        return replace(self, graph_ops=graph.ops_of())
+
     def op_time_us(self, op: dict, lane: str | None = None) -> float:
-        kind, flops, _ = op["cost"]
+        kind, flops, nbytes = op["cost"]
         lane = lane or op["lane"]
         f = self._fit(lane, kind)
         if f is None:
             if not self.base:
                 return super().op_time_us(op, lane)
             return self._base().op_time_us(op, lane)
-        return f["fixed_us"] + f["us_per_flop"] * flops
+        return fitted_time_us(f, flops, nbytes, op["shape"][0])
 
     def time_us(self, g, lane: str | None = None) -> float:
         lane = lane or g.lane
@@ -184,9 +205,13 @@ class FittedCostModel(CostModel):
                 return super().time_us(g, lane)
             return self._base().time_us(g, lane)
         t = self.launch_us.get(lane, 0.0)
+        ops = self.graph_ops.get(g.name)
+        if ops is not None and [(o["cost"][0], o["cost"][1]) for o in ops] == [tuple(c) for c in g.costs]:
+            return t + sum(self.op_time_us(o, lane) for o in ops)
+        lin = sum(fl for kind, fl in g.costs if kind in _BYTES_KINDS) or 1
         for kind, flops in g.costs:
-            f = self._fit(lane, kind)
-            t += f["fixed_us"] + f["us_per_flop"] * flops
+            nbytes = g.weight_bytes * flops / lin if kind in _BYTES_KINDS else 0.0
+            t += fitted_time_us(self._fit(lane, kind), flops, nbytes, g.tokens)
         return t
 
     # ---- files ----------------------------------------------------------------------------------
@@ -201,18 +226,20 @@ class FittedCostModel(CostModel):
 
     @classmethod
     def from_json(cls, path) -> "FittedCostModel":
+        """A saved model; version 1 files (FLOPs only: no us_per_byte, no `below`) price as they did."""
         try:
             doc = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise ForeignTraceError(path, "document", f"not readable JSON ({e})",
                                     f"a {FITTED_JSON_FORMAT} file") from None
-        if not isinstance(doc, dict) or (doc.get("format"), doc.get("version")) != (FITTED_JSON_FORMAT,
-                                                                                    FITTED_JSON_VERSION):
+        if not isinstance(doc, dict) or doc.get("format") != FITTED_JSON_FORMAT or doc.get(
+                "version") not in FITTED_JSON_VERSIONS:
             got = (doc.get("format"), doc.get("version")) if isinstance(doc, dict) else type(doc).__name__
             raise ForeignTraceError(path, "document", f"format/version {got}",
-                                    f"a {FITTED_JSON_FORMAT} file of version {FITTED_JSON_VERSION}")
+                                    f"a {FITTED_JSON_FORMAT} file of version "
+                                    f"{' or '.join(map(str, FITTED_JSON_VERSIONS))}")
         return _build_fitted(doc["name"], doc["fits"], doc.get("base"), doc.get("source", ""), doc.get("sync_us", 0.0),
-                      doc.get("launch_us", {}), doc.get("held_out", {}), doc.get("trace_source", {}))
+                             doc.get("launch_us", {}), doc.get("held_out", {}), doc.get("trace_source", {}))
 
 
 def _build_fitted(name, fits, base, source, sync_us, launch_us, held, trace_source) -> FittedCostModel:

@@ -1,0 +1,128 @@
+"""Host passes under load: the thread policy (edgeprobe_kernels.threads) against one thread and fixed two threads.
+
+For eval (perplexity), calibration (the activation profile a w8a8 scheme is quantized from: clips, then stats) and
+an outlier profile on SmolLM2-135M, tok/s (tokens through the model per second) in each setting, printed as ratios
+to the quiet one-thread speed, with the load average measured beside each setting and the thread counts chosen:
+
+  1 thread      EDGEPROBE_THREADS=1 (what OPENBLAS_NUM_THREADS=1 gave), quiet
+  policy        the policy, quiet / beside one CPU-bound process (hog) / beside a two-thread BLAS job (blas2)
+  fixed 2       two threads whatever the load (BLAS and numba as started before the policy), same neighbours
+
+Goals on 2 cores: policy quiet >= 1.6, beside a hog >= 0.8, beside blas2 >= 0.5. Settings interleave per round
+and each cell is the median over rounds, so a load that drifts lands on every setting alike; each measurement is
+printed as it ends.
+
+    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 256] [--window 128]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+HOG = "while True: pass"
+BLAS2 = "import numpy as np\na = np.random.rand(384, 384)\nwhile True:\n    a @ a"
+SETTINGS = [  # (name, fixed thread count or None for the policy, neighbour)
+    ("1 thread, quiet", 1, None),
+    ("policy, quiet", None, None),
+    ("policy + hog", None, "hog"),
+    ("policy + blas2", None, "blas2"),
+    ("fixed 2, quiet", 2, None),
+    ("fixed 2 + hog", 2, "hog"),
+    ("fixed 2 + blas2", 2, "blas2"),
+]
+GOALS = {"policy, quiet": 1.6, "policy + hog": 0.8, "policy + blas2": 0.5}
+
+
+def neighbour(kind: str | None):
+    """Start the neighbour process (None: none): a pure-Python spinner, or numpy matmuls on 2 OpenBLAS threads."""
+    if kind is None:
+        return None
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="2", OMP_NUM_THREADS="2")
+    code = HOG if kind == "hog" else BLAS2
+    p = subprocess.Popen(["python3" if kind == "hog" else sys.executable, "-c", code], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # running (numpy imported) before the pass measures the load
+    return p
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per pass (eval, each calibration pass, outliers)")
+    ap.add_argument("--window", type=int, default=128)
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # a killed bench still stops its neighbour (finally)
+
+    from edgeprobe import models
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.evaluate import perplexity
+    from edgeprobe.profile.jobs import profile_outliers
+    from edgeprobe.quant import calibration_profile
+    from edgeprobe_kernels.threads import CORES, POLICY
+
+    m = models.load("smollm2-135m")
+    m.weights.materialize()
+    train = m.tokenizer.encode(read_corpus("train"))
+    heldout = m.tokenizer.encode(read_corpus("heldout"))
+    T, W = args.tokens, args.window
+
+    def eval_pass():
+        r = perplexity(m, heldout, window=W, max_windows=T // W, progress=False)
+        return r.windows * r.window
+
+    def calibration_pass():  # what prepared() runs before quantizing a scheme that needs a profile (w8a8)
+        calibration_profile(m, train, tokens=T, window=W, progress=False)
+        return 2 * T
+
+    def outliers_pass():
+        profile_outliers(m, train, tokens=T, window=W, calib_tokens=W, progress=False)
+        return T + W
+
+    passes = {"eval": eval_pass, "calibration": calibration_pass, "outliers": outliers_pass}
+    for fn in passes.values():  # warm-up: kernels loaded, weights touched
+        fn()
+
+    rates = {(p, s[0]): [] for p in passes for s in SETTINGS}
+    loads = {s[0]: [] for s in SETTINGS}
+    chosen = {s[0]: {} for s in SETTINGS}
+    for r in range(args.rounds):
+        for name, fixed, kind in SETTINGS:
+            proc = neighbour(kind)
+            try:
+                POLICY.fixed = fixed
+                before = dict(POLICY.chosen)
+                for pname, fn in passes.items():
+                    t = time.perf_counter()
+                    n = fn()
+                    rates[(pname, name)].append(n / (time.perf_counter() - t))
+                    print(f"  round {r + 1} {name:<16s} {pname:<12s} {rates[(pname, name)][-1]:7.1f} tok/s  "
+                          f"threads {POLICY.last}  load1 {os.getloadavg()[0]:.2f}", flush=True)
+                loads[name].append(os.getloadavg()[0])
+                for k, v in POLICY.chosen.items():
+                    chosen[name][k] = chosen[name].get(k, 0) + v - before.get(k, 0)
+            finally:
+                POLICY.fixed = None
+                if proc is not None:
+                    proc.kill()
+                    proc.wait()
+
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"host passes on SmolLM2-135M, {CORES} cores, {T} tokens per pass, window {W}, median of {args.rounds} "
+          "rounds; ratio to quiet one-thread tok/s")
+    head = f"{'setting':<18s}" + "".join(f"{p:>20s}" for p in passes) + f"{'load1':>8s}  threads chosen"
+    print(head)
+    for name, _, _ in SETTINGS:
+        base = [med[(p, '1 thread, quiet')] for p in passes]
+        cells = "".join(f"{med[(p, name)] / b:>8.2f}x {med[(p, name)]:>6.0f} t/s " for p, b in zip(passes, base))
+        picks = ", ".join(f"{k}:{v}" for k, v in sorted(chosen[name].items()))
+        goal = f"  (goal >= {GOALS[name]})" if name in GOALS else ""
+        print(f"{name:<18s}{cells}{statistics.mean(loads[name]):>8.2f}  {picks}{goal}")
+
+
+if __name__ == "__main__":
+    main()

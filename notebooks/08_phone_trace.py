@@ -31,8 +31,7 @@ from edgeprobe.foreign.align import align
 from edgeprobe.foreign.fit import fit
 from edgeprobe.models import ModelConfig
 from edgeprobe.schedule.cost import cost_model
-from edgeprobe.schedule.graph import chunk_graph
-from edgeprobe.schedule.schedulers import schedule
+from edgeprobe.schedule.predict import predicted_schedule
 from edgeprobe.trace import Trace
 
 DATA = pathlib.Path(edgeprobe.__file__).resolve().parents[1] / "tests" / "data" / "foreign" / "chrome_json"
@@ -74,8 +73,11 @@ go.Figure([go.Bar(name=side, x=kinds, y=[a.by_kind[k][f"{side}_us"] for k in kin
 # %% [markdown]
 # ## Fit the phone's cost model, and check it on a layer it did not see
 #
-# Per lane and cost kind: µs = fixed + FLOPs / rate, by least squares over the aligned ops. The held-out error fits on
-# layers 0 and 2 and predicts layer 1; the saved model is then fitted on all three.
+# Per lane and cost kind: µs = fixed + FLOPs / rate + weight bytes / bandwidth, by non-negative least squares over the
+# aligned ops; where an op's token rows M cross a kernel change, the rows below a threshold get their own coefficients.
+# This trace has one M (2 rows), so bytes are proportional to FLOPs and one regime is fitted, priced by FLOPs: the
+# `regime` line says so. The held-out error fits on layers 0 and 2 and predicts layer 1; the saved model is then
+# fitted on all three.
 
 # %%
 phone = fit(a, name="lfm2-sm8750")
@@ -84,8 +86,10 @@ print(f"held out ({h['split']}): median error {h['median_rel_error']:.1%}, time-
       f"{h['time_weighted_rel_error']:.1%}, worst {h['max_rel_error']:.0%} over {h['n_predicted']} ops")
 for lane, fits in phone.fits.items():
     for kind, f in fits.items():
-        print(f"  {lane}/{kind:11s} fixed {f['fixed_us']:6.1f} us + {f['rate_gflops']:8.2f} GFLOP/s "
-              f"({f['n']} ops, {f['sizes']} sizes, FLOPs {f['flops_range'][0]:.3g}..{f['flops_range'][1]:.3g})")
+        rate = f"{f['rate_gflops']:8.2f} GFLOP/s" if f["rate_gflops"] else "no FLOP term"
+        bw = f" + {f['bandwidth_gbs']:.1f} GB/s" if f["bandwidth_gbs"] else ""
+        print(f"  {lane}/{kind:11s} fixed {f['fixed_us']:6.1f} us + {rate}{bw} ({f['n']} ops, {f['sizes']} sizes, "
+              f"FLOPs {f['flops_range'][0]:.3g}..{f['flops_range'][1]:.3g}; regime {f['regime']})")
 RESULTS_DIR = pathlib.Path(os.environ.get("EDGEPROBE_NB_RESULTS", "out"))
 RESULTS_DIR.mkdir(parents=True, exist_ok=True)
 phone.to_json(RESULTS_DIR / "lfm2-sm8750.json")   # `edgeprobe schedule --cost-model` takes this file
@@ -118,13 +122,17 @@ scatter
 # ## The out-of-order chunked prefill on that phone
 #
 # mllm-NPU's chunked prefill (§3.2) scheduled in order and out of order (§3.4), priced by the fitted model for the
-# NPU lane (CPU attention stays on the named profile: the trace has no CPU op). The trace's matmuls had 2 activation
-# rows; a chunk has many more, so the fitted rates are extrapolated far beyond the FLOPs they saw.
+# NPU lane (CPU attention stays on the named profile: the trace has no CPU op). LFM2-1.2B is known here by its
+# configuration only: `predicted_schedule` plans it with float stand-in records (the alignment's template, whose weight
+# bytes the fit saw; llama.cpp's Q4_0 has no shadow GEMMs) and prices the fitted lane op by op. The trace's matmuls
+# had 2 activation rows; a chunk has many more, so the fitted rates are extrapolated far beyond the FLOPs they saw.
 
 # %%
-graph = chunk_graph(ModelConfig(**LFM2), PROMPT, CHUNK, shadow=False)   # llama.cpp's Q4_0 has no shadow GEMMs
 named = cost_model("snapdragon-8gen3")
-plans = {(m.name, s): schedule(graph, m, s) for m in (phone, named) for s in ("in-order", "ooo")}
+plans = {}
+for m in (phone, named):
+    for s in ("in-order", "ooo"):
+        graph, plans[(m.name, s)] = predicted_schedule(ModelConfig(**LFM2), PROMPT, CHUNK, s, m, scheme="float")
 for (name, s), p in plans.items():
     print(f"{name:17s} {s:8s} makespan {p.makespan_us / 1e3:7.1f} ms, busy "
           + ", ".join(f"{lane} {b:.0f}%" for lane, b in p.busy().items()))

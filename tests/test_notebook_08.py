@@ -9,13 +9,14 @@ import nbformat
 import numpy as np
 import pytest
 from nbclient import NotebookClient
-from test_foreign import LFM2, LFM2_CONFIG, _ref_fit
+from test_foreign import LFM2, LFM2_CONFIG, _ref_fit, _ref_pred
 from test_notebooks import NOTEBOOKS, REGENERATE, _conclusion
 
 from edgeprobe.foreign import load_foreign
 from edgeprobe.foreign.align import align
 from edgeprobe.foreign.fit import load_cost_model
 from edgeprobe.models import ModelConfig
+from edgeprobe.models.config import plan_manifest
 from edgeprobe.schedule.graph import chunk_graph
 from edgeprobe.schedule.schedulers import schedule
 
@@ -61,8 +62,8 @@ def test_notebook_08_held_out_error_recomputed_independently(executed):
     errs, w = [], []
     for s in (s for s in samples if s["layer"] == 1):
         same = [t for t in train if (t["lane"], t["kind"]) == (s["lane"], s["kind"])]
-        a, b = _ref_fit([t["flops"] for t in same], [t["us"] for t in same])
-        errs.append(abs(a + b * s["flops"] - s["us"]) / s["us"])
+        c = _ref_fit([t["flops"] for t in same], [t["us"] for t in same], [t["bytes"] for t in same])
+        errs.append(abs(_ref_pred(c, s) - s["us"]) / s["us"])
         w.append(s["us"])
     h = r["held_out"]
     assert h["n_predicted"] == len(errs) == 5
@@ -74,7 +75,11 @@ def test_notebook_08_held_out_error_recomputed_independently(executed):
 def test_notebook_08_makespans_from_the_saved_cost_model(executed):
     _, r, out = executed
     phone = load_cost_model(out / "lfm2-sm8750.json")
-    graph = chunk_graph(ModelConfig(**LFM2_CONFIG), r["prompt"], r["chunk"], shadow=False)
+    # the notebook plans the config-only model with float stand-ins; one regime per kind and no bytes term (one M in
+    # the trace), so the subgraph-level pricing (no op binding) gives the same times
+    cfg = ModelConfig(**LFM2_CONFIG)
+    graph = chunk_graph(cfg, r["prompt"], r["chunk"], manifest=plan_manifest(cfg, "float"))
+    assert all("below" not in f and f["us_per_byte"] == 0 for f in phone.fits["npu"].values())
     for s in ("in-order", "ooo"):
         assert r["makespan_ms"][f"lfm2-sm8750/{s}"] == pytest.approx(schedule(graph, phone, s).makespan_us / 1e3,
                                                                      rel=1e-12)

@@ -26,7 +26,7 @@ import numpy as np
 
 from edgeprobe import models
 from edgeprobe.corpus import read_corpus
-from edgeprobe.quant import calibration_profile
+from edgeprobe.prepare import calibration, prepared
 from edgeprobe.quant.report import accuracy_table, format_table
 
 # the table covers every model named; the sections below study the first one
@@ -38,9 +38,12 @@ tables, quantized = {}, {}   # quantized: the first model's QuantizedModels, kep
 for name in MODELS:
     m = models.load(name)
     train, held = (m.tokenizer.encode(read_corpus(c)) for c in ("train", "heldout"))
-    prof = calibration_profile(m, train, tokens=CALIB, window=min(WINDOW, CALIB))
+    # the calibration and the quantized models come from the prepared-model cache the demo, the CLI and the API share
+    prof = calibration(m, say=print, tokens=CALIB, window=min(WINDOW, CALIB))
     tables[name] = accuracy_table(m, held, prof, window=WINDOW, max_windows=WINDOWS,
-                                  quantized=quantized if name == MODELS[0] else None)
+                                  quantized=quantized if name == MODELS[0] else None,
+                                  prepare=lambda s, m=m: prepared(m, s, say=print, calib_tokens=CALIB,
+                                                                  calib_window=min(WINDOW, CALIB)))
     print(m.name, "-", WINDOWS, "held-out windows of", WINDOW, "tokens")
     print(format_table(tables[name]))
     print()
@@ -102,16 +105,26 @@ for i in range(L):
         for s in schemes:
             e = np.linalg.norm(qms[s].linear(name, x) - y) / np.linalg.norm(y)
             err[s][i] = max(err[s][i], e)
-fig = go.Figure([go.Scatter(x=np.arange(L), y=100 * err[s], name=s, mode="lines+markers") for s in schemes])
-fig.update_layout(title="Worst relative output error of a layer's linears", xaxis_title="layer",
-                  yaxis_title="relative L2 error (%)", yaxis_type="log")
-fig
+worst = {s: int(np.argmax(err[s])) for s in schemes}
+print("worst relative output error of a layer's linears: "
+      + ", ".join(f"{s} {100 * err[s][worst[s]]:.1f}% (layer {worst[s]})" for s in schemes))
+
+# %% [markdown]
+# The same error as a signal-to-quantization-noise ratio per layer: each layer's seven linear outputs against
+# float, in dB (every 6 dB is about one bit; higher is closer to float).
+
+# %%
+from edgeprobe.figures import layer_sqnr, sqnr_figure
+
+sqnr = layer_sqnr(model, qms, acts)
+sqnr_figure(sqnr, f"Per-layer SQNR of the linears, {model.name} ({WINDOW} held-out tokens)")
 
 # %% [markdown]
 # ## The prune rate and the hot-channel coverage of `w8a8-shadow`
 
 # %%
-# one w8a8-shadow model per (prune rate, coverage); the table's (0.85, 0.8: the defaults) is reused
+# one w8a8-shadow model per (prune rate, coverage), from the cached calibration; these variants stay in memory (the
+# prepared-model cache keeps the defaults, the table's (0.85, 0.8), which is reused)
 shadow = {(0.85, 0.8): {"w8a8-shadow": quantized["w8a8-shadow"]}}
 
 def shadow_row(prune_rate, coverage=0.8):
@@ -159,6 +172,7 @@ results = {"window": WINDOW, "windows": WINDOWS, "calib_tokens": CALIB, "models"
            "schemes": {r["scheme"]: {k: r[k] for k in ("perplexity", "delta_vs_float_pct", "top1_agreement",
                                                        "weight_bytes", "tokens_scored")} for r in rows},
            "layer_error": {s_: err[s_].tolist() for s_ in schemes},
+           "layer_sqnr_db": {s_: sqnr[s_].tolist() for s_ in schemes},
            "pruned_layers_at_0.85": profile.pruned_layers(0.85),
            "prune_rate": [{"prune_rate": pr, "perplexity": v, "cold_bytes_read": c} for pr, v, c in prune_rows],
            "coverage": [{"coverage": c, "shadow_resident_bytes": r, "cold_bytes_read": f, "perplexity": v}
@@ -195,6 +209,8 @@ tokens.
 - **W8A8 with shadow outliers** costs {d["w8a8-shadow"]:+.1f}% at the paper's 85 % prune rate and
   {100 * unpruned:+.1f}% with no pruning (paper: within ≈1 %); the worst layer's linears lose
   {100 * err["w8a8-shadow"].max():.1f}% of their output against {100 * err["w8a8"].max():.1f}% without the shadow.
+  Per layer the SQNR spans {sqnr["w8a8"].min():.1f}–{sqnr["w8a8"].max():.1f} dB without the shadow (worst: layer
+  {int(np.argmin(sqnr["w8a8"]))}) and {sqnr["w8a8-shadow"].min():.1f}–{sqnr["w8a8-shadow"].max():.1f} dB with it.
 - **LLM.int8()** (outlier columns in float, vector-wise int8): {d["llm-int8"]:+.1f}%, at the price of dynamic per-token
   scales an NPU does not offer.
 - **Q4_0** {d["q4_0"]:+.1f}% and **tile-group Q4_0** {d["q4_0-tile"]:+.1f}% (the checkpoint is already 4-bit, so a

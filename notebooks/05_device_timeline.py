@@ -23,19 +23,21 @@
 import os
 
 import numpy as np
+from IPython.display import display
 
 from edgeprobe import Device, models
 from edgeprobe.corpus import read_corpus
 from edgeprobe.forward import forward
-from edgeprobe.quant import calibration_profile, quantize
+from edgeprobe.prepare import calibration, prepared
 from edgeprobe.trace import cosine
 
 N = int(os.environ.get("EDGEPROBE_NB_PROMPT", 256))         # the test suite runs this notebook small
 CALIB = int(os.environ.get("EDGEPROBE_NB_CALIB", 4096))
 model = models.load("smollm2-135m")
 prompt = model.tokenizer.encode(read_corpus("heldout"))[:N]
-calib = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), tokens=CALIB, window=min(512, CALIB))
-qm = quantize(model, "w8a8-shadow", calib)
+# the calibration and the quantized model come from the prepared-model cache the demo, the CLI and the API share
+calib = calibration(model, say=print, tokens=CALIB, window=min(512, CALIB))
+qm = prepared(model, "w8a8-shadow", say=print, calib_tokens=CALIB, calib_window=min(512, CALIB))
 dev = Device.local()
 print({k: dev.info[k] for k in ("agent_version", "lanes", "emulated_lanes", "cores")}, "OpenCL:", dev.info["opencl"])
 dev.prefill(qm, prompt)                       # first run: upload what the agent lacks, JIT, first reads from flash
@@ -82,11 +84,16 @@ print(f"outliers handled by the shadow GEMMs: {res.counters.get('outliers', 0)};
 # `cl_khr_fp16`: weights are stored as half and read with `vload_half4`, arithmetic is FP32.
 
 # %%
-q4 = quantize(model, "q4_0")
-dev.prefill(q4, prompt, float_lane="gpu")
-gpu = dev.prefill(q4, prompt, float_lane="gpu")
-print(f"cosine vs host: {cosine(gpu.logits[0], q4.forward(prompt, logits='last')):.6f}")
-gpu.trace.figure(f"SmolLM2-135M q4_0 prefill, {N} tokens, linears on the gpu lane (OpenCL on PoCL)")
+q4 = prepared(model, "q4_0", say=print)
+gpu = None  # what the summary says of this section, when the lane is there
+if "gpu" not in dev.info["lanes"]:  # a device without OpenCL: one sentence, and the rest of the notebook runs
+    print(f"No gpu lane on this device ({dev.info.get('lanes_missing', {}).get('gpu', 'not offered')}), so the "
+          "W4A16 OpenCL prefill is skipped.")
+else:
+    dev.prefill(q4, prompt, float_lane="gpu")
+    gpu = dev.prefill(q4, prompt, float_lane="gpu")
+    print(f"cosine vs host: {cosine(gpu.logits[0], q4.forward(prompt, logits='last')):.6f}")
+    display(gpu.trace.figure(f"SmolLM2-135M q4_0 prefill, {N} tokens, linears on the gpu lane (OpenCL on PoCL)"))
 
 # %% [markdown]
 # ## Try it: chunk length, scheduler, prune rate and scheme
@@ -147,14 +154,12 @@ explorer.snapshot()  # the panel's last timeline as a plain figure: an exported 
 # %%
 import tempfile
 
-from IPython.display import display
-
 from edgeprobe_kernels import hvx_bridge
 
 short = prompt[:min(16, N // 4)]   # QEMU is slow: 16 tokens (8 when the test suite runs this notebook small)
 hvx = None  # what the summary says of this section, when the backend is there
 if hvx_bridge.unavailable_reason():
-    print("hvx backend unavailable here:", hvx_bridge.unavailable_reason())
+    print(f"No Hexagon toolchain on this machine, so the hvx section is skipped: {hvx_bridge.unavailable_reason()}")
 else:
     with tempfile.TemporaryDirectory() as store, Device.local(store=store, npu_backend="hvx") as hdev:
         on_dsp = hdev.prefill(qm, short)  # a second agent needs its own store (flash)
@@ -204,8 +209,10 @@ results = {"prompt": N, "makespan_ms": m["makespan_ms"], "cosine_vs_host": cosin
                          "op_ms": lane_ms.get(k, 0.0)} for k, v in m["lanes"].items()},
            "counters": {k: res.counters.get(k, 0) for k in ("outliers", "cold_rows_read", "cold_bytes_read")},
            "shadow_layers": sum(1 for r in qm.manifest["linears"].values() if r.get("shadow")) // 7,
-           "gpu_cosine_vs_host": cosine(gpu.logits[0], q4.forward(prompt, logits="last")),
-           "gpu_lane_ops": gpu.trace.metrics()["lanes"]["gpu"]["ops"],
+           "lanes_offered": dev.info["lanes"], "lanes_missing": dev.info.get("lanes_missing", {}),
+           "gpu_cosine_vs_host": None if gpu is None else cosine(gpu.logits[0], q4.forward(prompt, logits="last")),
+           "gpu_lane_ops": None if gpu is None else gpu.trace.metrics()["lanes"]["gpu"]["ops"],
+           "hvx": hvx,
            "sweep": sweep[cols].to_dict("records"), "panel": panel}
 (RESULTS_DIR / "05_device_timeline.json").write_text(json.dumps(results, indent=1, default=float))
 print(f"headline numbers written to {RESULTS_DIR / '05_device_timeline.json'}: {', '.join(results)}")
@@ -231,6 +238,13 @@ hvx_line = ("- **The npu lane as Hexagon code** was not run here: " + str(hvx_br
   at an assumed 1 GHz, against {hvx["x86_ms"]:.0f} ms measured for the numba lane on one x86 core and
   {hvx["qemu_ms"] / 1e3:.1f} s under qemu-hexagon (QEMU's time means nothing for a phone; the packet count is the
   DSP-side number). FFN projections are {hvx["ffn_share"]:.0%} of the estimate.""")
+gpu_line = ("- **The GPU lane** was not run here: this device has no gpu lane ("
+            + str(dev.info.get("lanes_missing", {}).get("gpu", "not offered")) + ")."
+            if gpu is None else
+            f"""- **The GPU lane** (OpenCL on PoCL) ran {gpu.trace.metrics()["lanes"]["gpu"]["ops"]} W4A16 linears with
+  half-stored weights in a {gpu.trace.metrics()["makespan_ms"]:.0f} ms prefill (cosine vs the host
+  {results["gpu_cosine_vs_host"]:.6f}); on a CPU OpenCL driver its speed says nothing about a phone's Adreno, which
+  the lane exists to measure.""")
 Markdown(f"""Measured with a {N}-token prompt on this machine.
 
 - **The device computes what the host simulates**: the agent's last-token logits match the host's simulation of
@@ -252,8 +266,5 @@ Markdown(f"""Measured with a {N}-token prompt on this machine.
   GEMMs are what the prune rate buys back. `q4_0-tile` layer by layer takes {tile["makespan_ms"]:.0f} ms. The
   modelled cost model predicts the chunked runs at {chunked["predicted_over_measured"].min():.2f}–
   {chunked["predicted_over_measured"].max():.2f}× their measured makespan.
-- **The GPU lane** (OpenCL on PoCL) ran {gpu.trace.metrics()["lanes"]["gpu"]["ops"]} W4A16 linears with half-stored
-  weights in a {gpu.trace.metrics()["makespan_ms"]:.0f} ms prefill (cosine vs the host
-  {results["gpu_cosine_vs_host"]:.6f}); on a CPU OpenCL driver its speed says nothing about a phone's Adreno, which
-  the lane exists to measure.
+{gpu_line}
 {hvx_line}""")

@@ -29,14 +29,14 @@ import plotly.graph_objects as go
 
 from edgeprobe import models
 from edgeprobe.models import ModelConfig
-from edgeprobe.schedule import chunk_graph, device_profile, schedule
+from edgeprobe.schedule import chunk_graph, cost_model, schedule
 from edgeprobe.schedule.hetero import compare_strategies
 
 PROMPT = int(os.environ.get("EDGEPROBE_NB_PROMPT", 1024))   # the test suite runs the agent part small
 QWEN = ModelConfig(arch="llama", n_layers=24, hidden=2048, ffn=5504, n_heads=16, n_kv_heads=16, head_dim=128,
                    vocab_size=151936, context_length=32768, tie_embeddings=False, name="Qwen1.5-1.8B")
 smollm = models.load("smollm2-135m")
-sd = device_profile("snapdragon-8gen3")
+sd = cost_model("snapdragon-8gen3")
 print(sd.source)
 
 # %% [markdown]
@@ -113,35 +113,35 @@ fig
 # %%
 from edgeprobe import Device
 from edgeprobe.corpus import read_corpus
-from edgeprobe.quant import calibration_profile, quantize
+from edgeprobe.prepare import prepared
 
 CALIB = int(os.environ.get("EDGEPROBE_NB_CALIB", 4096))
 CHUNK = max(16, PROMPT // 4)
-qm = quantize(smollm, "w8a8-shadow", calibration_profile(smollm, smollm.tokenizer.encode(read_corpus("train")),
-                                                         tokens=CALIB, window=min(512, CALIB)))
+# from the prepared-model cache the demo, the CLI and the API share: calibrated and quantized once
+qm = prepared(smollm, "w8a8-shadow", say=print, calib_tokens=CALIB, calib_window=min(512, CALIB))
 ids = smollm.tokenizer.encode(read_corpus("heldout"))
 toks = ids[:PROMPT]
 dev = Device.local()
-prof = dev.measure_profile(qm, ids, chunks=(CHUNK // 4, CHUNK // 2, CHUNK), n_chunks=3)
-err = prof.fit_error()
-print(prof.source)
+cm = dev.measure_cost_model(qm, ids, chunks=(CHUNK // 4, CHUNK // 2, CHUNK), n_chunks=3)
+err = cm.fit_error()
+print(cm.source)
 print("predicted-mode error on chunk lengths left out of the fit: "
       + ", ".join(f"{k} {100 * v['median']:.0f}%" for k, v in err.items() if k != "all"))
-lanes = sorted(prof.fits)
+lanes = sorted(cm.fits)
 fig = go.Figure()
 for key in lanes:
-    pts = [s for s in prof.samples if f"{s['lane']}/{s['stage']}" == key]
+    pts = [s for s in cm.samples if f"{s['lane']}/{s['stage']}" == key]
     fig.add_scatter(x=[s["flops"] / 1e6 for s in pts], y=[s["us"] / 1e3 for s in pts], mode="markers",
                     name=f"{key} measured")
-    a, b = prof.fits[key]
+    a, b = cm.fits[key]
     xs = np.linspace(0, max(s["flops"] for s in pts), 20)
     fig.add_scatter(x=xs / 1e6, y=(a + b * xs) / 1e3, mode="lines", name=f"{key} fit")
 fig.update_layout(title="Subgraph time against FLOPs on the agent (npu lane emulated), with the fitted model",
                   xaxis_title="MFLOP", yaxis_title="ms")
 
 # %%
-dev.prefill_chunked(qm, toks, chunk=CHUNK, scheduler="in-order", profile=prof)     # warm
-measured = {s: dev.prefill_chunked(qm, toks, chunk=CHUNK, scheduler=s, profile=prof) for s in ("in-order", "ooo")}
+dev.prefill_chunked(qm, toks, chunk=CHUNK, scheduler="in-order", cost_model=cm)     # warm
+measured = {s: dev.prefill_chunked(qm, toks, chunk=CHUNK, scheduler=s, cost_model=cm) for s in ("in-order", "ooo")}
 mk = {s: r.trace.metrics() for s, r in measured.items()}
 print(f"ours (measured, {PROMPT} / {CHUNK}): in-order {mk['in-order']['makespan_ms']:.0f} ms, out-of-order "
       f"{mk['ooo']['makespan_ms']:.0f} ms = {mk['ooo']['makespan_ms'] / mk['in-order']['makespan_ms']:.2f}x; "
@@ -158,27 +158,54 @@ print(f"{len(rows)} subgraphs: median per-subgraph prediction error {100 * np.me
 fig
 
 # %% [markdown]
+# ### Which chunk length? The predicted makespan against chunk length
+#
+# Short chunks pay more launches and cross-lane syncs; long ones leave fewer subgraphs to overlap (mllm-NPU §3.2
+# picks 256). The prediction is the one `edgeprobe schedule` and `edgeprobe run --scheduler` make, over the cost
+# model measured above, for the model the agent ran.
+
+# %%
+from edgeprobe.figures import makespan_figure, makespan_rows
+
+sweep_chunks = sorted({max(1, PROMPT // d) for d in (16, 8, 4, 2, 1)})
+by_chunk = makespan_rows(qm.manifest, PROMPT, sweep_chunks, ("in-order", "ooo"), cm)
+best = {s_: min((r_ for r_ in by_chunk if r_["scheduler"] == s_), key=lambda r_: r_["makespan_ms"])
+        for s_ in ("in-order", "ooo")}
+for s_, r_ in best.items():
+    print(f"{s_}: shortest predicted makespan {r_['makespan_ms']:.0f} ms at chunk {r_['chunk']} "
+          f"(prompt {PROMPT}, {r_['subgraphs']} subgraphs)")
+makespan_figure(by_chunk, f"Predicted prefill makespan against chunk length, SmolLM2 w8a8-shadow, prompt {PROMPT} "
+                          "(cost model measured on the agent)")
+
+# %% [markdown]
 # ## Measured on the agent: HeteroLLM's partitions on the gpu (OpenCL) and npu (emulated) lanes
 #
 # The solver needs each lane's GEMM rate, the hand-off cost, and — new here — how much each lane slows while the
 # other runs (on a phone the GPU and NPU share memory bandwidth; on this host they also share the two cores).
 
 # %%
-hp, _ = dev.measure_linears(qm, rows=(32, 64, 128, 256) if PROMPT < 256 else (32, 64, 128, 256, 512, 1024))
-print(f"npu {hp.npu_gops:.0f} GOP/s, gpu {hp.gpu_gflops:.0f} GFLOP/s, hand-off {hp.sync_us:.0f} µs; slowdown when both "
-      f"run: npu x{hp.slowdown_npu:.2f}, gpu x{hp.slowdown_gpu:.2f}")
+from IPython.display import display
+
 N = 300 if PROMPT >= 300 else 45                                # unaligned
-pred = compare_strategies(smollm.config, N, hp)
-dev.prefill_hetero(qm, ids[:N], hp, "solver")                   # warm this length's shapes
-meas = {s: dev.prefill_hetero(qm, ids[:N], hp, s).trace.metrics()["makespan_ms"]
-        for s in ("solver", "npu-pad", "pipe", "gpu", "seq-cut", "row-cut")}
+hp = pred = meas = None  # what the summary says of this section, when the gpu lane is there
+if "gpu" not in dev.info["lanes"]:  # a device without OpenCL: one sentence, and the rest of the notebook runs
+    print(f"No gpu lane on this device ({dev.info.get('lanes_missing', {}).get('gpu', 'not offered')}), so the "
+          "measured GPU-NPU partitions are skipped.")
+else:
+    hp, _ = dev.measure_linears(qm, rows=(32, 64, 128, 256) if PROMPT < 256 else (32, 64, 128, 256, 512, 1024))
+    print(f"npu {hp.npu_gops:.0f} GOP/s, gpu {hp.gpu_gflops:.0f} GFLOP/s, hand-off {hp.sync_us:.0f} µs; slowdown "
+          f"when both run: npu x{hp.slowdown_npu:.2f}, gpu x{hp.slowdown_gpu:.2f}")
+    pred = compare_strategies(smollm.config, N, hp)
+    dev.prefill_hetero(qm, ids[:N], hp, "solver")                   # warm this length's shapes
+    meas = {s: dev.prefill_hetero(qm, ids[:N], hp, s).trace.metrics()["makespan_ms"]
+            for s in ("solver", "npu-pad", "pipe", "gpu", "seq-cut", "row-cut")}
+    print(f"{N} tokens: solver picks " + ", ".join(sorted({c['strategy'] for c in pred['choices'].values()})))
+    print(f"measured: solver vs padding {meas['npu-pad'] / meas['solver']:.2f}x "
+          f"(predicted {pred['speedup_vs_padding']:.2f}x), "
+          f"vs pipe {meas['pipe'] / meas['solver']:.2f}x (predicted {pred['speedup_vs_pipe']:.2f}x)")
+    display(go.Figure(go.Bar(x=list(meas), y=list(meas.values()))).update_layout(
+        title=f"Measured prefill of {N} tokens on the agent by partition strategy", yaxis_title="ms"))
 dev.close()
-print(f"{N} tokens: solver picks " + ", ".join(sorted({c['strategy'] for c in pred['choices'].values()})))
-print(f"measured: solver vs padding {meas['npu-pad'] / meas['solver']:.2f}x "
-      f"(predicted {pred['speedup_vs_padding']:.2f}x), "
-      f"vs pipe {meas['pipe'] / meas['solver']:.2f}x (predicted {pred['speedup_vs_pipe']:.2f}x)")
-go.Figure(go.Bar(x=list(meas), y=list(meas.values()))).update_layout(
-    title=f"Measured prefill of {N} tokens on the agent by partition strategy", yaxis_title="ms")
 
 # %%
 # the headline numbers as data (tests/test_notebooks.py checks them)
@@ -197,7 +224,7 @@ results = {
     "exact_gap": [{"prompt": p_, "subgraphs": n_, "gap": g_} for p_, n_, g_ in gaps],
     "hetero_modelled": {str(m_): {"total_ms": r_["total_ms"], "speedup_vs_padding": r_["speedup_vs_padding"],
                                   "speedup_vs_pipe": r_["speedup_vs_pipe"]} for m_, r_ in res.items()},
-    "fit_error_median": {k: v["median"] for k, v in prof.fit_error().items() if k != "all"},
+    "fit_error_median": {k: v["median"] for k, v in cm.fit_error().items() if k != "all"},
     "measured": {"prompt": PROMPT, "chunk": CHUNK,
                  **{s_: {"makespan_ms": mk[s_]["makespan_ms"],
                          "lanes": {k: v["busy_pct"] for k, v in mk[s_]["lanes"].items()},
@@ -205,8 +232,11 @@ results = {
                     for s_ in mk},
                  "predicted_ooo_ms": measured["ooo"].schedule.makespan_us / 1e3,
                  "median_subgraph_error": float(np.median(np.abs(err)))},
-    "hetero_measured": {"tokens": N, "makespan_ms": meas, "predicted_speedup_vs_padding": pred["speedup_vs_padding"],
-                        "predicted_total_ms": pred["total_ms"], "npu_gops": hp.npu_gops, "gpu_gflops": hp.gpu_gflops}}
+    "makespan_by_chunk": {"prompt": PROMPT, "cost_model": cm.name, "rows": by_chunk},
+    "lanes_offered": dev.info["lanes"], "lanes_missing": dev.info.get("lanes_missing", {}),
+    "hetero_measured": None if meas is None else {
+        "tokens": N, "makespan_ms": meas, "predicted_speedup_vs_padding": pred["speedup_vs_padding"],
+        "predicted_total_ms": pred["total_ms"], "npu_gops": hp.npu_gops, "gpu_gflops": hp.gpu_gflops}}
 (RESULTS_DIR / "06_scheduling.json").write_text(json.dumps(results, indent=1, default=float))
 print(f"headline numbers written to {RESULTS_DIR / '06_scheduling.json'}: {', '.join(results)}")
 
@@ -224,7 +254,16 @@ ratio = ooo.makespan_us / ino.makespan_us
 mi, mo = mk["in-order"], mk["ooo"]
 idle = {s_: mk[s_]["makespan_ms"] * (1 - mk[s_]["lanes"]["npu"]["busy_pct"] / 100) for s_ in mk}
 unaligned = [m_ for m_ in res if m_ % 256]
-picks = sorted({c["strategy"] for c in pred["choices"].values()})
+picks = [] if pred is None else sorted({c["strategy"] for c in pred["choices"].values()})
+hetero_line = (f"""**Measured on the agent** it was not run: this device has no gpu lane
+  ({dev.info.get("lanes_missing", {}).get("gpu", "not offered")}).""" if meas is None else
+               f"""**Measured on the agent** the
+  lanes slow each other (npu ×{hp.slowdown_npu:.1f}, gpu ×{hp.slowdown_gpu:.1f} while both run; here PoCL's "GPU" shares
+  the CPU's cores); at {N} tokens the solver picks {", ".join(picks)} and measures
+  {meas["npu-pad"] / meas["solver"]:.2f}× padding's speed (predicted {pred["speedup_vs_padding"]:.2f}×)
+  and {meas["pipe"] / meas["solver"]:.2f}× the pipe's (predicted {pred["speedup_vs_pipe"]:.2f}×); a forced row cut
+  takes {meas["row-cut"] / meas["solver"]:.2f}× the solver's time. A phone's separate GPU and NPU are where the paper's
+  split gains live; the solver here is the same code with measured inputs.""")
 Markdown(f"""Modelled on the Snapdragon 8 Gen 3 cost model and measured on this machine's agent.
 
 - **Chunk-shared graphs save {q["saving"]:.0%} of pre-built graph memory** for Qwen1.5-1.8B at 1024 / 256 (paper: up to
@@ -242,16 +281,13 @@ Markdown(f"""Modelled on the Snapdragon 8 Gen 3 cost model and measured on this 
   {mi["lanes"]["npu"]["busy_pct"]:.0f}% → {mo["lanes"]["npu"]["busy_pct"]:.0f}%). One run on a shared machine:
   `bench/schedule.py` repeats it side by side.
 - **The fitted cost model** predicts chunk lengths left out of the fit with a median error per stage of
-  {", ".join(f"{100 * v['median']:.0f}% ({k})" for k, v in prof.fit_error().items() if k != "all")}; the
+  {", ".join(f"{100 * v['median']:.0f}% ({k})" for k, v in cm.fit_error().items() if k != "all")}; the
   out-of-order makespan was predicted at {measured["ooo"].schedule.makespan_us / 1e3:.0f} ms, measured
   {mo["makespan_ms"]:.0f} ms.
+- **Chunk length**, predicted over that cost model for a {PROMPT}-token prompt: out-of-order is shortest at chunk
+  {best["ooo"]["chunk"]} ({best["ooo"]["makespan_ms"]:.0f} ms), in-order at chunk {best["in-order"]["chunk"]}
+  ({best["in-order"]["makespan_ms"]:.0f} ms), over chunks {" / ".join(str(c_) for c_ in sweep_chunks)}.
 - **HeteroLLM's solver**, modelled: beats padding """ + " / ".join(f"{res[m_]['speedup_vs_padding']:.2f}×"
                                                                   for m_ in unaligned) + f""" at
   {" / ".join(str(m_) for m_ in unaligned)} tokens (paper: up to 2.12×) and the pipe """ + " / ".join(
-    f"{res[m_]['speedup_vs_pipe']:.2f}×" for m_ in unaligned) + f""" (paper: 13–30 %). **Measured on the agent** the
-  lanes slow each other (npu ×{hp.slowdown_npu:.1f}, gpu ×{hp.slowdown_gpu:.1f} while both run; here PoCL's "GPU" shares
-  the CPU's cores); at {N} tokens the solver picks {", ".join(picks)} and measures
-  {meas["npu-pad"] / meas["solver"]:.2f}× padding's speed (predicted {pred["speedup_vs_padding"]:.2f}×) and
-  {meas["pipe"] / meas["solver"]:.2f}× the pipe's (predicted {pred["speedup_vs_pipe"]:.2f}×); a forced row cut takes
-  {meas["row-cut"] / meas["solver"]:.2f}× the solver's time. A phone's separate GPU and NPU are where the paper's split
-  gains live; the solver here is the same code with measured inputs.""")
+    f"{res[m_]['speedup_vs_pipe']:.2f}×" for m_ in unaligned) + f""" (paper: 13–30 %). {hetero_line}""")

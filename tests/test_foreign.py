@@ -176,16 +176,16 @@ def _lawson_hanson(A, y):
     return x
 
 
-def _ref_fit(xs, ys, bs=None, gemv=False):
+def _ref_fit(xs, ys, bs=None):
     """Independent fit of us = a + b * flops + c * bytes, a, b, c >= 0 (Lawson-Hanson). The documented tie rule:
-    bytes exactly proportional to FLOPs (one M) -> bytes is dropped, or FLOPs in a GEMV (M below threshold) regime.
+    bytes exactly proportional to FLOPs (one M) -> FLOPs dropped below 16 FLOP per byte (memory-bound), else bytes.
     Returns (a, b, c)."""
     xs, ys = np.asarray(xs, float), np.asarray(ys, float)
     bs = np.zeros_like(xs) if bs is None else np.asarray(bs, float)
     cols = [np.ones_like(xs), xs, bs]
     keep = [True, True, bool(bs.any())]
     if bs.any() and np.linalg.matrix_rank(np.stack([xs / xs.max(), bs / bs.max()], 1)) < 2:
-        keep[1 if gemv else 2] = False
+        keep[1 if xs.sum() < 16 * bs.sum() else 2] = False
     if len(set(zip(xs, bs))) < 2:  # one size: the rate (or bandwidth) alone, through the origin
         keep[0] = False
     idx = [i for i in range(3) if keep[i]]
@@ -505,7 +505,7 @@ def test_opencl_csv_alignment_rows_per_pass_and_held_out():
     for s in (s for s in samples if s["pass"] in (1, 3)):
         gemv = s["kind"] == "linear" and s["rows"] < 2
         same = [x for x in train if x["kind"] == s["kind"] and (s["kind"] != "linear" or (x["rows"] < 2) == gemv)]
-        c = _ref_fit([x["flops"] for x in same], [x["us"] for x in same], [x["bytes"] for x in same], gemv)
+        c = _ref_fit([x["flops"] for x in same], [x["us"] for x in same], [x["bytes"] for x in same])
         errs.append(abs(_ref_pred(c, s) - s["us"]) / s["us"])
         w.append(s["us"])
     assert m.held_out["split"].startswith("one layer") and m.held_out["n_predicted"] == len(errs) == 23

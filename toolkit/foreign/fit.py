@@ -5,7 +5,9 @@ us = fixed_us + us_per_flop * FLOPs + us_per_byte * weight bytes, by non-negativ
 (a 1-row matmul is a GEMV, priced by the weights it streams, not its FLOPs). Where the ops' token rows M span a kernel
 change (llama.cpp's OpenCL runs kernel_gemv_noshuffle at M=1 and kernel_mul_mat_Ab_Bi_8x4 above), a second set of
 coefficients for M below a threshold found from the data (`below`), only when both regimes hold MIN_REGIME ops.
-Held-out error: fit on some layers (or passes), predict the others. The result is a FittedCostModel (schedule.cost).
+Bytes are the template's weight bytes under the scheme the alignment priced (a config alone: float, 4 per weight),
+so a fitted bandwidth prices graphs planned with the same scheme. Held-out error: fit on some layers (or passes),
+predict the others. The result is a FittedCostModel (schedule.cost).
 """
 from __future__ import annotations
 
@@ -22,6 +24,10 @@ from .base import ForeignTraceError
 MIN_REGIME = 3        # ops each side of an M threshold needs before the threshold is fitted
 SPLIT_GAIN = 0.5      # without kernel names, a threshold is kept only if it at least halves the squared error
 _TIE = 1e-9           # relative squared-error margin within which the simpler (or preferred) solution is kept
+# FLOPs per weight byte below which an op counts as memory-bound when the data cannot tell FLOPs from bytes (one M):
+# an assumption, phones' peak compute over DRAM bandwidth is tens of FLOP/B (Adreno 750: 2.8 TFLOP/s / 77 GB/s ≈ 36);
+# the template's float bytes (4 per weight) give M / 2 FLOP/B, so fewer than 32 rows stream their weights
+RIDGE_FLOP_PER_BYTE = 16.0
 
 
 def nnls(columns: dict, y, prefer=("flops", "bytes", "fixed")) -> tuple[dict, float]:
@@ -55,14 +61,20 @@ def nnls(columns: dict, y, prefer=("flops", "bytes", "fixed")) -> tuple[dict, fl
     return coef, r
 
 
-def _coefs(flops, by, us, prefer) -> dict:
-    """One regime's coefficients (see nnls) and how well they fit the ops they came from."""
+def _coefs(flops, by, us) -> dict:
+    """One regime's coefficients (see nnls) and how well they fit the ops they came from. Equal fits (bytes ∝ FLOPs):
+    bytes first below RIDGE_FLOP_PER_BYTE (memory-bound), else FLOPs."""
+    bound = by.any() and flops.sum() < RIDGE_FLOP_PER_BYTE * by.sum()
+    prefer = ("bytes", "flops", "fixed") if bound else ("flops", "bytes", "fixed")
     coef, _ = nnls({"fixed": np.ones_like(us), "flops": flops, "bytes": by}, us, prefer)
     a, b, c = coef["fixed"], coef["flops"], coef["bytes"]
     rel = np.abs(a + b * flops + c * by - us) / np.maximum(us, 1e-9)
     return {"fixed_us": a, "us_per_flop": b, "us_per_byte": c, "rate_gflops": (1e-3 / b) if b > 0 else None,
             "bandwidth_gbs": (1e-3 / c) if c > 0 else None, "n": int(len(us)), "sizes": len(set(flops.tolist())),
             "fit_median_rel_error": float(np.median(rel)),
+            # False: bytes ∝ FLOPs in these ops (one M, one weight type), so the data cannot tell the two terms apart
+            "bytes_separable": bool(by.any()) and int(np.linalg.matrix_rank(
+                np.stack([flops / max(flops.max(), 1e-300), by / max(by.max(), 1e-300)], 1))) == 2,
             "flops_range": [float(flops.min()), float(flops.max())],  # outside them a prediction extrapolates
             "bytes_range": [float(by.min()), float(by.max())]}
 
@@ -86,14 +98,14 @@ def _main_kernel(kernels) -> str:
 
 def fit_line(flops: list, us: list, bytes: list | None = None, rows: list | None = None,
              kernels: list | None = None, ops: list | None = None) -> dict:
-    """us = fixed_us + us_per_flop * flops + us_per_byte * bytes, coefficients >= 0 (nnls; equal fits: FLOPs
-    before bytes, a GEMV regime bytes before FLOPs). rows (token rows M per op): the threshold t of least squared
+    """us = fixed_us + us_per_flop * flops + us_per_byte * bytes, coefficients >= 0 (nnls; equal fits: see
+    _coefs). rows (token rows M per op): the threshold t of least squared
     error with MIN_REGIME ops each side gives M < t its own coefficients (`below`). With kernel names and op names
     (the same template op at several M), t must separate kernels: every op seen on both sides runs other kernels
     below t than above, and one op at least is seen on both; without them, t must at least halve the squared error."""
     x, y = np.asarray(flops, np.float64), np.asarray(us, np.float64)
     by = np.zeros_like(x) if bytes is None else np.asarray(bytes, np.float64)
-    one = _coefs(x, by, y, ("flops", "bytes", "fixed"))
+    one = _coefs(x, by, y)
     m = None if rows is None or any(r is None for r in rows) else np.asarray(rows, np.int64)
     if m is None:
         return {**one, "regime": "one: the ops' token rows are not known"}
@@ -109,8 +121,7 @@ def fit_line(flops: list, us: list, bytes: list | None = None, rows: list | None
         if named and not _separates(ops, kernels, lo):
             why = "one: no M threshold separates the kernels an op runs"
             continue
-        flo = _coefs(x[lo], by[lo], y[lo], ("bytes", "flops", "fixed"))
-        fhi = _coefs(x[hi], by[hi], y[hi], ("flops", "bytes", "fixed"))
+        flo, fhi = _coefs(x[lo], by[lo], y[lo]), _coefs(x[hi], by[hi], y[hi])
         sse = _sse(flo, x[lo], by[lo], y[lo]) + _sse(fhi, x[hi], by[hi], y[hi])
         if not named and sse > SPLIT_GAIN * _sse(one, x, by, y):
             why = "one: no M threshold halves the squared error"

@@ -158,7 +158,7 @@ class FittedCostModel(CostModel):
 
     A Subgraph carries (kind, FLOPs) per op: time_us prices its ops one by one (bytes and rows exact) when the model
     is bound to the graph (for_graph; schedule.predict does it), else it shares the subgraph's weight_bytes among its
-    linears by FLOPs and takes its rows (`tokens`) for each op."""
+    linears by FLOPs and takes its rows (`tokens`) for each op (the LM head's bytes are outside weight_bytes)."""
     fits: dict = field(default_factory=dict)      # lane -> kind -> fit_line(...)
     base: str | None = None
     held_out: dict = field(default_factory=dict)

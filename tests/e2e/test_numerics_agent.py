@@ -91,3 +91,24 @@ def test_bad_captures_are_refused_naming_the_pattern_the_size_or_the_version(age
     monkeypatch.setattr(agent, "request", old_agent)
     with pytest.raises(NumericsError, match=r"the agent \(version 0\.\d+\.\d+\) does not capture numerics"):
         prefill_numerics(agent, qm, tokens, ops="lm_head")
+
+
+def test_run_cli_writes_numerics_and_refuses_a_pattern_naming_nothing(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "edgeprobe", "run", "--model", "smollm2-135m", "--scheme", "w8a8", "--prompt-len",
+            "16", "--no-progress", "--store", str(tmp_path / "store")]
+    r = subprocess.run(base + ["--numerics", "--numerics-ops", "blk.99.*"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "edgeprobe: error: --numerics-ops 'blk.99.*' names no op of the plan (ops are named like 'embed', "
+        "'blk.1.attn_q', 'blk.1.*', 'lm_head')")
+    r = subprocess.run(base + ["--numerics", "--numerics-ops", "blk.0.*,lm_head", "--numerics-out", str(tmp_path / "n"),
+                               "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    nm = json.loads(r.stdout.strip().splitlines()[-1])["numerics"]
+    assert nm["ops"] == 16 and nm["first_divergent"] is None and nm["capture_ms"] > 0
+    saved = json.loads((tmp_path / "n" / "numerics.json").read_text())
+    assert [o["op"] for o in saved["ops"]][-1] == "lm_head" and (tmp_path / "n" / "numerics.html").stat().st_size

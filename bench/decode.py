@@ -2,7 +2,9 @@
 
 One agent; for each batch size B the same prompt is prefilled once, forked into B sequences and decoded for
 N steps with the tile-quantized weights (q4_0-tile on the emulated NPU lane). Prints tokens/s summed over the
-batch (agent makespan per step, and host wall time with sampling and round trips) and the ratio to B = 1.
+batch (agent makespan per step, and host wall time with sampling and round trips), the ratio to B = 1, and a step's
+time on the agent outside its ops (its span minus its ops' time: hand-offs between lanes; bench/decode_overhead.py
+splits it).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ def main():
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--scheme", default="q4_0-tile")
     args = ap.parse_args()
+    from decode_overhead import step_overhead  # bench/, beside this script
+
     from edgeprobe import models
     from edgeprobe.corpus import read_corpus
     from edgeprobe.device import Device
@@ -33,15 +37,16 @@ def main():
         for b in [int(x) for x in args.batches.split(",")]:
             d = dev.generate(qm, ids, args.steps, batch=b, temperature=0.8, seed=0, progress=False)
             step = statistics.median(d.step_ms[1:])
-            rows.append((b, step, b / step * 1e3, d.decode_tok_per_s))
+            rows.append((b, step, b / step * 1e3, d.decode_tok_per_s, step_overhead(d, args.steps)["on_agent"]))
         rowcut(dev, m, ids, args.steps)
         neurons(dev, m, args.steps)
         experts(dev, args.steps)
     base = rows[0]
     print(f"decode on the agent, {args.scheme}, prompt {args.prompt}, {args.steps} steps (median step after the first)")
-    print(f"{'batch':>5} {'step ms':>8} {'tok/s (agent)':>14} {'x B=1':>6} {'tok/s (wall)':>13} {'x B=1':>6}")
-    for b, step, tps, wall in rows:
-        print(f"{b:5d} {step:8.1f} {tps:14.1f} {tps / base[2]:6.2f} {wall:13.1f} {wall / base[3]:6.2f}")
+    print(f"{'batch':>5} {'step ms':>8} {'tok/s (agent)':>14} {'x B=1':>6} {'tok/s (wall)':>13} {'x B=1':>6} "
+          f"{'outside ops ms':>15}")
+    for b, step, tps, wall, outside in rows:
+        print(f"{b:5d} {step:8.1f} {tps:14.1f} {tps / base[2]:6.2f} {wall:13.1f} {wall / base[3]:6.2f} {outside:15.2f}")
 
 
 def experts(dev, steps, capacity: int = 24, preload_n: int = 2) -> None:

@@ -114,12 +114,12 @@ def main():
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"host passes on SmolLM2-135M, {CORES} cores, {T} tokens per pass, window {W}, median of {args.rounds} "
           "rounds; ratio to quiet one-thread tok/s")
-    head = f"{'setting':<18s}" + "".join(f"{p:>20s}" for p in passes) + f"{'load1':>8s}  threads chosen"
+    head = f"{'setting':<18s}" + "".join(f"{p:>20s}" for p in passes) + f"{'load1':>8s}  decisions x threads"
     print(head)
     for name, _, _ in SETTINGS:
         base = [med[(p, '1 thread, quiet')] for p in passes]
-        cells = "".join(f"{med[(p, name)] / b:>8.2f}x {med[(p, name)]:>6.0f} t/s " for p, b in zip(passes, base))
-        picks = ", ".join(f"{k}:{v}" for k, v in sorted(chosen[name].items()))
+        cells = "".join(f"{med[(p, name)] / b:>8.2f}x {med[(p, name)]:>5.0f} t/s" for p, b in zip(passes, base))
+        picks = ", ".join(f"{v} x {k}" for k, v in sorted(chosen[name].items()) if v)
         goal = f"  (goal >= {GOALS[name]})" if name in GOALS else ""
         print(f"{name:<18s}{cells}{statistics.mean(loads[name]):>8.2f}  {picks}{goal}")
 

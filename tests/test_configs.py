@@ -13,7 +13,8 @@ import pytest
 from edgeprobe import models
 from edgeprobe.errors import ModelFormatError, UnsupportedModelError
 from edgeprobe.graph import Weights, model_ops
-from edgeprobe.models.config import load_plan, plan_manifest
+from edgeprobe.models.config import plan_manifest
+from edgeprobe.models.hf_loader import load_plan
 from edgeprobe.schedule import cost_model, predicted_schedule
 
 ROOT = Path(__file__).resolve().parents[1]

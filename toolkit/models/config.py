@@ -152,14 +152,3 @@ def plan_manifest(cfg: ModelConfig, scheme: str = "w8a8-shadow", prune_rate: flo
             "model": {"name": cfg.name, "sha256": None},
             "planned": {"shadow": shadow, "floats": scheme == "float",
                         "q8_head": scheme != "float" and cfg.hidden % 32 == 0, "prune_rate": prune_rate}}
-
-
-def load_plan(name_or_path, scheme: str = "w8a8-shadow") -> dict:
-    """A config.json (file, or a folder holding it) -> plan_manifest: `predicted_schedule(load_plan(path), ...)`."""
-    from pathlib import Path
-
-    from .hf_loader import config_from_hf, read_config_json
-
-    path = Path(name_or_path)
-    file = path / "config.json" if path.is_dir() else path
-    return plan_manifest(config_from_hf(read_config_json(file), file.parent), scheme)

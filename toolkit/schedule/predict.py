@@ -13,7 +13,8 @@ def plan_of(model, scheme: str = "w8a8-shadow") -> dict:
     configuration — a ModelConfig, a Model (config-only or not: its config), a config.json path or folder — planned
     with `scheme`'s stand-in records (models.plan_manifest: float, w8a8, w8a8-shadow)."""
     from ..models import ModelConfig
-    from ..models.config import load_plan, plan_manifest
+    from ..models.config import plan_manifest
+    from ..models.hf_loader import load_plan
 
     if isinstance(model, dict) and "config" in model:
         return model

@@ -172,8 +172,6 @@ def test_commands_that_need_weights_say_so_in_one_line():
         "command needs the checkpoint (a GGUF file or a folder with *.safetensors)"]
 
 
-@pytest.mark.xfail(strict=True, reason="needs the change to toolkit/cli/schedule.py that plans a config-only model "
-                                       "with models.config.plan_manifest instead of preparing it (not in this change)")
 def test_schedule_cli_plans_an_8b_model_from_its_config():
     r = _cli("schedule", "--model", str(CONFIGS / "llama-3.1-8b" / "config.json"), "--cost-model", "snapdragon-8gen3",
              "--prompt-len", "1024", "--chunk", "256", "--json")

@@ -33,21 +33,28 @@ def cmd_schedule(args) -> int:
                                 f"{model.config.context_length}")
         # a named cost model or .json is checked before the model is prepared (minutes when not cached)
         cost = None if args.cost_model in cache.MEASURED else cost_model(args.cost_model)
-        # the model `run --scheme` runs, from the same prepared-model cache: its manifest decides which layers keep
-        # their shadow-outlier GEMMs, so this prediction is the one `run --cost-model` makes (the same function)
-        qm = prepared_model(model, args.scheme, not args.no_progress, say=say_for(args))
-        if cost is None and not args.remeasure:
-            cost = cache.cached(args.cost_model, args.model, args.scheme)
-        if cost is None:  # measured on a local agent, over the held-out corpus
-            from ..corpus import read_corpus
-            from ..device import Device
+        if model.meta.get("format") == "config":  # a config.json alone: the scheme's stand-in records, no weights
+            if cost is None:
+                raise ScheduleError(f"{args.model} is a config.json alone (no weights), and a measured cost model runs "
+                                    "the model on an agent: name a modelled one (snapdragon-8gen3, this-host-emulated)")
+            manifest = models.config.plan_manifest(model.config, args.scheme)
+        else:
+            # the model `run --scheme` runs, from the same prepared-model cache: its manifest decides which layers
+            # keep their shadow-outlier GEMMs, so this prediction is the one `run --cost-model` makes
+            qm = prepared_model(model, args.scheme, not args.no_progress, say=say_for(args))
+            if cost is None and not args.remeasure:
+                cost = cache.cached(args.cost_model, args.model, args.scheme)
+            if cost is None:  # measured on a local agent, over the held-out corpus
+                from ..corpus import read_corpus
+                from ..device import Device
 
-            with Device.local() as dev:
-                cost = cache.resolve(args.cost_model, args.model, qm, dev,
-                                     model.tokenizer.encode(read_corpus("heldout")), not args.no_progress,
-                                     remeasure=True)
+                with Device.local() as dev:
+                    cost = cache.resolve(args.cost_model, args.model, qm, dev,
+                                         model.tokenizer.encode(read_corpus("heldout")), not args.no_progress,
+                                         remeasure=True)
+            manifest = qm.manifest
         chunk = min(args.chunk, args.prompt_len)  # as run: a chunk longer than the prompt is one chunk of all of it
-        graph, sched = predicted_schedule(qm.manifest, args.prompt_len, chunk, args.scheduler, cost)
+        graph, sched = predicted_schedule(manifest, args.prompt_len, chunk, args.scheduler, cost)
     except ScheduleError as e:
         print(f"edgeprobe: error: {e}", file=sys.stderr)
         return 2

@@ -117,10 +117,11 @@ import pandas as pd
 
 opts = explorer.controls["chunk"].options
 small = max([c for c in opts if c <= max(opts) // 4] or [min(opts)])  # four chunks, as 1024 / 256 in the paper
+start = len(explorer.history)  # the panel's own first run, if it made one, is not part of the sweep
 for settings in ({"scheduler": "in-order", "chunk": small}, {"scheduler": "ooo", "chunk": small},
                  {"scheduler": "ooo", "prune_rate": 0.0}, {"scheme": "q4_0-tile", "scheduler": "layer"}):
     explorer.set(**settings).run()
-sweep = pd.DataFrame(explorer.history)
+sweep = pd.DataFrame(explorer.history[start:])
 cols = [c for c in ("scheme", "prune_rate", "scheduler", "chunk", "makespan_ms", "predicted_makespan_ms",
                     "predicted_over_measured", "flash_read_mb", "npu_busy_pct", "cpu_busy_pct", "cosine_vs_host")
         if c in sweep]

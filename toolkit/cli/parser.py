@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..foreign.read import FORMATS
 from .agent import cmd_agent, cmd_kernels
 from .demo import cmd_demo
 from .evaluate import cmd_eval, cmd_generate
@@ -233,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=_HelpFormatter)
     ti.add_argument("file", metavar="FILE",
                     help="the trace: a log with llama.cpp Hexagon profile lines, or Chrome JSON")
-    ti.add_argument("--format", default="auto", choices=["auto", "llamacpp-hexagon-op", "chrome-json"],
+    ti.add_argument("--format", default="auto", choices=["auto", *FORMATS],
                     help="the file's format (default auto: recognised from its contents)")
     ti.add_argument("--out", metavar="DIR", required=True, help="folder for trace.json and timeline.html")
     ti.add_argument("--model", metavar="CONFIG|GGUF|HF_DIR",

@@ -91,6 +91,7 @@ class RunResult:
     wall_s: float = 0.0
     schedule: object = None  # the Schedule a chunked prefill was laid out by (its predicted times)
     step_counters: list = field(default_factory=list)  # a decode loop's counters, one dict per step
+    numerics: object = None  # a NumericsReport when the run captured per-op numerics (edgeprobe.numerics)
 
     @property
     def logits(self) -> np.ndarray:

@@ -230,7 +230,6 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
     meta = {"title": f"prefill {len(tokens)} tokens, {qm.scheme}, numerics captured", "agent":
             dev.info.get("agent_version"), "url": dev.url, "clock_offset_us": off, "counters": head.get("counters", {}),
             "numerics": True}
-    res = RunResult(dict(zip(head["outputs"], arrays[:n_out])), Trace(events, meta), head.get("counters", {}), wall)
-    res.numerics = report
-    return res
+    return RunResult(dict(zip(head["outputs"], arrays[:n_out])), Trace(events, meta), head.get("counters", {}), wall,
+                     numerics=report)
 

@@ -2,15 +2,13 @@
 runs the others, and its headline numbers are recomputed here from the bundled trace: the aligned share from the
 fixture's raw JSON, the held-out error by an independent least squares, the makespans from the saved cost model."""
 import json
-import re
 
 import jupytext
-import nbformat
 import numpy as np
 import pytest
 from nbclient import NotebookClient
 from test_foreign import LFM2, LFM2_CONFIG, _ref_fit, _ref_pred
-from test_notebooks import NOTEBOOKS, REGENERATE, _conclusion
+from test_notebooks import NOTEBOOKS, _conclusion
 
 from edgeprobe.foreign import load_foreign
 from edgeprobe.foreign.align import align
@@ -100,18 +98,3 @@ def test_notebook_08_conclusion_says_the_computed_numbers(executed):
             f"**median error of {r['held_out']['median_rel_error']:.0%}**",
             f"{mk['lfm2-sm8750/ooo']:.0f} ms against in order {mk['lfm2-sm8750/in-order']:.0f} ms"]
     assert not [s for s in says if s not in found], found
-
-
-def test_notebook_08_ipynb_holds_its_sources_cells():
-    source = jupytext.read(NOTEBOOKS / f"{NAME}.py")
-    committed = nbformat.read(NOTEBOOKS / f"{NAME}.ipynb", as_version=4)
-    nbformat.validate(committed)
-    cells = lambda nb: [(c.cell_type, c.source) for c in nb.cells]
-    assert cells(committed) == cells(source), REGENERATE
-    assert committed.metadata["kernelspec"] == source.metadata["kernelspec"]
-    assert not [c for c in committed.cells if c.cell_type == "code" and (c.outputs or c.execution_count)]
-    md = [c.source for c in source.cells if c.cell_type == "markdown"]
-    assert md[0].startswith("# ") and "**Question.**" in md[0]
-    assert md[-1].startswith("## What we found") and not re.search(r"\d", md[-1])
-    assert source.cells[-1].cell_type == "code" and "Markdown(f" in source.cells[-1].source
-

@@ -16,6 +16,7 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = ["01_outliers", "02_experts", "03_sparsity", "04_quantization", "05_device_timeline", "06_scheduling",
          "07_decoding"]
+ALL_NAMES = NAMES + ["08_phone_trace"]  # 08 executes in tests/test_notebook_08.py; pairing and imports checked here
 SMALL = {"EDGEPROBE_NB_TOKENS": "1024", "EDGEPROBE_NB_WINDOW": "64", "EDGEPROBE_NB_WINDOWS": "2",
          "EDGEPROBE_NB_CALIB": "256", "EDGEPROBE_NB_PROMPT": "32"}
 # a cell's limit: a cold prepared-model cache quantizes and writes every scheme of two models in 04's first cell
@@ -599,7 +600,7 @@ def test_notebook_on_a_device_without_gpu_or_hexagon_lanes_says_so_in_one_senten
     assert "was not run here: this device has no gpu lane" in found and f"cosine {r['cosine_vs_host']:.6f}" in found
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL_NAMES)
 def test_ipynb_holds_its_sources_cells(name):
     """notebooks/<name>.py is the source; the committed .ipynb (what JupyterLab opens) holds the same cells, unexecuted,
     and the conclusion is rendered from computed numbers, not written into the Markdown."""
@@ -656,7 +657,7 @@ def test_the_documented_notebook_setup_installs_what_every_notebook_imports():
     installed = _installed_by(project["dependencies"] + extra)
     ours = {"edgeprobe", "edgeprobe_agent", "edgeprobe_kernels"}
     dists = metadata.packages_distributions()
-    for name in NAMES:
+    for name in ALL_NAMES:
         tree = ast.parse((NOTEBOOKS / f"{name}.py").read_text())
         modules = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         modules |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
@@ -667,5 +668,5 @@ def test_the_documented_notebook_setup_installs_what_every_notebook_imports():
 
 def test_every_notebook_has_one_source():
     stems = lambda ext: sorted(p.stem for p in NOTEBOOKS.glob(f"*.{ext}"))
-    # every source has its .ipynb; 01-07 run here (a later notebook brings its own execution test file)
-    assert stems("ipynb") == stems("py") and stems("py")[:len(NAMES)] == NAMES
+    # every source has its .ipynb, and every notebook is one this file checks
+    assert stems("ipynb") == stems("py") == ALL_NAMES

@@ -92,12 +92,18 @@ class ThreadPolicy:
     """Threads = the cores not busy with other processes (threads_for), measured by `load` at most every
     INTERVAL_S. load: a CpuLoad, a callable returning others' busy cores (tests inject one), or None (assume a
     quiet machine: all cores). fixed: a count that overrides the measurement; None takes EDGEPROBE_THREADS's
-    when `env` (the user's word), else measures."""
+    when `env` (the user's word), else measures.
+
+    With `env`, measuring is the user's choice, EDGEPROBE_THREADS=auto: OpenBLAS rounds float32 GEMMs differently
+    with one thread than with two, so a count chosen by the machine's load would make a calibration, and the model
+    quantized from it, depend on that load (SmolLM2's smoothquant perplexity over 64 tokens: 1.62x float's at two
+    threads, 1.49x at one). Unset, host passes keep BLAS and numba as started and lone agent lanes take every core."""
 
     def __init__(self, cores: int = CORES, load=None, fixed: int | None = None, env: bool = True):
         self.cores, self.load = cores, load
         word = os.environ.get("EDGEPROBE_THREADS", "") if env else ""
         self.fixed = fixed if fixed is not None else (int(word) if word.isdigit() and int(word) > 0 else None)
+        self.auto = word == "auto" if env else True  # measure the load (else: all cores, counts as started)
         self.last = None            # the count of the last decision (the bench prints it)
         self.chosen: dict = {}      # count -> decisions made with it
         self._others = 0.0
@@ -139,7 +145,7 @@ class ThreadPolicy:
     def threads(self, cap: int | None = None, fresh: bool = False) -> int:
         """The thread count for work that may use `cap` cores (default all of this process's)."""
         cores = min(cap or self.cores, self.cores) if self.fixed is None else min(cap or self.fixed, self.fixed)
-        k = cores if self.fixed is not None else threads_for(cores, self.others(fresh))
+        k = cores if self.fixed is not None or not self.auto else threads_for(cores, self.others(fresh))
         self.last = k
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
@@ -150,6 +156,8 @@ class ThreadPolicy:
         nothing (nothing would set it back)."""
         if not self._depth:
             return self.last
+        if self.fixed is None and not self.auto:
+            return self._blas_now  # neither measured nor fixed: the counts stay as the process started them
         k = self.threads(fresh=fresh)
         if self._blas is not None and k != self._blas_now:
             self._blas[0](k)  # process-wide: a BLAS call already running keeps the threads it started with

@@ -84,6 +84,7 @@ def test_agent_lanes_and_host_passes_take_their_counts_from_the_same_policy(monk
     busy = {"others": 1.0}
     monkeypatch.setattr(T.POLICY, "load", lambda: busy["others"])
     monkeypatch.setattr(T.POLICY, "fixed", None)
+    monkeypatch.setattr(T.POLICY, "auto", True)  # EDGEPROBE_THREADS=auto
     monkeypatch.setattr(executor, "CORES_IN_USE", c)
     one_lane = {"ops": [{"name": f"c{i}", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}, {"input": "x"}]}
                         for i in range(3)], "outputs": ["c2"]}
@@ -109,6 +110,7 @@ def test_eval_and_profile_passes_run_inside_the_policy(monkeypatch):
 
     monkeypatch.setattr(T.POLICY, "load", lambda: 1.0)  # a neighbour holds a core: passes get one thread
     monkeypatch.setattr(T.POLICY, "fixed", None)
+    monkeypatch.setattr(T.POLICY, "auto", True)  # EDGEPROBE_THREADS=auto
     counts = []
 
     def fake_forward(model, tokens, **kw):
@@ -129,3 +131,18 @@ def test_eval_and_profile_passes_run_inside_the_policy(monkeypatch):
             hooks=lambda: {}, take=lambda: (np.zeros((4, 1, 1), np.int16), np.zeros((4, 1, 1), np.float32))))
         trace = experts.record_routing(model, np.arange(8), window=4, progress=False)
         assert trace.tokens == 8 and counts == [(1, 1)] * 8 and (_blas(), numba.get_num_threads()) == (2, 2)
+
+
+def test_unset_the_policy_leaves_counts_as_started_and_gives_a_lone_lane_every_core(monkeypatch):
+    """Measuring is opt-in (EDGEPROBE_THREADS=auto): a load-chosen count would make a calibration depend on the load,
+    since OpenBLAS rounds float32 GEMMs differently with one thread than with two."""
+    monkeypatch.delenv("EDGEPROBE_THREADS", raising=False)
+    p = T.ThreadPolicy(2, load=lambda: 2.0)  # both cores busy elsewhere: measured, this would be 1
+    assert not p.auto and p.threads() == 2
+    set_to = []
+    p._blas = (set_to.append, lambda: 2)
+    with p.host_pass() as q:
+        assert q.tick() == 2
+    assert set_to == []  # BLAS's count never touched
+    monkeypatch.setenv("EDGEPROBE_THREADS", "auto")
+    assert T.ThreadPolicy(2, load=lambda: 2.0).threads() == 1

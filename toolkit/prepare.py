@@ -58,12 +58,20 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def refuse_config_only(model) -> None:
+    """Raise the one-line ModelFormatError of a model known by its config.json alone (no weights: nothing to
+    calibrate or quantize), before anything is said or written."""
+    if (getattr(model, "meta", None) or {}).get("format") == "config":
+        raise model.tokenizer.error()  # hf_loader._NoWeights: names the file and what the command needs
+
+
 def calibration(model, progress: bool = False, say=None, tokens: int = CALIB_TOKENS, window: int = CALIB_WINDOW):
     """The activation profile (OutlierStats) of `model` on the first `tokens` training-corpus tokens, cached."""
     from .corpus import read_corpus
     from .profile import OutlierStats
     from .quant import calibration_profile
 
+    refuse_config_only(model)
     say = say or (lambda m: None)
     window = min(window, tokens)
     path = cache_root() / f"calib-{Path(model.name).name}-{_key(model=model.sha256, tokens=tokens, window=window)}.npz"
@@ -92,6 +100,7 @@ def prepared(model, scheme: str, progress: bool = False, say=None, prune_rate: f
     from .quant import QuantizedModel, quantize
     from .quant.schemes import NEEDS_PROFILE
 
+    refuse_config_only(model)
     say = say or (lambda m: None)
     if scheme == "float":  # nothing to calibrate or quantize: a float copy on disk would only cost space
         return quantize(model, scheme, None)

@@ -146,3 +146,41 @@ def test_unset_the_policy_leaves_counts_as_started_and_gives_a_lone_lane_every_c
     assert set_to == []  # BLAS's count never touched
     monkeypatch.setenv("EDGEPROBE_THREADS", "auto")
     assert T.ThreadPolicy(2, load=lambda: 2.0).threads() == 1
+
+
+def test_decode_loops_and_in_process_plans_run_inside_the_policy(monkeypatch):
+    from edgeprobe import generate as gen
+    from edgeprobe.graph import local
+
+    monkeypatch.setattr(T.POLICY, "load", lambda: 1.0)  # a neighbour holds a core: passes get one thread
+    monkeypatch.setattr(T.POLICY, "fixed", None)
+    monkeypatch.setattr(T.POLICY, "auto", True)  # EDGEPROBE_THREADS=auto
+    counts = []
+
+    def fake_forward(model, tokens, cache=None, **kw):
+        counts.append((_blas(), numba.get_num_threads()))
+        shape = (len(tokens), 8) if np.ndim(tokens) == 2 else (8,)  # a batch's step: a row a sequence; else "last"
+        return np.zeros(shape, np.float32)
+
+    tok = SimpleNamespace(encode=lambda s: [1, 2, 3], decode=lambda ids: "x" * len(ids), eos_id=7)
+    model = SimpleNamespace(config=None, tokenizer=tok)
+    monkeypatch.setattr(gen, "forward", fake_forward)
+    monkeypatch.setattr(gen, "KVCache", lambda config: SimpleNamespace(reorder=lambda idx: None))
+    real_execute = local.execute
+
+    def counted_execute(*a, **k):
+        counts.append((_blas(), numba.get_num_threads()))
+        return real_execute(*a, **k)
+
+    monkeypatch.setattr(local, "execute", counted_execute)
+    plan = {"ops": [{"name": "c0", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}, {"input": "x"}]}],
+            "outputs": ["c0"]}
+    with threadpool_limits(limits=2, user_api="blas"):
+        numba.set_num_threads(2)
+        g = gen.generate(model, "abc", n=3, stop_at_eos=False)  # a prefill and two decode steps
+        assert g.tokens == [0, 0, 0] and len(counts) == 3
+        out = gen.replay(model, [1, 2, 3], np.zeros((2, 2), np.int64))  # a prefill and two steps of a batch of 2
+        assert [o.shape for o in out] == [(1, 8), (2, 8), (2, 8)] and len(counts) == 6
+        outs, _, _ = local.run_plan(plan, get=None, inputs={"x": np.ones((2, 2), np.float32)})
+        np.testing.assert_array_equal(outs["c0"], np.full((2, 2), 2, np.float32))
+        assert counts == [(1, 1)] * 7 and (_blas(), numba.get_num_threads()) == (2, 2)  # given back after each

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgeprobe_kernels.threads import host_pass
+
 from .forward import KVCache, forward
 from .models import Model
 from .sampling import sample
@@ -31,18 +33,20 @@ def generate(model: Model, prompt: str, n: int = 32, temperature: float = 0.0, s
         raise ValueError("the prompt is empty; give at least one character of text")
     rng = np.random.default_rng(seed)
     cache = KVCache(model.config)
-    t0 = time.perf_counter()
-    logits = forward(model, ids, cache, logits="last")
-    t1 = time.perf_counter()
     out: list[int] = []
-    for step in range(n):
-        nxt = int(sample(logits[None], temperature, rng)[0])  # the agent workflows' draw: same seed, same tokens
-        out.append(nxt)
-        if stop_at_eos and nxt == model.tokenizer.eos_id:
-            break
-        if step + 1 < n:
-            logits = forward(model, [nxt], cache, logits="last")
-    t2 = time.perf_counter()
+    with host_pass() as threads:  # the cores other processes leave free (edgeprobe_kernels.threads), per step
+        t0 = time.perf_counter()
+        logits = forward(model, ids, cache, logits="last")
+        t1 = time.perf_counter()
+        for step in range(n):
+            nxt = int(sample(logits[None], temperature, rng)[0])  # the agent workflows' draw: same seed, same tokens
+            out.append(nxt)
+            if stop_at_eos and nxt == model.tokenizer.eos_id:
+                break
+            if step + 1 < n:
+                threads.tick()
+                logits = forward(model, [nxt], cache, logits="last")
+        t2 = time.perf_counter()
     steps = max(len(out) - 1, 0)
     return Generation(prompt=prompt, text=model.tokenizer.decode(out), tokens=out,
                       prefill_tok_per_s=len(ids) / (t1 - t0),
@@ -57,12 +61,14 @@ def replay(model: Model, prompt, fed, linear=None, hooks=None) -> list[np.ndarra
     fed = np.asarray(fed)
     B = fed.shape[0]
     cache = KVCache(model.config)
-    first = forward(model, np.asarray(prompt), cache, hooks=hooks, linear=linear, logits="last")
-    out = [np.asarray(first).reshape(1, -1)]
-    cache.reorder([0] * B)
-    for i in range(fed.shape[1]):
-        out.append(np.asarray(forward(model, fed[:, i:i + 1], cache, hooks=hooks, linear=linear,
-                                      logits="last")).reshape(B, -1))
+    with host_pass() as threads:  # the cores other processes leave free, decided again per step
+        first = forward(model, np.asarray(prompt), cache, hooks=hooks, linear=linear, logits="last")
+        out = [np.asarray(first).reshape(1, -1)]
+        cache.reorder([0] * B)
+        for i in range(fed.shape[1]):
+            threads.tick()
+            out.append(np.asarray(forward(model, fed[:, i:i + 1], cache, hooks=hooks, linear=linear,
+                                          logits="last")).reshape(B, -1))
     return out
 
 

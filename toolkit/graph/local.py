@@ -16,6 +16,7 @@ from edgeprobe_agent.executor import Context, execute, run_untraced, validate
 from edgeprobe_agent.protocol import AgentError
 from edgeprobe_agent.session import KVSession
 from edgeprobe_kernels import names as N
+from edgeprobe_kernels.threads import host_pass
 
 from .template import Weights, model_ops
 
@@ -28,13 +29,15 @@ def host_session(config: dict, batch: int, capacity: int) -> KVSession:
 def run_plan(plan: dict, get, inputs: dict, session: KVSession | None = None, advance: int = 0):
     """Validate and execute `plan` here. get: sha -> array (a QuantizedModel's `store.get`). inputs: run inputs
     ({"tokens": int32[batch * T]}). session/advance: a decode session the run extends by `advance` positions.
-    Returns ({output name: array}, trace events, counters)."""
+    Returns ({output name: array}, trace events, counters). Threads: the cores other processes leave free
+    (edgeprobe_kernels.threads.host_pass, as the host's other passes; the agent's Cores are not enabled here)."""
     p = validate(plan, has_blob=lambda s: True)
     counters: dict = {}
     ctx = Context(get=get, counters=counters, session=session,
                   read_rows=lambda sha, rows, lane="io": np.asarray(get(sha))[np.asarray(rows)],
                   read_blob=lambda sha, lane="io": get(sha))
-    outs, events = execute(p, {k: np.asarray(v) for k, v in inputs.items()}, ctx)
+    with host_pass():
+        outs, events = execute(p, {k: np.asarray(v) for k, v in inputs.items()}, ctx)
     if session is not None:
         session.length += advance  # as the agent: only a whole run moves the cache on
     return outs, events, counters

@@ -494,8 +494,7 @@ def test_opencl_csv_alignment_rows_per_pass_and_held_out():
     m = fit(a, name="adreno")
     # the trace's kernels: a matmul runs kernel_gemv_noshuffle at 1 row and kernel_mul_mat_Ab_Bi_8x4 at 2 and more
     # (the LM head keeps Ab_Bi at 1 row); elementwise kernels do not change with rows
-    rows = [e["rows"] for e in ev if e.get("template_ops")]
-    samples = [{**s, "rows": r} for s, r in zip(a.samples(), rows)]
+    samples = a.samples()
     lin = m.fits["gpu"]["linear"]
     assert lin["regime"] == "two: M < 2 and M >= 2 (kernel_gemv_noshuffle / kernel_mul_mat_Ab_Bi_8x4)"
     assert lin["below"]["kernels"] == ["kernel_gemv_noshuffle", "kernel_mul_mat_Ab_Bi_8x4"]

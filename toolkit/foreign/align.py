@@ -61,7 +61,9 @@ class Alignment:
         return self.matched_us / self.total_us if self.total_us else 0.0
 
     def samples(self) -> list[dict]:
-        """One fitting sample per matched event: lane, cost kind, FLOPs and bytes of its template ops, µs, layer."""
+        """One fitting sample per matched event: lane, cost kind, FLOPs and bytes of its template ops, µs, layer,
+        token rows (the event's own, else the template's) and kernel name."""
+        tokens = self.trace.meta.get("aligned_to", {}).get("tokens")
         out = []
         for e in self.trace.events:
             if not e.get("template_ops"):
@@ -70,7 +72,8 @@ class Alignment:
             kind = max(costs, key=lambda c: c[1])[0]
             out.append({"lane": e["lane"], "kind": kind, "flops": sum(c[1] for c in costs),
                         "bytes": sum(c[2] for c in costs), "us": e["end_us"] - e["start_us"], "layer": e["layer"],
-                        "op": e["kind"], "template_ops": list(e["template_ops"]), "pass": e.get("pass", 0)})
+                        "op": e["kind"], "template_ops": list(e["template_ops"]), "pass": e.get("pass", 0),
+                        "rows": int(rows) if (rows := e.get("rows") or tokens) else None, "kernel": e.get("kernel")})
         return out
 
     def __post_init__(self):

@@ -213,7 +213,7 @@ def fit(source, name: str = "fitted", base: str | None = "snapdragon-8gen3", tra
     """A FittedCostModel from an Alignment (align.align: template FLOPs of the matched ops) or a Trace whose events
     carry FLOPs. held_out: the error of a fit on some layers predicting the others; the model is then fit on all."""
     if hasattr(source, "samples"):
-        samples, meta = _aligned_samples(source), source.trace.meta
+        samples, meta = source.samples(), source.trace.meta
     else:
         samples, meta = samples_from_events(source), source.meta
     if not samples:
@@ -237,12 +237,3 @@ def _rows(e: dict) -> int | None:
     shapes = e.get("input_shapes")
     return int(shapes[1][1]) if e["kind"].startswith("MUL_MAT") and shapes and len(shapes) > 1 else None
 
-
-def _aligned_samples(a) -> list[dict]:
-    """Alignment.samples() with each op's token rows (the event's own, else the template's) and kernel name."""
-    tokens = a.trace.meta.get("aligned_to", {}).get("tokens")
-    events = [e for e in a.trace.events if e.get("template_ops")]
-    out = a.samples()
-    assert len(out) == len(events)  # samples() is one per matched event, in order
-    return [{**s, "rows": int(e.get("rows") or tokens) if (e.get("rows") or tokens) else None,
-             "kernel": e.get("kernel")} for s, e in zip(out, events)]

@@ -15,21 +15,13 @@ import threading
 from edgeprobe_kernels.threads import CORES, POLICY, ThreadPolicy, _openblas
 
 
-def _openblas_setter():
-    """numpy's bundled OpenBLAS's set_num_threads (process-wide), or None (another BLAS: left as started)."""
-    pair = _openblas()
-    return pair[0] if pair is not None else None
-
-
 class Cores:
     """Counts the lanes computing right now (every run's, one lock) and sets each op's thread counts."""
 
-    def __init__(self, cores: int = CORES, policy: ThreadPolicy | None = None):
+    def __init__(self, cores: int = CORES):
         self.cores, self.enabled = cores, False
-        # until enable(): a policy that measures nothing (all cores to an op alone); enable() takes the process's
-        # measured POLICY unless one was given
-        self._given = policy is not None
-        self.policy = policy if policy is not None else ThreadPolicy(cores, load=None, env=False)
+        # until enable(): a policy that measures nothing (all cores to an op alone); enable() takes the process's POLICY
+        self.policy = ThreadPolicy(cores, load=None, env=False)
         self._busy = 0
         self._blas = 1
         self._lock = threading.Lock()
@@ -41,9 +33,9 @@ class Cores:
         from now on. Not in a host process running plans in-process: its passes set threads by host_pass."""
         if self.cores < 2:
             return
-        if not self._given:
-            self.policy = POLICY
-        self._set_blas = _openblas_setter()
+        self.policy = POLICY
+        blas = _openblas()  # numpy's OpenBLAS's (set, get), process-wide; None: another BLAS, left as started
+        self._set_blas = blas[0] if blas is not None else None
         try:
             import numba
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import glob
 import math
 import os
@@ -32,9 +33,10 @@ def threads_for(cores: int, others: float) -> int:
     return max(1, min(cores, cores - taken))
 
 
+@functools.cache
 def _openblas():
     """(set_num_threads, get_num_threads) of numpy's bundled OpenBLAS (process-wide), or None (another BLAS: left
-    as started)."""
+    as started). Looked up once per process."""
     try:
         import numpy as np
 
@@ -110,7 +112,7 @@ class ThreadPolicy:
         self._sample = None
         self._measuring = threading.Lock()
         self._lock = threading.Lock()  # the host passes' count and BLAS's saved count
-        self._blas = _openblas_pair()  # set / get, resolved once
+        self._blas = _openblas()  # set / get, resolved once
         self._depth = 0             # host passes running in this process (BLAS's count is process-wide)
         self._blas_before = None
         self._blas_now = None
@@ -190,16 +192,6 @@ class ThreadPolicy:
                 if self._depth == 0 and self._blas is not None and self._blas_now != self._blas_before:
                     self._blas[0](self._blas_before)
                     self._blas_now = self._blas_before
-
-
-_OPENBLAS: list = []
-
-
-def _openblas_pair():
-    """_openblas(), looked up once per process."""
-    if not _OPENBLAS:
-        _OPENBLAS.append(_openblas())
-    return _OPENBLAS[0]
 
 
 POLICY = ThreadPolicy(load=CpuLoad())

@@ -6,6 +6,7 @@ Formats with a reader (each checked against real excerpts quoted from public thr
   llamacpp-hexagon-op   llama.cpp Hexagon backend per-op profile lines on stderr (its 2025 format)
   chrome-json           Chrome trace-event JSON (Perfetto legacy JSON), e.g. exported from a Hexagon profile
   llamacpp-opencl-csv   llama.cpp OpenCL backend's cl_profiling.csv (GGML_OPENCL_PROFILING, Adreno GPUs)
+  executorch-etdump     ExecuTorch's ETDump (.etdp), the runtime's per-op and per-method profile events
 align.py matches an imported trace to the model template's ops; fit.py fits a cost model from the aligned ops.
 """
 from __future__ import annotations

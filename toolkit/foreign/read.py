@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import chrome_json, llamacpp_hexagon, llamacpp_opencl
+from . import chrome_json, executorch_etdump, llamacpp_hexagon, llamacpp_opencl
 from .base import ForeignTraceError, read_text
 
 READERS = {llamacpp_hexagon.FORMAT: llamacpp_hexagon, chrome_json.FORMAT: chrome_json,
-           llamacpp_opencl.FORMAT: llamacpp_opencl}
+           llamacpp_opencl.FORMAT: llamacpp_opencl, executorch_etdump.FORMAT: executorch_etdump}
 FORMATS = tuple(READERS)
 
 

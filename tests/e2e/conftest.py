@@ -96,81 +96,31 @@ def free_port():
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A real Ray cluster on 127.0.0.1 for the session: `ray start --head --block` with 2 CPUs, a 100 MB object store,
-    no dashboard, its own ports, temp dir and auth token. Stopped by its PID at the end (never `ray stop`, which
-    stops every cluster of the machine). Yields {"address" (its GCS), "client" (its Ray Client server, ray://), "env",
-    "pid"}; env is what a process joining it needs
+    no dashboard, its own ports, temp dir and auth token, started by the library's start_head (the one `--ray local`
+    uses: a start the raylet aborts for Ray issue 65983 is retried with new ports, up to 3 starts). Stopped by its PID
+    at the end (never `ray stop`, which stops every cluster of the machine). Yields {"address" (its GCS), "client"
+    (its Ray Client server, ray://), "env", "pid"}; env is what a process joining it needs
     (this process's os.environ gets the same for the session: ray reads it when first imported)."""
-    import contextlib
     import os
     import secrets
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-    import time
-    from pathlib import Path
 
-    def port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from edgeprobe.profile.cluster import HeadStartError, start_head
 
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: Ray's switch that keeps a single-node cluster on loopback
     extra = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
              "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
     saved = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
-    ray_bin = str(Path(sys.executable).with_name("ray"))
-
-    def start():
-        """(head process, temp dir, GCS port, client port, "" or why it did not start) of one `ray start --head`."""
-        temp = Path(tempfile.mkdtemp(prefix="epray-", dir="/tmp"))  # short: Ray's unix sockets live below it
-        gcs, client = port(), port()
-        cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
-               "--num-cpus", "2", "--object-store-memory", str(100_000_000), "--include-dashboard", "false",
-               "--disable-usage-stats", "--temp-dir", str(temp), "--ray-client-server-port", str(client)]
-        for flag in ("--dashboard-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
-                     "--runtime-env-agent-port", "--metrics-export-port"):
-            cmd += [flag, str(port())]  # Ray's fixed defaults would collide with another cluster on this machine
-        log = temp / "head.log"
-        with open(log, "w") as f:
-            head = subprocess.Popen(cmd, env={**os.environ}, stdout=f, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-        deadline = time.monotonic() + 180
-        while "Ray runtime started" not in log.read_text():
-            if head.poll() is not None or time.monotonic() > deadline:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(head.pid, signal.SIGKILL)  # its GCS and raylet too, left from a start cut short
-                head.wait(timeout=10)
-                raylet = "".join(p.read_text(errors="replace") for p in temp.glob("session_*/logs/raylet.out"))
-                return head, temp, gcs, client, log.read_text()[-3000:] + raylet[-2000:]
-            time.sleep(0.2)
-        return head, temp, gcs, client, ""
-
-    # The raylet gives its dashboard agent a fixed 15 s to write its port file and aborts past it (Ray issue 65983):
-    # on 2 busy cores the agent's imports can take longer. That start is retried with new ports; any other failure
-    # fails the fixture at once.
-    for attempt in range(3):
-        head, temp, gcs, client, why = start()
-        if not why:
-            break
-        shutil.rmtree(temp, ignore_errors=True)
-        if "Timed out waiting for file" not in why or attempt == 2:
-            pytest.fail(f"`ray start --head` did not start: {why}")
     try:
-        yield {"address": f"127.0.0.1:{gcs}", "client": f"ray://127.0.0.1:{client}", "env": {**os.environ},
-               "pid": head.pid}
+        head = start_head(num_cpus=2, object_store_bytes=100_000_000, env={**os.environ}, starts=3, timeout_s=180)
+    except HeadStartError as e:
+        pytest.fail(f"`ray start --head` did not start: {e.why}")
+    try:
+        yield {"address": head.address, "client": head.client, "env": {**os.environ}, "pid": head.pid}
     finally:
-        head.send_signal(signal.SIGTERM)  # --block: it stops the processes it started, then exits
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=10)
+        head.stop(timeout_s=60)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        shutil.rmtree(temp, ignore_errors=True)

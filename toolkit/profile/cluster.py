@@ -16,9 +16,14 @@ another worker, and only a finished shard's answer is merged, so nothing is lost
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
 import socket
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -33,6 +38,10 @@ from .runner import run, windows
 RAY_MISSING = ("profiling on Ray needs the ray package: pip install 'edgeprobe[ray]' (make test and make setup-test "
                "install it)")
 LOCAL_OBJECT_STORE_BYTES = 200_000_000  # shards answer with a few MB each: a small store leaves memory to the model
+# The raylet gives its dashboard agent a fixed 15 s to write its port file and aborts past it (Ray issue 65983): on
+# busy cores the agent's imports can take longer. Only that failure is worth another start, with new ports.
+AGENT_PORT_FILE_TIMEOUT = "Timed out waiting for file"
+HEAD_STARTS = 3
 
 
 def _kinds() -> dict[str, type[Profile]]:
@@ -130,13 +139,158 @@ def _token_auth() -> None:
         os.environ["RAY_AUTH_MODE"] = "token"
 
 
+def start_is_retried(why: str) -> bool:
+    """Whether a failed `ray start --head` is started again with new ports: only when the raylet aborted because its
+    dashboard agent wrote no port file in time (AGENT_PORT_FILE_TIMEOUT in `why`, the head's output and raylet.out's
+    tail). Any other failure would fail again the same way."""
+    return AGENT_PORT_FILE_TIMEOUT in why
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the head's child process (Linux): SIGTERM it when the process that started it dies, so a killed driver
+    leaves no cluster behind (--block stops the processes it started on SIGTERM)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class HeadStartError(ClusterError):
+    """`ray start --head` did not start; `why` holds its output and raylet.out's tail (several lines)."""
+
+    def __init__(self, message: str, why: str):
+        super().__init__(message)
+        self.why = why
+
+
+@dataclass
+class LocalHead:
+    """A Ray head on 127.0.0.1 started by start_head: its `ray start --head --block` process (stopped by its PID,
+    never `ray stop`, which stops every cluster of the machine), its temp dir and ports."""
+
+    proc: subprocess.Popen
+    temp: Path
+    gcs_port: int
+    client_port: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.gcs_port}"
+
+    @property
+    def client(self) -> str:
+        return f"ray://127.0.0.1:{self.client_port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self, timeout_s: float = 60) -> None:
+        """SIGTERM (--block then stops the processes it started), SIGKILL to its process group past timeout_s."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def _raylet_errors(text: str) -> str:
+    """A raylet log's error and fatal lines (glog's "[time E|C|F pid tid]", failed checks), wherever they are, then
+    its last 2000 characters: a fatal check's stack trace alone can fill more than that tail."""
+    import re
+
+    errors = [x for x in text.splitlines() if re.match(r"\[[^\]]* [ECF] \d+ \d+\]", x) or "Check failed" in x]
+    return "\n".join(errors[-20:] + [text[-2000:]])
+
+
+def _start_head_once(num_cpus: int, object_store_bytes: int, env: dict, timeout_s: float) -> tuple[LocalHead, str]:
+    """One `ray start --head --block` on free ports -> (head, "" or why it did not start: output and raylet.out's
+    tail). A start that failed has its process group (GCS, raylet) killed."""
+    temp = Path(tempfile.mkdtemp(prefix="epray-", dir="/tmp"))  # short: Ray's unix sockets live below it
+    gcs, client = _free_port(), _free_port()
+    ray_bin = Path(sys.executable).with_name("ray")
+    cmd = [str(ray_bin)] if ray_bin.exists() else [sys.executable, "-m", "ray.scripts.scripts"]
+    cmd += ["start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs),
+            "--num-cpus", str(num_cpus), "--object-store-memory", str(object_store_bytes), "--include-dashboard",
+            "false", "--disable-usage-stats", "--temp-dir", str(temp), "--ray-client-server-port", str(client)]
+    for flag in ("--dashboard-port", "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port",
+                 "--runtime-env-agent-port", "--metrics-export-port"):
+        cmd += [flag, str(_free_port())]  # Ray's fixed defaults would collide with another cluster on this machine
+    log = temp / "head.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    head = LocalHead(proc, temp, gcs, client)
+    deadline = time.monotonic() + timeout_s
+    while "Ray runtime started" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its GCS and raylet too, left from a start cut short
+            proc.wait(timeout=10)
+            raylet = "".join(_raylet_errors(p.read_text(errors="replace")) for name in ("raylet.out", "raylet.err")
+                             for p in temp.glob(f"session_*/logs/{name}"))  # the abort's reason is only there
+            return head, log.read_text(errors="replace")[-3000:] + raylet
+        time.sleep(0.2)
+    return head, ""
+
+
+def start_head(num_cpus: int | None = None, object_store_bytes: int = LOCAL_OBJECT_STORE_BYTES,
+               env: dict | None = None, starts: int = HEAD_STARTS, timeout_s: float = 180, say=None) -> LocalHead:
+    """A Ray head of this machine on 127.0.0.1 (`ray start --head --block`: num_cpus CPUs, default all; no dashboard;
+    its own free ports and temp dir), started up to `starts` times when start_is_retried says so, with new ports.
+    env: the head's environment (default os.environ). Raises HeadStartError (why: the last start's logs)."""
+    if not _ray_installed():
+        raise ClusterError(RAY_MISSING)
+    env = {**os.environ} if env is None else env
+    say = say or (lambda m: None)
+    attempt = 1
+    while True:
+        head, why = _start_head_once(num_cpus or os.cpu_count() or 1, object_store_bytes, env, timeout_s)
+        if not why:
+            return head
+        shutil.rmtree(head.temp, ignore_errors=True)
+        if not start_is_retried(why) or attempt >= starts:
+            raise HeadStartError(f"`ray start --head` did not start: {_reason(why)}", why)
+        attempt += 1
+        say(f"ray: the head's dashboard agent wrote no port file in Ray's 15 s (Ray issue 65983, busy cores); "
+            f"starting it again on new ports ({attempt}/{starts})")
+
+
+def _reason(why: str) -> str:
+    """One line of a failed start's logs: its error lines (Ray's exception, the raylet's failed check), not the
+    stack traces around them; at most 600 characters."""
+    import re
+
+    lines = [" ".join(line.split()) for line in why.splitlines()]
+    errors = [x for x in lines if re.search(r"Check failed|Timed out|Error|Exception|FATAL", x)]
+    picked = list(dict.fromkeys(errors))[-3:] or [x for x in lines if x][-2:]
+    return " | ".join(picked)[:600]
+
+
+def _ray_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
+
+
 class RayRunner:
     """runner.run's call shape, on a Ray cluster: `RayRunner(address)(model, ids, profile, window=..., ...)`.
 
-    address: "local" (a cluster of this machine's cores, started here and stopped on close), "auto", HOST:PORT of a
-    running head, or ray://HOST:PORT (Ray Client). shards: how many shards a pass is cut into (default 4 per CPU of
-    the cluster, at most one per window). num_cpus: a local cluster's CPUs (default all). Every node needs edgeprobe
-    and the model (built-in names resolve on the node; a path must exist there). `reports` lists every shard run."""
+    address: "local" (a cluster of this machine's cores: a head started by start_head, stopped on close), "auto",
+    HOST:PORT of a running head, or ray://HOST:PORT (Ray Client). shards: how many shards a pass is cut into (default
+    4 per CPU of the cluster, at most one per window). num_cpus: a local cluster's CPUs (default all). Every node
+    needs edgeprobe and the model (built-in names resolve on the node; a path must exist there). `reports` lists
+    every shard run."""
 
     def __init__(self, address: str = "local", shards: int | None = None, num_cpus: int | None = None,
                  max_retries: int = 3, say=None):
@@ -146,6 +300,7 @@ class RayRunner:
         self.say = say or (lambda m: print(f"edgeprobe: {m}", file=sys.stderr, flush=True))
         self.reports: list[ShardReport] = []
         self._owned = False  # whether close() stops or leaves a connection this runner made
+        self._head: LocalHead | None = None  # the local cluster's head this runner started (address "local")
         self._task = None  # profile_shard as a Ray task, made once connected
         self._ray = self._connect(address, num_cpus)
 
@@ -163,10 +318,16 @@ class RayRunner:
         if ray.is_initialized():  # a notebook's own connection: use it, leave it open
             return ray
         t0 = time.perf_counter()
+        if address == "local":  # the head the e2e tests' ray_cluster starts too, with the same retry
+            self._head = start_head(num_cpus, LOCAL_OBJECT_STORE_BYTES, say=self.say)
         try:
             if address == "local":
-                ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=LOCAL_OBJECT_STORE_BYTES,
-                         include_dashboard=False, log_to_driver=True, configure_logging=False)
+                try:
+                    ray.init(address=self._head.address, log_to_driver=True, configure_logging=False)
+                except BaseException:
+                    self._head.stop()
+                    self._head = None
+                    raise
             else:
                 try:
                     ray.init(address=address, log_to_driver=True, configure_logging=False)
@@ -198,6 +359,9 @@ class RayRunner:
         if self._owned:
             self._ray.shutdown()
             self._owned = False
+        if self._head is not None:
+            self._head.stop()
+            self._head = None
 
     def __enter__(self):
         return self

@@ -152,13 +152,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
-    """In the head's child process (Linux): SIGTERM it when the process that started it dies, so a killed driver
-    leaves no cluster behind (--block stops the processes it started on SIGTERM)."""
-    with contextlib.suppress(Exception):
+def _die_with_parent():
+    """A preexec_fn (Linux) that has the head's process SIGTERMed when the thread that started it dies, so a killed
+    driver leaves no cluster behind (--block stops the processes it started on SIGTERM); None elsewhere. prctl is
+    looked up here, in the parent: the child between fork and exec only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
 class HeadStartError(ClusterError):
@@ -229,7 +235,7 @@ def _start_head_once(num_cpus: int, object_store_bytes: int, env: dict, timeout_
     log = temp / "head.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                preexec_fn=_die_with_parent())
     head = LocalHead(proc, temp, gcs, client)
     deadline = time.monotonic() + timeout_s
     while "Ray runtime started" not in log.read_text(errors="replace"):
@@ -272,7 +278,8 @@ def _reason(why: str) -> str:
     import re
 
     lines = [" ".join(line.split()) for line in why.splitlines()]
-    errors = [x for x in lines if re.search(r"Check failed|Timed out|Error|Exception|FATAL", x)]
+    errors = [x for x in lines if re.search(r"Check failed|Timed out|Error|Exception|FATAL", x)
+              and not x.startswith(("raise ", "File "))]  # a traceback's source lines name the error too
     picked = list(dict.fromkeys(errors))[-3:] or [x for x in lines if x][-2:]
     return " | ".join(picked)[:600]
 

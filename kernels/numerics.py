@@ -135,7 +135,9 @@ class Capture:
 
     def take(self, name: str, out):
         if self.fault is not None and self.fault.get("op") == name:
-            out = np.array(out, dtype=np.float32, copy=True)
+            # order="C": a kernel's transposed result (numpy's GEMMs on arm64) copied as is would make reshape a
+            # copy, and the fault would land in it instead of in the output
+            out = np.array(out, dtype=np.float32, order="C", copy=True)
             flat = out.reshape(-1)
             amax = float(np.abs(flat).max()) if flat.size else 0.0
             flat[int(self.fault.get("index", 0)) % max(flat.size, 1)] += float(self.fault.get("codes", 1)) * amax / 127

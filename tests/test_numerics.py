@@ -85,6 +85,14 @@ def test_the_test_only_fault_moves_one_element_by_one_code():
     assert cap.summaries[0]["l2"] == pytest.approx(np.linalg.norm(y.astype(np.float64)))
 
 
+def test_the_fault_lands_in_a_transposed_output_too():
+    # numpy's int8 GEMMs (the arm64 agent's npu lane) hand back (W @ x.T).T: a Fortran-ordered view
+    x = np.arange(12, dtype=np.float32).reshape(3, 4).T
+    assert not x.flags.c_contiguous
+    y = Capture(["a"], None, fault={"op": "a", "index": 1, "codes": 127}).take("a", x)
+    assert np.argwhere(y != x).tolist() == [[0, 1]] and y[0, 1] - x[0, 1] == 11
+
+
 def test_the_executor_captures_chosen_ops_with_their_own_trace_events():
     from edgeprobe_agent.executor import Context, execute, validate
 

@@ -14,8 +14,8 @@ from edgeprobe import models
 from edgeprobe.errors import ModelFormatError, UnsupportedModelError
 from edgeprobe.graph import Weights, model_ops
 from edgeprobe.models.config import plan_manifest
-from edgeprobe.models.hf_loader import load_plan
 from edgeprobe.schedule import cost_model, predicted_schedule
+from edgeprobe.schedule.predict import plan_of
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "tests" / "data" / "configs"
@@ -120,7 +120,7 @@ def test_chunked_prefill_planned_from_the_config(name):
     MoE), one subgraph per stage, chunk and layer."""
     c = models.load(CONFIGS / name).config
     scheme = "float" if c.n_experts else "w8a8-shadow"
-    plan = load_plan(CONFIGS / name, scheme)
+    plan = plan_of(CONFIGS / name, scheme)
     graph, sched = predicted_schedule(plan, 512, 256, "ooo", cost_model("snapdragon-8gen3"))
     assert graph.n_chunks == 2
     stages = {g.stage for g in graph.subgraphs}
@@ -177,7 +177,7 @@ def test_schedule_cli_plans_an_8b_model_from_its_config():
              "--prompt-len", "1024", "--chunk", "256", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    plan = load_plan(CONFIGS / "llama-3.1-8b", "w8a8-shadow")
+    plan = plan_of(CONFIGS / "llama-3.1-8b", "w8a8-shadow")
     graph, sched = predicted_schedule(plan, 1024, 256, "ooo", cost_model("snapdragon-8gen3"))
     assert out["makespan_ms"] == sched.makespan_us / 1e3 and out["subgraphs"] == len(graph.subgraphs)
     assert out["cost_model"] == "snapdragon-8gen3" and out["modelled"] is True

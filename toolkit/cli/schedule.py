@@ -20,6 +20,7 @@ def cmd_schedule(args) -> int:
     from .. import models
     from ..quant.qmodel import check_scheme
     from ..schedule import ScheduleError, cache, cost_model, predicted_schedule, schedule
+    from ..schedule.predict import plan_of
 
     check_scheme(args.scheme)
     model = models.load(args.model)
@@ -37,7 +38,7 @@ def cmd_schedule(args) -> int:
             if cost is None:
                 raise ScheduleError(f"{args.model} is a config.json alone (no weights), and a measured cost model runs "
                                     "the model on an agent: name a modelled one (snapdragon-8gen3, this-host-emulated)")
-            manifest = models.config.plan_manifest(model.config, args.scheme)
+            manifest = plan_of(model, args.scheme)
         else:
             # the model `run --scheme` runs, from the same prepared-model cache: its manifest decides which layers
             # keep their shadow-outlier GEMMs, so this prediction is the one `run --cost-model` makes

@@ -77,12 +77,13 @@ def resolve(name_or_path: str | Path) -> Path:
 
 
 def load(name_or_path: str | Path, cache_dir: Path | None | bool = True) -> Model:
-    """Load a model by built-in name, GGUF path or Hugging Face folder.
+    """Load a model by built-in name, GGUF path, Hugging Face folder or a config.json alone (plan from it: schedule,
+    the template; no weights).
 
     >>> m = load("smollm2-135m")   # real SmolLM2-135M-Instruct, Q4_1 weights dequantized lazily
     """
     from .gguf_loader import load_gguf
-    from .hf_loader import load_hf_folder
+    from .hf_loader import load_config_only, load_hf_folder
 
     path = resolve(name_or_path)
     name = str(name_or_path) if str(name_or_path) in BUILTIN else ""
@@ -90,6 +91,8 @@ def load(name_or_path: str | Path, cache_dir: Path | None | bool = True) -> Mode
         return load_hf_folder(path, name=name)
     if path.stat().st_size == 0:
         raise ModelFormatError(f"{path} is empty; copy or download the checkpoint again")
+    if path.suffix == ".json":
+        return load_config_only(path, name=name)
     return load_gguf(path, cache_dir=cache_dir, name=name)
 
 

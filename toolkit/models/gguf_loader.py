@@ -198,10 +198,6 @@ def load_gguf(path: Path, cache_dir: Path | None | bool = True, name: str = "") 
     """
     path = Path(path)
     if not is_gguf(path):
-        if path.suffix == ".json":  # a config.json alone: plan from it (schedule, the template), no weights
-            from .hf_loader import load_config_only
-
-            return load_config_only(path, name=name)
         open_reader(path)  # raises the precise error
     sha = file_sha256(path)
     if cache_dir is True:

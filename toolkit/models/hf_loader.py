@@ -15,7 +15,7 @@ import numpy as np
 from safetensors import safe_open
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .config import ModelConfig, check_ffn_shapes, plan_manifest
+from .config import ModelConfig, check_ffn_shapes
 from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, file_sha256
@@ -387,9 +387,3 @@ def load_hf_folder(path: Path, name: str = "") -> Model:
     return Model(config=cfg, tokenizer=tok, weights=LazyWeights(loaders, None), source=str(path),
                  sha256=digest.hexdigest(), name=name or cfg.name, meta={"format": "hf"})
 
-
-def load_plan(name_or_path, scheme: str = "w8a8-shadow") -> dict:
-    """A config.json (file, or a folder holding it) -> plan_manifest, for `predicted_schedule(load_plan(path), ...)`."""
-    path = Path(name_or_path)
-    file = path / "config.json" if path.is_dir() else path
-    return plan_manifest(config_from_hf(read_config_json(file), file.parent), scheme)

@@ -10,16 +10,16 @@ from .schedulers import schedule
 
 def plan_of(model, scheme: str = "w8a8-shadow") -> dict:
     """What predicted_schedule reads, from a QuantizedModel's manifest (returned as is) or a model known only by its
-    configuration — a ModelConfig, a Model (config-only or not: its config), a config.json path or folder — planned
-    with `scheme`'s stand-in records (models.plan_manifest: float, w8a8, w8a8-shadow)."""
+    configuration — a ModelConfig, a Model (config-only or not: its config), a config.json path or folder (any path
+    models.load reads) — planned with `scheme`'s stand-in records (models.plan_manifest: float, w8a8, w8a8-shadow)."""
+    from .. import models
     from ..models import ModelConfig
     from ..models.config import plan_manifest
-    from ..models.hf_loader import load_plan
 
     if isinstance(model, dict) and "config" in model:
         return model
     if isinstance(model, (str, Path)):
-        return load_plan(model, scheme)
+        model = models.load(model)
     cfg = getattr(model, "config", model)
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"predicted_schedule needs a QuantizedModel's manifest, a ModelConfig, a Model or a "

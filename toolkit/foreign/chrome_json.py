@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import re
 
+from ..trace import CHROME_KEY
 from .base import ForeignTraceError, event, ggml_dims, read_text
 
 FORMAT = "chrome-json"
 EXPECTED = "Chrome trace-event JSON ({\"traceEvents\": [...]} or a list of events with ph, ts (µs), dur)"
-_OWN_KEY = "edgeprobe_chrome"  # edgeprobe.trace.CHROME_KEY: otherData's mark of a file edgeprobe wrote
 _LANES = (("hmx", "hmx"), ("dma", "dma"), ("hvx", "npu"), ("npu", "npu"), ("htp", "npu"), ("dsp", "npu"),
           ("hexagon", "npu"), ("gpu", "gpu"), ("adreno", "gpu"), ("opencl", "gpu"), ("cpu", "cpu"))
 
@@ -52,7 +52,7 @@ def read(path) -> tuple[list, dict]:
     except json.JSONDecodeError as e:
         raise ForeignTraceError(path, f"line {e.lineno} column {e.colno}", f"not JSON ({e.msg})", EXPECTED) from None
     if isinstance(doc, dict) and ({"events", "meta"} <= set(doc) and "traceEvents" not in doc
-                                  or isinstance(doc.get("otherData"), dict) and _OWN_KEY in doc["otherData"]):
+                                  or isinstance(doc.get("otherData"), dict) and CHROME_KEY in doc["otherData"]):
         # edgeprobe's own trace (emulated or predicted times): importing it would mark those times measured
         raise ForeignTraceError(path, "document", "a trace edgeprobe wrote (open it with `edgeprobe trace show` or "
                                 "Trace.load)", EXPECTED + " recorded by another tool")

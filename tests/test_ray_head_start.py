@@ -11,19 +11,26 @@ from edgeprobe.errors import ClusterError
 from edgeprobe.profile import cluster
 from edgeprobe.profile.cluster import HeadStartError, LocalHead, _raylet_errors, _reason, start_head, start_is_retried
 
-# what _start_head_once collects from such a start (head.log's tail, then raylet.out's), shaped after the report of
-# Ray issue 65983: `ray start` names only a generic startup timeout, the raylet's log names the port file
-AGENT_TIMEOUT = """Usage stats collection is disabled.
-Local node IP: 127.0.0.1
+# what _start_head_once collected from a start the raylet aborted (Ray 2.60, 2 cores beside load 9; cut to the head's
+# last lines and the raylet's failed check with its first frames): `ray start` names only a generic startup timeout,
+# the raylet's log names the dashboard agent's port file
+AGENT_TIMEOUT = """2026-11-27 05:58:15,104\tINFO node.py:438 -- Failed to get node info b'GCS cannot find the node \
+with node ID 5e9baabb2520f7cefe2385d033e1b208e6dfdc5ea6ee470c90298461. The node registration may not be complete yet \
+before the timeout. Try increase the RAY_raylet_start_wait_time_s config.'
 Traceback (most recent call last):
-  File ".venv/bin/ray", line 8, in <module>
-    sys.exit(main())
+  File ".venv/lib/python3.11/site-packages/ray/_private/node.py", line 440, in __init__
+    raise Exception(
 Exception: The current node timed out during startup. This could happen because some of the raylet failed to startup \
 or the GCS has become overloaded.
-[2026-11-27 03:41:07,512 C 48213 48213] (raylet) node_manager.cc:3557:  Check failed: _s.ok() Bad status: IOError: \
-Timed out waiting for file /tmp/epray-k2x9qf/session_2026-11-27_03-40-50_118204_48170/metrics_agent_port_5f1ca2
-*** StackTrace Information ***
-    ray::raylet::NodeManager::WaitForDashboardAgentPorts()
+[2026-11-27 05:58:00,520 C 8285 8285] (raylet) node_manager.cc:3588:  An unexpected system state has occurred. You \
+have likely discovered a bug in Ray. Please report this issue at https://github.com/ray-project/ray/issues and we'll \
+work with you to fix it. Check failed: statussetor3588.has_value() Timed out waiting for file /tmp/epray-a9szjviq/\
+session_2026-11-27_05-57-27_528419_8104/dashboard_agent_listen_port_5e9baabb2520f7cefe2385d033e1b208e6dfdc5ea6ee470c9\
+0298461
+.venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet(+0x699188) [0x557b8b97b188] \
+std::_Function_handler<>::_M_invoke()
+.venv/lib/python3.11/site-packages/ray/core/src/ray/raylet/raylet(+0xfc0d92) [0x557b8c2a2d92] \
+boost::asio::io_context::run()
 """
 PORT_IN_USE = """Usage stats collection is disabled.
 ConnectionError: Failed to start GCS server: address 127.0.0.1:41233 already in use (Address already in use)

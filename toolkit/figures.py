@@ -20,8 +20,11 @@ def sqnr_db(reference, approx, cap: float = SQNR_CAP_DB) -> float:
     """Signal-to-quantization-noise ratio of `approx` against `reference` (same shape, any float dtype), in dB:
     10·log10(Σ ref² / Σ (ref − approx)²), computed in float64; `cap` when the two are equal (no noise)."""
     ref = np.asarray(reference, np.float64)
-    noise = float(np.sum((ref - np.asarray(approx, np.float64)) ** 2))
-    signal = float(np.sum(ref ** 2))
+    return _db(float(np.sum(ref ** 2)), float(np.sum((ref - np.asarray(approx, np.float64)) ** 2)), cap)
+
+
+def _db(signal: float, noise: float, cap: float) -> float:
+    """10·log10(signal / noise) clamped to ±cap: `cap` without noise, `-cap` for noise on a zero signal."""
     if noise == 0.0:
         return cap
     if signal == 0.0:
@@ -47,7 +50,7 @@ def layer_sqnr(model, quantized: dict, acts: dict, cap: float = SQNR_CAP_DB) -> 
             for s, qm in quantized.items():
                 noise[s] += float(np.sum((y - np.asarray(qm.linear(name, x), np.float64)) ** 2))
         for s in quantized:
-            out[s][i] = cap if noise[s] == 0.0 else min(cap, 10.0 * np.log10(signal / noise[s]))
+            out[s][i] = _db(signal, noise[s], cap)
     return out
 
 

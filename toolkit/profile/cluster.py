@@ -141,8 +141,8 @@ def _token_auth() -> None:
 
 def start_is_retried(why: str) -> bool:
     """Whether a failed `ray start --head` is started again with new ports: only when the raylet aborted because its
-    dashboard agent wrote no port file in time (AGENT_PORT_FILE_TIMEOUT in `why`, the head's output and raylet.out's
-    tail). Any other failure would fail again the same way."""
+    dashboard agent wrote no port file in time (AGENT_PORT_FILE_TIMEOUT in `why`: the head's output, the raylet
+    log's error lines and tail). Any other failure would fail again the same way."""
     return AGENT_PORT_FILE_TIMEOUT in why
 
 
@@ -168,7 +168,7 @@ def _die_with_parent():
 
 
 class HeadStartError(ClusterError):
-    """`ray start --head` did not start; `why` holds its output and raylet.out's tail (several lines)."""
+    """`ray start --head` did not start; `why` holds its output and the raylet log's error lines (several lines)."""
 
     def __init__(self, message: str, why: str):
         super().__init__(message)
@@ -220,9 +220,10 @@ def _raylet_errors(text: str) -> str:
 
 
 def _start_head_once(num_cpus: int, object_store_bytes: int, env: dict, timeout_s: float) -> tuple[LocalHead, str]:
-    """One `ray start --head --block` on free ports -> (head, "" or why it did not start: output and raylet.out's
-    tail). A start that failed has its process group (GCS, raylet) killed."""
-    temp = Path(tempfile.mkdtemp(prefix="epray-", dir="/tmp"))  # short: Ray's unix sockets live below it
+    """One `ray start --head --block` on free ports -> (head, "" or why it did not start: its output, the raylet
+    log's error lines and tail). A start that failed has its process group (GCS, raylet) killed."""
+    # short: Ray's unix sockets live below it (108 bytes at most)
+    temp = Path(tempfile.mkdtemp(prefix="epray-", dir="/tmp" if os.path.isdir("/tmp") else None))
     gcs, client = _free_port(), _free_port()
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [str(ray_bin)] if ray_bin.exists() else [sys.executable, "-m", "ray.scripts.scripts"]

@@ -13,6 +13,7 @@ from edgeprobe_kernels.threads import host_pass
 from .errors import TextError, WindowError
 from .forward import Hooks, LinearFn, forward
 from .models import Model
+from .models.config import check_fits
 
 
 @dataclass
@@ -49,14 +50,17 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
     shorter than `window` is dropped. `hooks`/`linear` pass through to the forward pass, so the same
     function evaluates quantized simulations. Models whose tokenizer adds BOS (Gemma) see windows of BOS +
     (window - 1) text tokens and all window - 1 text tokens are scored, as llama.cpp's perplexity does; a
-    leading BOS in `ids` (from encode) is dropped first. Threads: the cores other processes leave free, decided
-    again per window (edgeprobe_kernels.threads).
+    leading BOS in `ids` (from encode) is dropped first. A model whose one layer, a window's activations and
+    logits exceed the memory limit is refused first (models.config.check_fits). Threads: the cores other
+    processes leave free, decided again per window (edgeprobe_kernels.threads).
     """
     if not isinstance(window, (int, np.integer)) or window < 2:
         raise WindowError(f"window must be an integer >= 2 (it scores positions 1..window-1), got {window!r}")
     if window > model.config.context_length:
         raise WindowError(f"window {window} exceeds the model's context length {model.config.context_length}; "
                           "use a smaller --window")
+    # before the tokenizer is touched: a model known by its config alone is refused with the numbers too
+    check_fits(model.config, window, what="perplexity pass", logits=True, name=model.name)
     ids = np.asarray(ids)
     if ids.size == 0:
         raise TextError("the text is empty (no tokens); pass a text file with content")

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import ModelFormatError
+from ..errors import EdgeprobeError, ModelFormatError
 
 
 @dataclass(frozen=True)
@@ -84,21 +86,105 @@ class ModelConfig:
         """Query heads per KV head (grouped-query attention)."""
         return self.n_heads // self.n_kv_heads
 
-    def n_params(self) -> int:
-        """Parameter count, embeddings included once when tied."""
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: attention (Q/K/V biases of Qwen2 included), FFN or experts with their
+        router and shared expert, norms."""
         h, f, d = self.hidden, self.ffn, self.head_dim
         attn = h * d * (self.n_heads * 2 + self.n_kv_heads * 2)
+        if self.attn_bias:
+            attn += d * (self.n_heads + 2 * self.n_kv_heads)
         if self.n_experts:
             ff = self.n_experts * 3 * h * (self.expert_ffn or f) + h * self.n_experts
-            ff += 3 * h * self.shared_expert_ffn
+            ff += 3 * h * self.shared_expert_ffn + (h if self.shared_expert_gate else 0)
         else:
             ff = 3 * h * f
-        per_layer = attn + ff + 2 * h + (2 * h if self.post_norms else 0) + (2 * d if self.qk_norm else 0)
-        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.n_layers * per_layer + emb + h
+        return attn + ff + 2 * h + (2 * h if self.post_norms else 0) + (2 * d if self.qk_norm else 0)
+
+    def n_params(self) -> int:
+        """Parameter count, embeddings included once when tied."""
+        emb = self.vocab_size * self.hidden * (1 if self.tie_embeddings else 2)
+        return self.n_layers * self.layer_params() + emb + self.hidden
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=1)
+
+
+class MemoryLimitError(EdgeprobeError, MemoryError):
+    """A pass whose one layer and activations do not fit the memory limit (refused before it starts)."""
+
+
+MEMORY_LIMIT_ENV = "EDGEPROBE_MEMORY_LIMIT"
+WEIGHT_BYTES = 4  # the pass holds a layer's weights dequantized to float32 (models.weights.LazyWeights)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def layer_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one decoder layer's weights as a pass holds them: layer_params() float32 numbers."""
+    return WEIGHT_BYTES * cfg.layer_params()
+
+
+def activation_bytes(cfg: ModelConfig, window: int, logits: bool = False, windows_held: int = 1) -> int:
+    """An upper bound on the float32 activations a pass over windows of `window` tokens holds inside one layer:
+    per token the residual stream, its norm and the layer's output (3 x hidden), Q, K, V and the attention output
+    ((2 n_heads + 2 n_kv_heads) x head_dim), the scores and their softmax (2 x n_heads x window), and the FFN's
+    gate, up and product (3 x ffn; MoE: the k routed experts' rows, the shared expert and the router logits).
+    logits: the LM head's float32[window, vocab] and perplexity's exp copy of it. windows_held: windows whose
+    hidden states float32[window, hidden] are held besides the one in the layer (a layer-major pass)."""
+    h, d, T = cfg.hidden, cfg.head_dim, int(window)
+    if cfg.n_experts:
+        f = cfg.n_experts_used * (cfg.expert_ffn or cfg.ffn) + cfg.shared_expert_ffn + cfg.n_experts
+    else:
+        f = cfg.ffn
+    per_token = 3 * h + 2 * (cfg.n_heads + cfg.n_kv_heads) * d + 2 * cfg.n_heads * T + 3 * f
+    per_token += 2 * cfg.vocab_size if logits else 0
+    return 4 * T * per_token + 4 * (int(windows_held) - 1) * T * h
+
+
+def parse_bytes(text: str) -> int:
+    """'8G', '512MiB', '1.5 GB', '1000000' -> bytes (units are powers of 1024)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]?)(?:i?[bB])?\s*", str(text))
+    if not m:
+        raise MemoryLimitError(f"{MEMORY_LIMIT_ENV}={text!r} is not a size; give bytes or a number with K, M, G or T "
+                               "(powers of 1024), e.g. 8G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def memory_limit() -> tuple[int | None, str]:
+    """(bytes a pass may use, where that came from): $EDGEPROBE_MEMORY_LIMIT, else MemAvailable in /proc/meminfo,
+    else (None, ...) where neither exists (no check)."""
+    env = os.environ.get(MEMORY_LIMIT_ENV)
+    if env:
+        return parse_bytes(env), MEMORY_LIMIT_ENV
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"
+    except OSError:
+        pass
+    return None, "no /proc/meminfo"
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB"
+
+
+def check_fits(cfg: ModelConfig, window: int, what: str = "pass", logits: bool = False,
+               windows_held: int = 1, name: str = "") -> dict:
+    """Refuse (MemoryLimitError, one line with the numbers) a pass whose one layer's weights plus its activations
+    (layer_bytes, activation_bytes) exceed memory_limit(), before any work: the OOM killer gives no message.
+    Returns {"layer_bytes", "activation_bytes", "limit", "limit_source"} when it fits (limit None: unknown)."""
+    lb, ab = layer_bytes(cfg), activation_bytes(cfg, window, logits, windows_held)
+    limit, source = memory_limit()
+    if limit is not None and lb + ab > limit:
+        err = MemoryLimitError(
+            f"{name or cfg.name or cfg.arch}: the {what} needs one layer's float32 weights ({_mib(lb)}) plus "
+            f"activations over a window of {window} tokens ({_mib(ab)}) = {_mib(lb + ab)}, more than the limit of "
+            f"{_mib(limit)} ({source}); free memory, use a smaller --window, or set {MEMORY_LIMIT_ENV} (e.g. 8G) "
+            "if more is free")
+        err.layer_bytes, err.activation_bytes, err.limit, err.limit_source = lb, ab, limit, source
+        raise err
+    return {"layer_bytes": lb, "activation_bytes": ab, "limit": limit, "limit_source": source}
 
 
 def check_ffn_shapes(cfg: ModelConfig, shapes: dict, path) -> None:

@@ -11,6 +11,7 @@ from edgeprobe_kernels.threads import host_pass
 from ..errors import TextError, WindowError
 from ..forward import forward
 from ..models import Model
+from ..models.config import check_fits
 
 
 def windows(ids, window: int, max_tokens: int | None = None) -> list[np.ndarray]:
@@ -47,10 +48,12 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
     """Feed `ids` (int[tokens]) through the forward pass, window by window, into each profile.
 
     Each window is one sequence from an empty cache; the LM head is skipped (profiles read hidden
-    activations only). Memory does not grow with the number of tokens. Returns the profiles. Threads: the
-    cores other processes leave free, decided again per window (edgeprobe_kernels.threads).
+    activations only). Memory does not grow with the number of tokens; a model whose one layer and a window's
+    activations exceed the memory limit is refused first (models.config.check_fits). Returns the profiles.
+    Threads: the cores other processes leave free, decided again per window (edgeprobe_kernels.threads).
     """
     chunks = windows(ids, window, max_tokens)
+    check_fits(model.config, window, what=f"{desc} pass", name=model.name)  # one line, not the OOM killer
     hooks = combine_hooks(p.hooks(model) for p in profiles)
     with host_pass() as threads:
         for chunk in tqdm(chunks, desc=desc, unit="win", disable=not progress, leave=False):

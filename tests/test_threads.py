@@ -119,6 +119,8 @@ def test_eval_and_profile_passes_run_inside_the_policy(monkeypatch):
 
     model = SimpleNamespace(config=SimpleNamespace(context_length=64, vocab_size=8, n_experts=1), tokenizer=None,
                             name="fake")
+    for module in (evaluate, runner):  # the memory check reads a real config's sizes; this fake has none
+        monkeypatch.setattr(module, "check_fits", lambda *a, **k: None)
     with threadpool_limits(limits=2, user_api="blas"):
         numba.set_num_threads(2)
         monkeypatch.setattr(evaluate, "forward", fake_forward)

@@ -174,15 +174,16 @@ class ThreadPolicy:
     @contextlib.contextmanager
     def host_pass(self):
         """A host pass's threads: measured at entry, renewed by tick(), BLAS's and this thread's numba counts set
-        back to what they were at exit. Nested passes share the outermost one's BLAS count."""
+        back to what they were at exit. Nested passes share the outermost one's BLAS count and measurement."""
         with self._lock:
             self._depth += 1
-            if self._depth == 1 and self._blas is not None:
+            outer = self._depth == 1
+            if outer and self._blas is not None:
                 self._blas_before = self._blas_now = int(self._blas[1]())
         numba = sys.modules.get("numba")
         numba_before = numba.get_num_threads() if numba is not None else None
         try:
-            self.tick(fresh=True)
+            self.tick(fresh=outer)  # a nested pass (a plan inside a decode loop) takes the outer one's recent decision
             yield self
         finally:
             if numba_before is not None:

@@ -186,3 +186,18 @@ def test_decode_loops_and_in_process_plans_run_inside_the_policy(monkeypatch):
         outs, _, _ = local.run_plan(plan, get=None, inputs={"x": np.ones((2, 2), np.float32)})
         np.testing.assert_array_equal(outs["c0"], np.full((2, 2), 2, np.float32))
         assert counts == [(1, 1)] * 7 and (_blas(), numba.get_num_threads()) == (2, 2)  # given back after each
+
+
+def test_only_the_outermost_pass_takes_a_fresh_measurement(monkeypatch):
+    # a fresh measurement idles FIRST_S (80 ms): a plan nested in a decode loop must not pay it per step
+    monkeypatch.setenv("EDGEPROBE_THREADS", "auto")
+    p = T.ThreadPolicy(2, load=lambda: 0.0)
+    asked = []
+    monkeypatch.setattr(p, "others", lambda fresh=False: asked.append(fresh) or 0.0)
+    with p.host_pass():
+        for _ in range(3):
+            with p.host_pass():
+                pass
+    with p.host_pass():
+        pass
+    assert asked == [True, False, False, False, True]

@@ -10,6 +10,7 @@ from edgeprobe.errors import EdgeprobeError
 from edgeprobe.foreign import ForeignTraceError, detect_format, load_foreign
 from edgeprobe.foreign.align import align
 from edgeprobe.foreign.fit import FittedCostModel, fit, fit_line, fit_samples, held_out, load_cost_model
+from edgeprobe.schedule import ScheduleError
 from edgeprobe.schedule.cost import _build_fitted
 
 DATA = Path(__file__).parent / "data" / "foreign"
@@ -328,7 +329,7 @@ def test_fitted_model_prices_schedules_and_rejects_other_json(tmp_path):
     assert head["shape"][0] == 1 and syn.op_time_us(head, "npu") == pytest.approx(5 + head["cost"][2] / 50, rel=1e-9)
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"format": "edgeprobe-fitted-cost-model", "version": 99}))
-    with pytest.raises(ForeignTraceError) as exc:
+    with pytest.raises(ScheduleError) as exc:  # what `edgeprobe schedule` reports in one line
         load_cost_model(other)
     _one_line_error(exc, other, "document")
 

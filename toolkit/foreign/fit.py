@@ -18,8 +18,9 @@ import numpy as np
 
 from ..schedule.cost import FITTED_JSON_FORMAT as JSON_FORMAT  # noqa: F401  (importable from here as before)
 from ..schedule.cost import FittedCostModel, _build_fitted, cost_model, fitted_time_us
-from ..schedule.cost import load_fitted as load_cost_model  # noqa: F401
 from .base import ForeignTraceError
+
+load_cost_model = FittedCostModel.from_json  # a model saved with FittedCostModel.to_json (schedule.cost.load_fitted)
 
 MIN_REGIME = 3        # ops each side of an M threshold needs before the threshold is fitted
 SPLIT_GAIN = 0.5      # without kernel names, a threshold is kept only if it at least halves the squared error

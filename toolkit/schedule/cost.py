@@ -15,7 +15,6 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from ..foreign.base import ForeignTraceError
 from .graph import ScheduleError, Subgraph
 
 
@@ -230,14 +229,13 @@ class FittedCostModel(CostModel):
         try:
             doc = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as e:
-            raise ForeignTraceError(path, "document", f"not readable JSON ({e})",
-                                    f"a {FITTED_JSON_FORMAT} file") from None
+            msg = f"{path}: document: not readable JSON ({e}); expected a {FITTED_JSON_FORMAT} file"
+            raise ScheduleError(msg) from None
         if not isinstance(doc, dict) or doc.get("format") != FITTED_JSON_FORMAT or doc.get(
                 "version") not in FITTED_JSON_VERSIONS:
             got = (doc.get("format"), doc.get("version")) if isinstance(doc, dict) else type(doc).__name__
-            raise ForeignTraceError(path, "document", f"format/version {got}",
-                                    f"a {FITTED_JSON_FORMAT} file of version "
-                                    f"{' or '.join(map(str, FITTED_JSON_VERSIONS))}")
+            raise ScheduleError(f"{path}: document: format/version {got}; expected a {FITTED_JSON_FORMAT} file of "
+                                f"version {' or '.join(map(str, FITTED_JSON_VERSIONS))}")
         return _build_fitted(doc["name"], doc["fits"], doc.get("base"), doc.get("source", ""), doc.get("sync_us", 0.0),
                              doc.get("launch_us", {}), doc.get("held_out", {}), doc.get("trace_source", {}))
 
@@ -250,6 +248,4 @@ def _build_fitted(name, fits, base, source, sync_us, launch_us, held, trace_sour
                            fits=fits, base=base, held_out=held, trace_source=trace_source)
 
 
-def load_fitted(path) -> FittedCostModel:
-    """A fitted cost model saved with FittedCostModel.to_json."""
-    return FittedCostModel.from_json(path)
+load_fitted = FittedCostModel.from_json  # a fitted cost model saved with FittedCostModel.to_json

@@ -294,22 +294,25 @@ def test_fitted_model_priced_per_regime_and_bytes_and_version_1_files_load(tmp_p
 def test_fitted_model_prices_schedules_and_rejects_other_json(tmp_path):
     from edgeprobe.models import ModelConfig
     from edgeprobe.models.config import plan_manifest
-    from edgeprobe.schedule.cost import cost_model, fitted_time_us
     from edgeprobe.schedule.graph import chunk_graph
     from edgeprobe.schedule.predict import predicted_schedule
     from edgeprobe.schedule.schedulers import schedule
 
     m = fit(align(load_foreign(LFM2), LFM2_CONFIG))
+    assert set(m.fits) == {"npu"}
     g = chunk_graph(ModelConfig(**LFM2_CONFIG), 128, 64)
-    base = cost_model("snapdragon-8gen3")
-    for sg in g.subgraphs:  # fitted lanes by the fit, the others by the named base
-        fits = m.fits.get(sg.lane, {})
-        lin = sum(fl for k, fl in sg.costs if k in ("linear", "int8_linear")) or 1
-        want = base.time_us(sg) if sg.lane not in m.fits else sum(
-            fitted_time_us(fits.get(k, fits.get("linear")), fl,
-                           sg.weight_bytes * fl / lin if k in ("linear", "int8_linear") else 0, sg.tokens)
-            for k, fl in sg.costs)
-        assert m.time_us(sg) == pytest.approx(want, rel=1e-12)
+    sg = {x.name: x for x in g.subgraphs}
+    # a lane the trace lacks (cpu) by the named base: launch 20 µs, elementwise at 90 GFLOP/s, float_sparse at 40
+    assert sg["c0.l1.shadow"].costs == [("elementwise", 131072), ("float_sparse", 2097152), ("float_sparse", 524288),
+                                        ("float_sparse", 524288)]
+    assert m.time_us(sg["c0.l1.shadow"]) == pytest.approx(20 + 131072 / 90e3 + 3145728 / 40e3, rel=1e-12)
+    # the fitted lane: one norm by the elementwise fit, three int8 linears by the linear fit (no bytes term in it)
+    e, f = m.fits["npu"]["elementwise"], m.fits["npu"]["linear"]
+    assert f["us_per_byte"] == 0 and "below" not in f
+    assert sg["c0.l1.qkv"].costs == [("elementwise", 131072), ("int8_linear", 536870912), ("int8_linear", 134217728),
+                                     ("int8_linear", 134217728)]
+    assert m.time_us(sg["c0.l1.qkv"]) == pytest.approx(
+        e["fixed_us"] + e["us_per_flop"] * 131072 + 3 * f["fixed_us"] + f["us_per_flop"] * 805306368, rel=1e-12)
     assert len(schedule(g, m, "ooo").slots) == len(g.subgraphs)
     # a config-only model: predicted_schedule plans it (float stand-ins) and prices each op of the graph
     lin = fit_samples([{**x, "lane": "npu"} for x in _synthetic()])["npu"]["linear"]
@@ -319,12 +322,14 @@ def test_fitted_model_prices_schedules_and_rejects_other_json(tmp_path):
     graph, plan = predicted_schedule(cfg, 128, 64, "ooo", syn, scheme="float")
     assert [x.costs for x in graph.subgraphs] == [x.costs for x in chunk_graph(
         cfg, 128, 64, manifest=plan_manifest(cfg, "float")).subgraphs]
+    # a slot of the npu lane, op by op at 64 rows: a norm (1 µs + 1 µs/kFLOP) and q, k, v in the GEMM regime
+    # (30 µs + 1 µs/MFLOP + 1 µs/kB of weights)
     ops = graph.ops_of()
-    for sg in graph.subgraphs:
-        want = base.time_us(sg) if sg.lane not in fits else sum(
-            fitted_time_us(fits[sg.lane][o["cost"][0]], *o["cost"][1:], o["shape"][0]) for o in ops[sg.name])
-        _, s, e = plan.slots[sg.name]
-        assert e - s == pytest.approx(want, rel=1e-12)
+    assert [o["cost"] for o in ops["c0.l1.qkv"]] == [["elementwise", 131072, 0], ["linear", 536870912, 16777216],
+                                                     ["linear", 134217728, 4194304], ["linear", 134217728, 4194304]]
+    assert {o["shape"][0] for o in ops["c0.l1.qkv"]} == {64}
+    _, s, e = plan.slots["c0.l1.qkv"]
+    assert e - s == pytest.approx(1 + 131.072 + 3 * 30 + 805306368e-6 + 25165824e-3, rel=1e-9)
     head = next(o for o in graph.ops if o["name"] == "lm_head")  # 1 row: the GEMV regime, by its weight bytes
     assert head["shape"][0] == 1 and syn.op_time_us(head, "npu") == pytest.approx(5 + head["cost"][2] / 50, rel=1e-9)
     other = tmp_path / "other.json"

@@ -38,19 +38,19 @@ def step_overhead(dec, steps: int) -> dict:
         in_ops = sum(e["end_us"] - e["start_us"] for e in evs)
         span = evs[-1]["end_us"] - evs[0]["start_us"]
         cross = same = 0.0
+        handoffs = 0
         end = evs[0]["start_us"]
         for e in evs:
             gap = max(e["start_us"] - end, 0)
-            if any(lane_of.get(d, e["lane"]) != e["lane"] for d in e.get("deps", [])):
+            if any(lane_of.get(d, e["lane"]) != e["lane"] for d in e.get("deps", [])):  # waits on another lane
                 cross += gap
+                handoffs += 1
             else:
                 same += gap
             end = max(end, e["end_us"])
         between = evs[0]["start_us"] - prev_end if prev_end is not None else float("nan")
         prev_end = evs[-1]["end_us"]
-        rows.append((in_ops, span, cross, same, between, len(evs),
-                     sum(1 for e in evs if any(lane_of.get(d, e["lane"]) != e["lane"] for d in e.get("deps", []))),
-                     len({e["lane"] for e in evs})))
+        rows.append((in_ops, span, cross, same, between, len(evs), handoffs, len({e["lane"] for e in evs})))
     med = lambda k: statistics.median(r[k] for r in rows) / 1e3
     wall = dec.decode_s / steps * 1e3
     return {"in_ops": med(0), "span": med(1), "on_agent": med(1) - med(0), "cross_lane": med(2), "same_lane": med(3),

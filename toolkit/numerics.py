@@ -94,11 +94,13 @@ def _distance(a_sum: dict, b_sum: dict, a=None, b=None) -> dict:
 class NumericsReport:
     """Per-op numerics of one run: `ops` in plan order, each {op, layer, kind, shape, device, sim, float (summaries),
     device_vs_sim, scheme_vs_float ({rel_l2, max_abs, method}), nonfinite}; `first_divergent` the first op whose
-    device_vs_sim rel_l2 exceeds `tolerance` (None: none did)."""
+    device_vs_sim rel_l2 exceeds `tolerance` (None: none did); `device_full` the device's outputs sent whole (to
+    recompute an op from the device's own inputs)."""
     ops: list
     tolerance: float
     first_divergent: dict | None
     meta: dict = field(default_factory=dict)
+    device_full: dict = field(default_factory=dict, repr=False)  # {op: the device's whole output}, not saved
 
     def by_name(self) -> dict:
         return {r["op"]: r for r in self.ops}
@@ -223,6 +225,7 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
     report.meta = {"scheme": qm.scheme, "tokens": int(len(tokens)), "ops_captured": len(dev_sum),
                    "full_captured": len(dev_full), "full_bytes": int(got.get("full_bytes", 0)),
                    "agent": dev.info.get("agent_version"), "fault": fault}
+    report.device_full = dev_full
     events, off = head["events"], dev.clock_offset_us
     for e in events:
         e["start_us"] -= off

@@ -153,6 +153,15 @@ def test_a_folder_with_only_a_config_loads_without_weights(tmp_path):
         m.w("token_embd.weight")
 
 
+def test_an_hf_folder_plans_from_its_config_without_reading_its_weights(tmp_path):
+    # a downloaded 8B folder holds 16 GB of safetensors: planning must not read (or hash) them; this one is unreadable
+    folder = tmp_path / "qwen3-1.7b"  # a model is named after its folder
+    folder.mkdir()
+    (folder / "config.json").write_bytes((CONFIGS / "qwen3-1.7b" / "config.json").read_bytes())
+    (folder / "model.safetensors").write_bytes(b"\x00" * 7)
+    assert plan_of(folder, "w8a8-shadow") == plan_of(CONFIGS / "qwen3-1.7b" / "config.json", "w8a8-shadow")
+
+
 def test_unknown_architecture_is_named_with_the_supported_ones(tmp_path):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 768}))

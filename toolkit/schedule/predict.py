@@ -19,7 +19,10 @@ def plan_of(model, scheme: str = "w8a8-shadow") -> dict:
     if isinstance(model, dict) and "config" in model:
         return model
     if isinstance(model, (str, Path)):
-        model = models.load(model)
+        path = Path(model)
+        if path.is_dir() and (path / "config.json").is_file():
+            path = path / "config.json"  # an HF folder plans from its config: its weights are not read nor hashed
+        model = models.load(path)
     cfg = getattr(model, "config", model)
     if not isinstance(cfg, ModelConfig):
         raise TypeError(f"predicted_schedule needs a QuantizedModel's manifest, a ModelConfig, a Model or a "

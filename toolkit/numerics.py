@@ -189,9 +189,17 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
     if not picked:
         raise NumericsError(f"--numerics-ops {ops!r} names no op of the plan (ops are named like {names[1]!r}, "
                             f"'blk.1.*', 'lm_head')")
+    # a linear the plan splits (w8a8-shadow's int8 part on the npu, its shadow on the cpu) is the host's one op at
+    # its join, "<linear>.sum": the host captures it under the linear's name
+    joins = {n: n[:-4] for n in names if n.endswith(".sum") and n[:-4] not in names}
+
+    def on_host(ns):
+        return [joins.get(n, n) for n in ns]
+
+    host_ops = ",".join(on_host(picked)) if joins else ops
     # the simulation first: its shapes size the full capture before the device spends anything
-    sim, sim_arrays = host_numerics(qm.model, tokens, ops, picked if full is None else full, linear=qm.linear,
-                                    limit_bytes=limit_bytes if full is None else None)
+    sim, sim_arrays = host_numerics(qm.model, tokens, host_ops, on_host(picked if full is None else full),
+                                    linear=qm.linear, limit_bytes=limit_bytes if full is None else None)
     sizes = {n: int(np.prod(s["shape"])) * 4 for n, s in sim.items()}
     if full is None:
         full = picked if sim_arrays is not None else []
@@ -200,11 +208,11 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
         unknown = [n for n in full if n not in names]
         if unknown:
             raise NumericsError(f"full capture names {unknown[:3]}, which are not ops of the plan")
-        need = sum(sizes.get(n, 0) for n in full)
+        need = sum(sizes.get(n, 0) for n in on_host(full))
         if need > limit_bytes:
             raise NumericsError(f"full capture of {len(full)} ops is {need} bytes ({need / 2**20:.1f} MiB), over the "
                                 f"limit of {limit_bytes} bytes: capture fewer ops in full")
-    sim_arrays = {n: a for n, a in sim_arrays.items() if n in full}
+    sim_arrays = {n: a for n, a in sim_arrays.items() if n in set(on_host(full))}
     field_ = {"ops": ops, "full": list(full), "full_limit_bytes": int(limit_bytes)}
     if fault:
         field_["fault"] = fault
@@ -217,11 +225,12 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
                             "reply has no 'numerics'; update the agent (edgeprobe agent) to one that does")
     n_out = len(head["outputs"])
     got = head["numerics"]
-    dev_sum = {s["op"]: s for s in got["summaries"]}
-    dev_full = dict(zip(got["full"], arrays[n_out:]))
-    flt, flt_arrays = host_numerics(float_model, tokens, ops, full) if float_model is not None else (None, {})
+    dev_sum = {joins.get(s["op"], s["op"]): s for s in got["summaries"]}
+    dev_full = dict(zip(on_host(got["full"]), arrays[n_out:]))
+    flt, flt_arrays = host_numerics(float_model, tokens, host_ops, on_host(full)) if float_model is not None \
+        else (None, {})
     report = compare(dev_sum, sim, flt, qm.model.config.n_layers, tolerance, dev_full, sim_arrays, flt_arrays,
-                     order=names)
+                     order=on_host(names))
     report.meta = {"scheme": qm.scheme, "tokens": int(len(tokens)), "ops_captured": len(dev_sum),
                    "full_captured": len(dev_full), "full_bytes": int(got.get("full_bytes", 0)),
                    "agent": dev.info.get("agent_version"), "fault": fault}

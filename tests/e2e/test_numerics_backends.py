@@ -108,3 +108,20 @@ def test_hvx_captures_every_op_equal_to_the_simulation_and_names_a_fault_in_hexa
     assert all(r["device_vs_sim"]["max_abs"] == 0 and r["device_vs_sim"]["method"] == "full" for r in rep.ops)
     rep = _fault_is_first(hvx_agent, qm, tokens, plan_ops, "blk.1.ffn_up")
     assert all(r["device_vs_sim"]["max_abs"] == 0 for r in rep.ops[:rep.ops.index(rep.by_name()["blk.1.ffn_up"])])
+
+
+def test_a_split_linear_is_compared_at_its_join_under_the_linear_s_name(dev, smollm, tokens):
+    """w8a8c-shadow splits each linear into an int8 part (npu), a shadow part (cpu) and their join, "<linear>.sum":
+    the join is the host's linear, compared under its name (the local agent: exact)."""
+    from edgeprobe.prepare import prepared
+
+    qm = prepared(smollm, "w8a8c-shadow", progress=False)
+    names = [o["name"] for o in prefill_plan(qm.manifest, len(tokens))["ops"]]
+    assert "blk.0.attn_q.sum" in names and "blk.0.attn_q" not in names
+    rep = prefill_numerics(dev, qm, tokens).numerics
+    by = rep.by_name()
+    linears = [n for n in by if n.startswith("blk.") and n.split(".")[2] in ("attn_q", "ffn_up", "ffn_down")]
+    assert len(linears) == 3 * qm.model.config.n_layers and "blk.0.attn_q.sum" not in by
+    assert rep.first_divergent is None and all(r["device_vs_sim"]["max_abs"] == 0 for r in rep.ops)
+    rep = prefill_numerics(dev, qm, tokens, ops="blk.1.*", fault={"op": "blk.1.attn_q.sum", "index": 3}).numerics
+    assert rep.first_divergent["op"] == "blk.1.attn_q"

@@ -44,14 +44,22 @@ def combine_hooks(hook_dicts) -> dict:
 
 
 def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None = None,
-        progress: bool = True, desc: str = "profile"):
+        progress: bool = True, desc: str = "profile", order: str = "window"):
     """Feed `ids` (int[tokens]) through the forward pass, window by window, into each profile.
 
     Each window is one sequence from an empty cache; the LM head is skipped (profiles read hidden
     activations only). Memory does not grow with the number of tokens; a model whose one layer and a window's
     activations exceed the memory limit is refused first (models.config.check_fits). Returns the profiles.
     Threads: the cores other processes leave free, decided again per window (edgeprobe_kernels.threads).
+    order "layer": every window through layer i, then layer i + 1 (profile.layer_major.run_layers; the same
+    result, bit for bit, for profiles without per-window state).
     """
+    if order == "layer":
+        from .layer_major import run_layers
+
+        return run_layers(model, ids, *profiles, window=window, max_tokens=max_tokens, progress=progress, desc=desc)
+    if order != "window":
+        raise ValueError(f"order must be 'window' or 'layer', got {order!r}")
     chunks = windows(ids, window, max_tokens)
     check_fits(model.config, window, what=f"{desc} pass", name=model.name)  # one line, not the OOM killer
     hooks = combine_hooks(p.hooks(model) for p in profiles)

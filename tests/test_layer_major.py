@@ -1,0 +1,75 @@
+"""Layer-major profiling (every window through layer i, then layer i + 1) equals the window-major pass bit for bit:
+the same ops run on the same inputs, and outlier statistics are maxima and integer counts (order-free)."""
+import numpy as np
+import pytest
+
+from edgeprobe import models
+from edgeprobe.corpus import read_corpus
+from edgeprobe.forward import hook_names
+from edgeprobe.profile import OutlierStats, run
+from edgeprobe.profile.base import Profile
+from edgeprobe.profile.outliers import tensor_names
+from edgeprobe.profile.sparsity import SparsityStats
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    return models.load("tiny-moe")
+
+
+def _equal(a, b):
+    assert a.arrays.keys() == b.arrays.keys() and a.arrays
+    for name in a.arrays:
+        for field, x in a.arrays[name].items():
+            y = b.arrays[name][field]
+            assert x.dtype == y.dtype and np.array_equal(x, y), (name, field)
+    assert (a.tokens, a.windows) == (b.tokens, b.windows)
+    assert a == b
+
+
+class Recorded(Profile):
+    """Every hook point's array (router logits: also the routing), per point in call order: what each hook saw."""
+
+    KIND = "recorded"
+
+    def hooks(self, model):
+        def observe(name, x):
+            got = [np.array(x)] + ([np.array(x.experts), np.array(x.weights)] if hasattr(x, "experts") else [])
+            self.arrays.setdefault(name, []).append(got)
+        return {n: observe for n in hook_names(model.config)}
+
+
+@pytest.mark.parametrize("which", ["smollm", "tiny_moe", "gemma"])
+def test_layer_major_equals_window_major(which, request):
+    """Every hook sees the same arrays bit for bit (router logits and routing of MoE layers too), so any profile
+    of them is equal; outlier statistics checked too (dense models: an MoE FFN has no ffn_act point to profile)."""
+    model = request.getfixturevalue(which)
+    ids = model.tokenizer.encode(read_corpus("train")[:1500])
+    kw = dict(window=48, max_tokens=3 * 48, progress=False)
+    new = lambda: Recorded(model_name=model.name, model_sha256=model.sha256, params={})  # noqa: E731
+    r_win = run(model, ids, new(), **kw)
+    r_lay = run(model, ids, new(), order="layer", **kw)
+    c = model.config  # an MoE layer's experts have no single ffn_act point
+    assert r_win.arrays.keys() == r_lay.arrays.keys() == {n for n in hook_names(c)
+                                                          if not (c.n_experts and n.endswith("ffn_act"))}
+    for name, calls in r_win.arrays.items():
+        assert len(calls) == len(r_lay.arrays[name]) == 3
+        for a, b in zip(calls, r_lay.arrays[name]):
+            assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b)), name
+    assert r_win.corpus_sha256 == r_lay.corpus_sha256 and (r_win.tokens, r_win.windows) == (3 * 48, 3)
+    if model.config.n_experts:
+        return
+    clips = {n: float(np.percentile(np.abs(np.concatenate([c[0] for c in r_win.arrays[n]])), 99.9))
+             for n in tensor_names(model)}  # the calibration's clips, exactly, from what the hooks saw
+    s_win = run(model, ids, OutlierStats.for_model(model, clips, percentile=99.9), **kw)
+    s_lay = run(model, ids, OutlierStats.for_model(model, clips, percentile=99.9), order="layer", **kw)
+    _equal(s_win, s_lay)
+    assert sum(int(st["count"].sum()) for st in s_win.arrays.values()) > 0  # something was counted
+
+
+def test_layer_major_refuses_per_window_profiles(smollm):
+    st = SparsityStats.__new__(SparsityStats)
+    with pytest.raises(ValueError, match="per-window state"):
+        run(smollm, np.zeros(128, np.int64), st, window=64, order="layer", progress=False)
+    with pytest.raises(ValueError, match="order must be"):
+        run(smollm, np.zeros(128, np.int64), window=64, order="tokens", progress=False)

@@ -1,6 +1,7 @@
 """Numerics capture on the agents that run other machine code (issue 41): the emulated arm64 agent (numpy kernels
 under qemu-aarch64, as tests/e2e/test_arm64.py starts it) and the hvx agent (its npu lane Hexagon code under
-qemu-hexagon, as tests/e2e/test_hvx_agent.py). SmolLM2 under w8a8, an 8-token prefill (the emulation is slow).
+qemu-hexagon, as tests/e2e/test_hvx_agent.py), and a plan that splits linears (w8a8c-shadow, local agent). SmolLM2
+under w8a8, an 8-token prefill (the emulation is slow).
 
 Measured here: the hvx agent's every op equals the host's simulation bit for bit (int8 GEMMs exact, the cpu lane is
 the host's own numba). On arm64 the npu lane's int8 linears are exact given their inputs, while the float32 parts

@@ -113,6 +113,35 @@ def test_the_executor_captures_chosen_ops_with_their_own_trace_events():
     assert outs2["y"][0, 0] == outs["y"][0, 0] + 10 and (outs2["y"].reshape(-1)[1:] == outs["y"].reshape(-1)[1:]).all()
 
 
+def test_distances_of_a_known_pair_full_and_summary():
+    from edgeprobe.numerics import compare
+
+    # integers times 1 + 2^-10 stay exact in float32 (21 bits): dev - sim is sim * 2^-10 to the last bit
+    rng = np.random.default_rng(3)
+    sim_a = rng.integers(-1000, 1001, (4, 96)).astype(np.float32)
+    eps = 2.0 ** -10
+    dev_a = sim_a * np.float32(1 + eps)
+    assert np.array_equal(dev_a.astype(np.float64) - sim_a, sim_a.astype(np.float64) * eps)
+    sim_l2 = float(np.linalg.norm(sim_a.astype(np.float64)))
+    full_rel = float(np.linalg.norm(dev_a.astype(np.float64) - sim_a)) / sim_l2
+    summary_rel = abs(float(np.linalg.norm(dev_a.astype(np.float64))) - sim_l2) / sim_l2  # | ||a|| - ||b|| | / ||b||
+    max_abs = float(np.abs(sim_a).max()) * eps
+    flip = -sim_a  # same norm and max |x|: the summaries cannot see it, the full tensors can (||2b|| / ||b|| = 2)
+    dev = {"x": summarize(dev_a), "flip": summarize(flip)}
+    sim = {"x": summarize(sim_a), "flip": summarize(sim_a)}
+    full = compare(dev, sim, None, 1, 1e-6, {"x": dev_a, "flip": flip}, {"x": sim_a, "flip": sim_a}).by_name()
+    summ = compare(dev, sim, None, 1, 1e-6).by_name()
+    assert full["x"]["device_vs_sim"]["method"] == "full" and summ["x"]["device_vs_sim"]["method"] == "summary"
+    assert full_rel == pytest.approx(eps, rel=1e-12) and summary_rel == pytest.approx(eps, rel=1e-9)
+    assert full["x"]["device_vs_sim"]["rel_l2"] == pytest.approx(full_rel, rel=1e-12)
+    assert full["x"]["device_vs_sim"]["max_abs"] == max_abs
+    assert summ["x"]["device_vs_sim"]["rel_l2"] == pytest.approx(summary_rel, rel=1e-9)
+    assert summ["x"]["device_vs_sim"]["max_abs"] == max_abs
+    assert full["flip"]["device_vs_sim"]["rel_l2"] == pytest.approx(2.0, rel=1e-12)
+    assert full["flip"]["device_vs_sim"]["max_abs"] == 2 * float(np.abs(sim_a).max())
+    assert summ["flip"]["device_vs_sim"] == {"rel_l2": 0.0, "max_abs": 0.0, "method": "summary"}
+
+
 def test_host_capture_of_the_float_plan_has_distance_zero_to_itself(smollm):
     from edgeprobe.numerics import compare, host_numerics
 

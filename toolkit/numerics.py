@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeprobe_kernels.names import layer_of
 from edgeprobe_kernels.numerics import HIST_BINS, HIST_LO, MAX_FULL_BYTES, select, summarize
 
 from .errors import EdgeprobeError
@@ -45,8 +46,16 @@ def op_kind(name: str) -> str:
 def op_layer(name: str, n_layers: int) -> int:
     """The layer of a blk.{i} op; -1 before the layers (embed), n_layers after them (output_norm, lm_head)."""
     if name.startswith("blk."):
-        return int(name.split(".")[1])
+        return layer_of(name)
     return -1 if name == "embed" else n_layers
+
+
+def op_names(config, n: int) -> list:
+    """The host's op names of an n-token prefill in plan order (the template's float plan, nothing run)."""
+    from .forward import HOST_OPS
+    from .graph.local import float_plan
+
+    return float_plan(config, n, 1, False, "last", HOST_OPS).order
 
 
 def host_numerics(model, tokens, ops=None, full=(), linear=None, head=None,
@@ -55,11 +64,10 @@ def host_numerics(model, tokens, ops=None, full=(), linear=None, head=None,
     float32 array} for the ops in `full`, with the caller's linear and head (a QuantizedModel's: the scheme's
     simulation; None: float). ops: a glob pattern (comma-separated) or None for every op. limit_bytes: the arrays
     kept at most (None: no limit); past it they are dropped and the second value is None."""
-    from .forward import HOST_OPS, forward
-    from .graph.local import float_plan
+    from .forward import forward
 
     tokens = np.asarray(tokens, np.int64)
-    names = float_plan(model.config, len(tokens), 1, False, "last", HOST_OPS).order
+    names = op_names(model.config, len(tokens))
     chosen = set(select(names, ops)) | set(full)
     summaries, arrays, kept = {}, {}, [0]
 

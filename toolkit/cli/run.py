@@ -337,10 +337,9 @@ def _numerics_ops_exist(model, n: int, pattern: str) -> bool:
     """Whether the glob pattern names an op of the model's n-token prefill (the template's names, nothing run)."""
     from edgeprobe_kernels.numerics import select
 
-    from ..forward import HOST_OPS
-    from ..graph.local import float_plan
+    from ..numerics import op_names
 
-    return bool(select(float_plan(model.config, n, 1, False, "last", HOST_OPS).order, pattern))
+    return bool(select(op_names(model.config, n), pattern))
 
 
 def _prefill_numerics(args, dev, qm, model, tokens, progress: bool):

@@ -73,3 +73,16 @@ def test_layer_major_refuses_per_window_profiles(smollm):
         run(smollm, np.zeros(128, np.int64), st, window=64, order="layer", progress=False)
     with pytest.raises(ValueError, match="order must be"):
         run(smollm, np.zeros(128, np.int64), window=64, order="tokens", progress=False)
+
+
+def test_the_outliers_job_and_cli_take_the_order(smollm, capsys):
+    from edgeprobe.cli import main
+    from edgeprobe.profile.jobs import profile_outliers
+
+    ids = smollm.tokenizer.encode(read_corpus("train")[:1200])
+    kw = dict(tokens=96, window=48, calib_tokens=96, progress=False)
+    _equal(profile_outliers(smollm, ids, **kw), profile_outliers(smollm, ids, order="layer", **kw))
+    # Ray's shards are window-major: refused in one line before any cluster starts or model loads
+    assert main(["profile", "outliers", "--order", "layer", "--ray", "local", "--out", "unused"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and "--order layer runs in one process" in out.err

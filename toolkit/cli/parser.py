@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
             pk.add_argument("--prune-rate", type=float, default=0.85,
                             help="fraction of layers whose outliers are pruned")
             pk.add_argument("--coverage", type=float, default=0.8, help="hot-channel coverage")
+            pk.add_argument("--order", choices=("window", "layer"), default="window",
+                            help="window: each window through every layer; layer: every window through layer i, "
+                                 "then layer i+1, each layer's weights read once per pass (the same statistics, "
+                                 "bit for bit)")
         elif what == "sparsity":
             pk.add_argument("--eps", type=float, default=0.01, help="allowed relative FFN output error")
             pk.add_argument("--bits", type=float, default=4.0, help="weight bits for flash traffic")

@@ -17,6 +17,10 @@ def cmd_profile(args) -> int:
         print("edgeprobe: error: --shards splits the corpus over a Ray cluster; add --ray local (or --ray ADDRESS)",
               file=sys.stderr)
         return 2
+    if getattr(args, "order", "window") == "layer" and args.ray is not None:
+        print("edgeprobe: error: --order layer runs in one process (Ray shards are window-major); drop --ray or "
+              "--order layer", file=sys.stderr)
+        return 2
     progress = not args.no_progress
     runner = None
     try:
@@ -70,7 +74,8 @@ def _profile_job(args, model, ids, progress: bool, runner) -> tuple[dict, str]:
     elif args.what == "outliers":
         summary = jobs.run_outliers_job(model, ids, args.out, tokens=args.tokens or 32768, window=args.window or 512,
                                         percentile=args.percentile, prune_rate=args.prune_rate,
-                                        coverage=args.coverage, progress=progress, runner=runner)
+                                        coverage=args.coverage, progress=progress, runner=runner,
+                                        order=args.order)
         headline = (f"outliers: {summary['fig10_outlier_channels_per_window_mean']:.1f} channels per window "
                     f"({summary['fig10_outlier_channels_pct_mean']:.2f}%); 80% of outliers from "
                     f"{summary['fig11_pct_channels_for_80pct_outliers']:.2f}% of channels; kept layers "

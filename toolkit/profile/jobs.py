@@ -17,14 +17,18 @@ from .sparsity import SparsityStats, calibrate_thresholds
 # profile.cluster.RayRunner that shards it over a Ray cluster; both give the same profile.
 
 def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int = 512, percentile: float = 99.99,
-                     calib_tokens: int = 8192, progress: bool = True, runner=None) -> OutlierStats:
-    """Calibrate per-tensor clips on the first `calib_tokens`, then stream `tokens` into OutlierStats."""
+                     calib_tokens: int = 8192, progress: bool = True, runner=None,
+                     order: str = "window") -> OutlierStats:
+    """Calibrate per-tensor clips on the first `calib_tokens`, then stream `tokens` into OutlierStats (order:
+    runner.run's, "window" or "layer"; a Ray runner is window-major)."""
     windows(ids, window, tokens)  # validates before any work
     at = calibrate_clips_at(model, ids, {percentile, CHANNEL_CLIP_PERCENTILE}, window,
                             min(calib_tokens, tokens or len(ids)), progress, runner=runner)
     st = OutlierStats.for_model(model, at[float(percentile)], percentile,
                                 clips_at={p: c for p, c in at.items() if p != float(percentile)})
-    return (runner or run)(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers")
+    if runner is not None:
+        return runner(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers")
+    return run(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers", order=order)
 
 
 def profile_sparsity(model: Model, ids, tokens: int | None = 16384, window: int = 512, eps: float = 0.01,
@@ -55,8 +59,8 @@ def _num(v):
 
 
 def run_outliers_job(model: Model, ids, out_dir, tokens=32768, window=512, percentile=99.99, prune_rate=0.85,
-                     coverage=0.8, progress=True, runner=None) -> dict:
-    st = profile_outliers(model, ids, tokens, window, percentile, progress=progress, runner=runner)
+                     coverage=0.8, progress=True, runner=None, order="window") -> dict:
+    st = profile_outliers(model, ids, tokens, window, percentile, progress=progress, runner=runner, order=order)
     summary = st.summary(coverage, prune_rate)
     write_outputs(st, out_dir, summary, OUTLIER_KINDS)
     return summary

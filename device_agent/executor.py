@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass, field, replace
 from errno import EMFILE
 
+from edgeprobe_kernels.numerics import CaptureError
+
 from .ops import GATHERS_ROWS, OPS, OpError, RunnerCache, bytes_in, check_fused, flops, runs_beside
 from .protocol import AgentError
 from .store import now_us
@@ -240,8 +242,8 @@ def _capture(capture, name: str, out, fixed: dict):
     t0 = now_us()
     try:
         out = capture.take(name, out)
-    except ValueError as e:  # numerics.CaptureError: a full tensor over the limit
-        raise AgentError(getattr(e, "code", "bad_request"), str(e)) from None
+    except CaptureError as e:  # a full tensor over the limit
+        raise AgentError(e.code, str(e)) from None
     return out, {"name": f"numerics:{name}", "kind": "numerics", "lane": fixed["lane"], "layer": fixed["layer"],
                  "chunk": fixed["chunk"], "deps": [name], "group": f"numerics:{fixed['group']}", "start_us": t0,
                  "end_us": now_us(), "bytes_in": int(out.nbytes), "bytes_out": 0, "flops": 0, "emulated": False}

@@ -28,7 +28,6 @@ PROTOCOL_VERSION = 1
 # run's optional "numerics" field {"ops": glob | None, "full": [op names], "full_limit_bytes": int, "fault": test only}
 # asks for per-op output summaries (edgeprobe_kernels.numerics); the reply's "numerics" {"summaries", "full",
 # "full_bytes"} carries them, the full tensors as frames after the outputs' (an older agent's reply lacks the key)
-RUN_NUMERICS = "numerics"
 REQUESTS = ("hello", "has_blobs", "put_blob", "load_model", "put_plan", "run", "cancel", "stats", "heartbeat", "bye",
             "open_session", "session_reorder", "close_session")
 CHUNK_BYTES = 4 << 20            # put_blob chunk size the client uses (the agent accepts any)

@@ -92,6 +92,7 @@ class RunResult:
     schedule: object = None  # the Schedule a chunked prefill was laid out by (its predicted times)
     step_counters: list = field(default_factory=list)  # a decode loop's counters, one dict per step
     numerics: object = None  # a NumericsReport when the run captured per-op numerics (edgeprobe.numerics)
+    numerics_raw: tuple | None = None  # (the reply's "numerics" map, its full tensors): what the report compares
 
     @property
     def logits(self) -> np.ndarray:
@@ -371,8 +372,12 @@ class Client:
             e["end_us"] -= off
         meta = {"title": title or "edgeprobe agent run", "agent": self.info.get("agent_version"), "url": self.url,
                 "clock_offset_us": self.clock_offset_us, "counters": head.get("counters", {})}
-        return RunResult(dict(zip(head["outputs"], arrays)), Trace(events, meta), head.get("counters", {}), wall,
-                         step_counters=head.get("step_counters", []))
+        n_out, raw = len(head["outputs"]), None
+        if "numerics" in head:  # asked with numerics=: its full tensors are the frames after the outputs'
+            raw = (head["numerics"], arrays[n_out:])
+            meta["numerics"] = True
+        return RunResult(dict(zip(head["outputs"], arrays[:n_out])), Trace(events, meta), head.get("counters", {}),
+                         wall, step_counters=head.get("step_counters", []), numerics_raw=raw)
 
     def close(self, shutdown: bool | None = None) -> None:
         """Say bye (and stop the agent if this client started it)."""

@@ -17,7 +17,6 @@ device_vs_sim relative L2 exceeds the tolerance is the first divergent op.
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -186,9 +185,7 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
     Model for scheme_vs_float (None: not computed). fault: TEST ONLY, {"op", "index", "codes"} (see
     edgeprobe_kernels.numerics.Capture). Raises NumericsError before running for a pattern naming no op, a full
     capture over the limit, and after it for an agent that does not capture."""
-    from .client import RunResult
     from .plan import prefill_plan
-    from .trace import Trace
 
     tokens = np.asarray(tokens, np.int32)
     plan = prefill_plan(qm.manifest, len(tokens))
@@ -225,16 +222,14 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
     if fault:
         field_["fault"] = fault
     plan_id = dev.plan_for(qm, ("prefill", len(tokens), "cpu"), lambda: plan, progress=progress)
-    t0 = time.perf_counter()
-    head, arrays = dev.request("run", [tokens], plan_id=plan_id, inputs=["tokens"], numerics=field_)
-    wall = time.perf_counter() - t0
-    if "numerics" not in head:
+    res = dev.run(plan_id, {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, {qm.scheme}, numerics captured",
+                  numerics=field_)
+    if res.numerics_raw is None:
         raise NumericsError(f"the agent (version {dev.info.get('agent_version')}) does not capture numerics: its run "
                             "reply has no 'numerics'; update the agent (edgeprobe agent) to one that does")
-    n_out = len(head["outputs"])
-    got = head["numerics"]
+    got, got_full = res.numerics_raw
     dev_sum = {joins.get(s["op"], s["op"]): s for s in got["summaries"]}
-    dev_full = dict(zip(on_host(got["full"]), arrays[n_out:]))
+    dev_full = dict(zip(on_host(got["full"]), got_full))
     flt, flt_arrays = host_numerics(float_model, tokens, host_ops, on_host(full)) if float_model is not None \
         else (None, {})
     report = compare(dev_sum, sim, flt, qm.model.config.n_layers, tolerance, dev_full, sim_arrays, flt_arrays,
@@ -243,13 +238,5 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
                    "full_captured": len(dev_full), "full_bytes": int(got.get("full_bytes", 0)),
                    "agent": dev.info.get("agent_version"), "fault": fault}
     report.device_full = dev_full
-    events, off = head["events"], dev.clock_offset_us
-    for e in events:
-        e["start_us"] -= off
-        e["end_us"] -= off
-    meta = {"title": f"prefill {len(tokens)} tokens, {qm.scheme}, numerics captured", "agent":
-            dev.info.get("agent_version"), "url": dev.url, "clock_offset_us": off, "counters": head.get("counters", {}),
-            "numerics": True}
-    return RunResult(dict(zip(head["outputs"], arrays[:n_out])), Trace(events, meta), head.get("counters", {}), wall,
-                     numerics=report)
-
+    res.numerics = report
+    return res

@@ -217,9 +217,16 @@ def run_untraced(plan: Plan, inputs: dict, ctx: Context) -> dict:
     core counting: the host's in-process float pass (edgeprobe.graph.local), whose per-op Python is its decode
     step's overhead. The same Plan, registry and op functions as execute; returns {output name: array}."""
     (lane, names), = [(lane, names) for lane, names in plan.lane_order.items() if names]
-    ctx = replace(ctx, lane=lane)
     results: dict = {}
-    unread, keep, steps = dict(plan.readers), set(plan.outputs), plan.steps
+    run_ops(plan, names, inputs, replace(ctx, lane=lane), results, dict(plan.readers))
+    return {n: results[n] for n in plan.outputs}
+
+
+def run_ops(plan: Plan, names, inputs: dict, ctx: Context, results: dict, unread: dict) -> None:
+    """run_untraced's loop over some of a plan's ops (`names`, in order) into `results` {op: array}: an output no
+    later op reads (`unread`: the plan's readers count, updated here) is dropped as it goes. A plan run in parts
+    (the host's layer-major pass: one layer's ops for every window in turn) keeps one results and unread a window."""
+    keep, steps = set(plan.outputs), plan.steps
     for name in names:
         kind, fn, attrs, refs, _, _, _, reads, _ = steps[name]
         args = [results[key] if src == "op" else ctx.get(key) if src == "blob" else inputs[key] for src, key in refs]
@@ -234,7 +241,6 @@ def run_untraced(plan: Plan, inputs: dict, ctx: Context) -> dict:
             unread[key] -= 1
             if not unread[key] and key not in keep:
                 del results[key]
-    return {n: results[n] for n in plan.outputs}
 
 
 def _capture(capture, name: str, out, fixed: dict):

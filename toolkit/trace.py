@@ -19,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .foreign.base import CHROME_KEY  # the readers refuse what carries it: edgeprobe's own times are not measured
+
 LANE_ORDER = ("npu", "hmx", "dma", "gpu", "cpu", "io")
 # an agent's lanes on this host; every label starts with its lane's name (Trace.load reads the lane back from it)
 LANE_LABEL = {"npu": "npu (emulated on CPU)", "hmx": "hmx (Hexagon matrix unit)", "dma": "dma (Hexagon DMA)",
@@ -28,7 +30,6 @@ EVENT_ARGS = ("layer", "chunk", "group", "bytes_in", "bytes_out", "flops", "emul
               "predicted", "backend", "shape", "isa", "hvx_packets", "hvx_insns", "scalar_packets",
               "dsp_cycles_estimate", "dsp_us_estimate", "dsp_clock_hz", "cycles", "mhz", "tensors", "inputs", "output",
               "input_shapes", "dtypes", "template_ops", "unmatched", "pass", "deps")
-CHROME_KEY = "edgeprobe_chrome"  # otherData's entry that marks a file edgeprobe wrote: its time origin (µs)
 MIN_BAR_FRACTION = 0.002  # a bar is drawn at least this share of the time axis wide (its hover gives the real time)
 
 

@@ -5,6 +5,8 @@ from pathlib import Path
 
 from ..errors import EdgeprobeError
 
+CHROME_KEY = "edgeprobe_chrome"  # otherData's entry that marks a file edgeprobe wrote (trace.py): its time origin (µs)
+
 
 class ForeignTraceError(EdgeprobeError, ValueError):
     """A file that is not a readable trace of the format asked for (truncated, an unknown record, another format)."""

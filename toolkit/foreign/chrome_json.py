@@ -8,8 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from ..trace import CHROME_KEY
-from .base import ForeignTraceError, event, ggml_dims, read_text
+from .base import CHROME_KEY, ForeignTraceError, event, ggml_dims, read_text
 
 FORMAT = "chrome-json"
 EXPECTED = "Chrome trace-event JSON ({\"traceEvents\": [...]} or a list of events with ph, ts (µs), dur)"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgeprobe_agent.executor import Context, execute, run_untraced, validate
+from edgeprobe_agent.executor import Context, execute, run_ops, run_untraced, validate
 from edgeprobe_agent.protocol import AgentError
 from edgeprobe_agent.session import KVSession
 from edgeprobe_kernels import names as N
@@ -112,3 +112,13 @@ def run_float(plan, get, tokens: np.ndarray, session=None, host=None) -> np.ndar
     except HostRaised as e:
         raise e.error.with_traceback(e.error.__traceback__) from None
     return outs[plan.outputs[0]]
+
+
+def run_float_part(plan, names, tokens: np.ndarray, ctx: HostContext, results: dict, unread: dict) -> None:
+    """run_float for some of a float_plan's ops (`names`, in plan order), into `results` {op: array} with `unread`
+    counts kept across parts (executor.run_ops): the host's layer-major pass runs one layer's ops for each window in
+    turn, each window with its own results and unread. An error a host callable raised is raised as it was."""
+    try:
+        run_ops(plan, names, {"tokens": tokens}, ctx, results, unread)
+    except HostRaised as e:
+        raise e.error.with_traceback(e.error.__traceback__) from None

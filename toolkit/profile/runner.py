@@ -1,4 +1,4 @@
-"""Run profiles over a token stream window by window: constant memory, one progress bar."""
+"""Run profiles over a token stream window by window (constant memory, one progress bar), or layer by layer."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -9,9 +9,11 @@ from tqdm.auto import tqdm
 from edgeprobe_kernels.threads import host_pass
 
 from ..errors import TextError, WindowError
-from ..forward import forward
+from ..forward import HOST_OPS, _as_batch, _Host, float_linear, forward
+from ..graph.local import HostContext, float_plan, run_float_part
 from ..models import Model
 from ..models.config import check_fits
+from .base import Profile
 
 
 def windows(ids, window: int, max_tokens: int | None = None) -> list[np.ndarray]:
@@ -51,12 +53,10 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
     activations only). Memory does not grow with the number of tokens; a model whose one layer and a window's
     activations exceed the memory limit is refused first (models.config.check_fits). Returns the profiles.
     Threads: the cores other processes leave free, decided again per window (edgeprobe_kernels.threads).
-    order "layer": every window through layer i, then layer i + 1 (profile.layer_major.run_layers; the same
+    order "layer": every window through layer i, then layer i + 1 (run_layers; the same
     result, bit for bit, for profiles without per-window state).
     """
     if order == "layer":
-        from .layer_major import run_layers
-
         return run_layers(model, ids, *profiles, window=window, max_tokens=max_tokens, progress=progress, desc=desc)
     if order != "window":
         raise ValueError(f"order must be 'window' or 'layer', got {order!r}")
@@ -71,4 +71,59 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
             forward(model, chunk, hooks=hooks, logits="none")
             for p in profiles:
                 p.end_window(len(chunk))
+    return profiles if len(profiles) != 1 else profiles[0]
+
+
+# ---- layer-major (issue 43, item 2): the float plan cut at layer boundaries, each window's live outputs kept between
+# layers, so each layer's weights are read once a pass; the same ops on the same inputs, so hooks see the same arrays
+
+
+def _per_window_state_free(p: Profile) -> bool:
+    """Profiles that keep nothing between begin_window and end_window (their hooks see one window at a time in
+    either order): those that do not override the two."""
+    t = type(p)
+    return t.begin_window is Profile.begin_window and t.end_window is Profile.end_window
+
+
+def run_layers(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None = None,
+               progress: bool = True, desc: str = "profile"):
+    """runner.run's pass in layer-major order: `ids` (int[tokens]) cut into windows of `window` tokens, each from an
+    empty cache, no LM head; hooks fire layer by layer, every window in turn. Returns the profiles.
+
+    Only profiles without per-window state (outliers, calibration histograms) can be fed this way: a profile that
+    overrides begin_window / end_window (sparsity, experts) expects one window's hooks between the two."""
+    bad = [type(p).__name__ for p in profiles if not _per_window_state_free(p)]
+    if bad:
+        raise ValueError(f"{', '.join(bad)} keeps per-window state (begin_window / end_window); profile it with "
+                         "order='window'")
+    chunks = windows(ids, window, max_tokens)
+    check_fits(model.config, window, what=f"layer-major {desc} pass", name=model.name, windows_held=len(chunks))
+    hooks = combine_hooks(p.hooks(model) for p in profiles)
+    plan = float_plan(model.config, window, 1, False, "none", HOST_OPS)
+    (lane, names), = [(lane, names) for lane, names in plan.lane_order.items() if names]
+    segments: list[list[str]] = []
+    for name in names:  # program order is layer-major already (template: chunk, layer, stage)
+        layer = plan.ops[name].get("layer", -1)
+        if segments and plan.ops[segments[-1][-1]].get("layer", -1) == layer:
+            segments[-1].append(name)
+        else:
+            segments.append([name])
+    ctx = HostContext(get=model.weights.__getitem__, lane=lane,
+                      host=_Host(model, hooks, float_linear(model), model.head))
+    tokens = [_as_batch(c, model.config.vocab_size)[0].reshape(-1) for c in chunks]
+    results: list[dict] = [{} for _ in chunks]
+    unread = [dict(plan.readers) for _ in chunks]
+    for p in profiles:
+        for c in chunks:
+            p.begin_window(c)
+    bar = tqdm(total=len(segments) * len(chunks), desc=desc, unit="win", disable=not progress, leave=False)
+    with host_pass() as threads, bar:
+        for seg in segments:
+            for w in range(len(chunks)):
+                threads.tick()
+                run_float_part(plan, seg, tokens[w], ctx, results[w], unread[w])
+                bar.update(1)
+    for p in profiles:
+        for c in chunks:
+            p.end_window(len(c))
     return profiles if len(profiles) != 1 else profiles[0]

@@ -11,13 +11,14 @@ align.py matches an imported trace to the model template's ops; fit.py fits a co
 """
 from __future__ import annotations
 
-from ..trace import Trace
 from .base import ForeignTraceError
 from .read import FORMATS, READERS, detect_format, read_foreign
 
 __all__ = ["FORMATS", "READERS", "ForeignTraceError", "detect_format", "load_foreign", "read_foreign"]
 
 
-def load_foreign(path, format: str = "auto") -> Trace:
+def load_foreign(path, format: str = "auto"):
     """A foreign trace file -> Trace (meta: source {tool, format, version}, skipped records, the time conversion)."""
+    from ..trace import Trace  # here: trace imports foreign.base, which runs this package first
+
     return Trace(*read_foreign(path, format))

@@ -9,11 +9,17 @@ tokens, window, percentile, prune rate, coverage, moe-mixed tolerance) and a has
 source, so an edit to either prepares again instead of reusing stale blobs. Entries are written to a temporary
 folder and renamed into place: an interrupted run or two runs preparing at once never leave half an entry.
 Each step says what it prepares and how long it took, one line each, through `say`.
+
+Entries are never replaced in place, so a code change leaves the old ones behind: each records the code version it
+was prepared under (the manifest's "prepared" field; a calibration's `.json` beside its `.npz`), `cache_entries()`
+lists them as current or stale and `prune()` removes the stale ones (`edgeprobe cache list|prune`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 import shutil
 import time
 from functools import lru_cache
@@ -21,6 +27,8 @@ from pathlib import Path
 
 CALIB_TOKENS = 4096   # training-corpus tokens the activation clips are calibrated on (quant.calibration_profile)
 CALIB_WINDOW = 512
+_KEYED = re.compile(r"-[0-9a-f]{16}$")  # the names prepared() and calibration() give: <model>[-<scheme>]-<_key>
+TEMP_GRACE_S = 3600   # a temporary entry modified within this long may still be being written: never pruned
 
 
 @lru_cache(maxsize=1)
@@ -39,8 +47,6 @@ def code_version() -> str:
 
 def cache_root() -> Path:
     """$EDGEPROBE_PREPARED_CACHE, else <edgeprobe cache>/prepared ($EDGEPROBE_CACHE or ~/.cache/edgeprobe)."""
-    import os
-
     from .models import default_cache_dir
 
     return Path(os.environ.get("EDGEPROBE_PREPARED_CACHE") or default_cache_dir() / "prepared")
@@ -87,6 +93,9 @@ def calibration(model, progress: bool = False, say=None, tokens: int = CALIB_TOK
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{time.time_ns()}.npz")
     prof.save(tmp)
+    # its code version beside it, written first: a published .npz always has one (cache_entries reads it)
+    _write_json(path.with_suffix(".json"), {"code_version": code_version(), "model": model.sha256, "tokens": tokens,
+                                            "window": window})
     tmp.replace(path)
     say(f"calibrated in {time.perf_counter() - t0:.1f} s")
     return prof
@@ -135,8 +144,127 @@ def prepared(model, scheme: str, progress: bool = False, say=None, prune_rate: f
         expert_bits = study.select(tolerance).bits
     qm = quantize(model, scheme, profile, prune_rate=prune_rate, coverage=coverage, expert_bits=expert_bits)
     tmp = folder.with_name(f".{folder.name}.{time.time_ns()}.tmp")
+    qm.manifest["prepared"] = {"code_version": code_version(), "settings": settings}  # read by cache_entries
     qm.save(tmp)
     _publish(tmp, folder)
     say(f"prepared {scheme} in {time.perf_counter() - t0:.1f} s (quantization {time.perf_counter() - t1:.1f} s, "
         f"{qm.nbytes()['total'] / 1e6:.0f} MB), cached in {folder}")
     return qm
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{time.time_ns()}")
+    tmp.write_text(json.dumps(doc))
+    tmp.replace(path)
+
+
+def _tree(path: Path) -> tuple[int, float]:
+    """(bytes of the files under `path`, or of `path` itself; the newest mtime among them), 0 for what vanished."""
+    paths = [path, *path.rglob("*")] if path.is_dir() else [path]
+    size, newest = 0, 0.0
+    for p in paths:
+        try:
+            st = p.lstat()
+        except OSError:  # removed while we looked (a run publishing or pruning at the same time)
+            continue
+        size += st.st_size if not p.is_dir() else 0
+        newest = max(newest, st.st_mtime)
+    return size, newest
+
+
+def _recorded(path: Path) -> dict | None:
+    """The JSON object at `path`, or None if missing or unreadable."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def cache_entries(root: Path | None = None, now: float | None = None) -> list[dict]:
+    """Every entry under `root` (default cache_root()), sorted by path: one dict each with
+    path, name, kind ("model": a quantized model folder; "calibration": an activation profile; "temp": one being
+    written or left by an interrupted run), model, scheme (None for a calibration or temp), bytes, modified (epoch
+    seconds of its newest file), code_version (recorded, None if not), state and stale.
+    state: "current" (prepared under today's code_version()), "stale" (an older code version), "unrecorded" (from
+    before entries recorded their code version: counted stale), "incomplete" (a model without a readable manifest,
+    a calibration's record without its profile: counted stale),
+    "writing" (a temp modified within TEMP_GRACE_S: never pruned) or "abandoned" (an older temp: stale).
+    Files edgeprobe did not write are left out."""
+    root = Path(root) if root is not None else cache_root()
+    now = time.time() if now is None else now
+    if root.exists() and not root.is_dir():
+        from .errors import EdgeprobeError
+
+        raise EdgeprobeError(f"the prepared-model cache {root} is a file, not a folder; remove it or point "
+                             "$EDGEPROBE_PREPARED_CACHE elsewhere")
+    try:
+        children = sorted(root.iterdir())
+    except FileNotFoundError:
+        return []
+    today = code_version()
+    out = []
+    for p in children:
+        name = p.name
+        if name.startswith("."):  # ".<entry>.<ns>.tmp" folders, ".calib-….<ns>.npz" and ".<x>.json.<ns>" files
+            kind, model, scheme, version = "temp", None, None, None
+        elif p.is_dir() and _KEYED.search(name):
+            kind = "model"
+            m = _recorded(p / "manifest.json")
+            rec = (m or {}).get("prepared")
+            version = rec.get("code_version") if isinstance(rec, dict) else None
+            model = ((m or {}).get("model") or {}).get("name") or name.rsplit("-", 1)[0]
+            scheme = (m or {}).get("scheme")
+        elif name.startswith("calib-") and name.endswith(".npz") and _KEYED.search(name[:-4]):
+            kind, scheme = "calibration", None
+            version = (_recorded(p.with_suffix(".json")) or {}).get("code_version")
+            model = name[len("calib-"):].rsplit("-", 1)[0]
+        elif (name.startswith("calib-") and name.endswith(".json") and _KEYED.search(name[:-5])
+              and not p.with_suffix(".npz").exists()):
+            kind, scheme, version = "calibration", None, None  # its .npz never published: an interrupted run's
+            model = name[len("calib-"):].rsplit("-", 1)[0]
+        else:
+            continue  # a calibration's .json goes with its .npz; anything else is not ours
+        size, modified = _tree(p)
+        if kind == "calibration" and name.endswith(".npz") and p.with_suffix(".json").exists():
+            size += _tree(p.with_suffix(".json"))[0]
+        if kind == "temp":
+            state = "writing" if now - modified < TEMP_GRACE_S else "abandoned"
+        elif (kind == "calibration" and name.endswith(".json")) or (kind == "model" and m is None):
+            state = "incomplete"
+        else:
+            state = "unrecorded" if version is None else "current" if version == today else "stale"
+        out.append({"path": str(p), "name": name, "kind": kind, "model": model, "scheme": scheme, "bytes": size,
+                    "modified": modified, "code_version": version, "state": state,
+                    "stale": state not in ("current", "writing")})
+    return out
+
+
+def _remove(path: Path) -> None:
+    """Remove an entry so that an interruption leaves no loadable half: a model's manifest goes first."""
+    if path.is_dir():
+        (path / "manifest.json").unlink(missing_ok=True)
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+        if path.name.startswith("calib-"):
+            path.with_suffix(".json").unlink(missing_ok=True)
+
+
+def prune(all: bool = False, dry_run: bool = False, root: Path | None = None, now: float | None = None) -> list[dict]:
+    """Remove the stale entries of cache_entries() (every entry with all=True), never a temp still being written.
+    Returns the entries removed (with dry_run, those that would be, nothing touched); their "bytes" sum is what was
+    freed. An entry that cannot be removed raises EdgeprobeError naming it, after the ones before it are gone."""
+    from .errors import EdgeprobeError
+
+    doomed = [e for e in cache_entries(root, now) if e["state"] != "writing" and (all or e["stale"])]
+    if dry_run:
+        return doomed
+    for i, e in enumerate(doomed):
+        try:
+            _remove(Path(e["path"]))
+        except OSError as err:
+            freed = sum(d["bytes"] for d in doomed[:i])
+            raise EdgeprobeError(f"could not remove {e['path']} ({err.strerror or err}); removed {i} entries "
+                                 f"({freed} bytes) before it") from err
+    return doomed

@@ -6,6 +6,7 @@ import argparse
 
 from ..foreign.read import FORMATS
 from .agent import cmd_agent, cmd_kernels
+from .cache import cmd_cache
 from .demo import cmd_demo
 from .evaluate import cmd_eval, cmd_generate
 from .profile import cmd_profile
@@ -270,6 +271,28 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--json", action="store_true", help="print one JSON object: {kernels: {name: {cases, bit_exact, "
                                                        "max_abs_err}}, ok}")
     k.set_defaults(fn=cmd_kernels)
+
+    c = _cmd(sub, "cache", help="list the prepared-model cache's entries, current or stale; prune the stale ones",
+             description="The prepared-model cache ($EDGEPROBE_PREPARED_CACHE, else ~/.cache/edgeprobe/prepared): "
+                         "list its entries (model, scheme, size, modified, current or stale: prepared under other "
+                         "source) or prune them (the stale ones, or --all); entries being written are left alone.")
+    ck = c.add_subparsers(dest="action", required=True, metavar="{list,prune}")
+    cl = ck.add_parser("list", help="every entry: model, scheme, size, modified, current or stale",
+                       description="List every entry of the prepared-model cache: model, scheme, bytes, last "
+                                   "modified, and whether it is current or stale (and why).",
+                       formatter_class=_HelpFormatter)
+    cl.add_argument("--json", action="store_true", help="print one JSON object: {root, code_version, entries, bytes, "
+                                                        "stale_bytes}")
+    cp = ck.add_parser("prune", help="remove the stale entries (or --all); prints what and the bytes freed",
+                       description="Remove the stale entries of the prepared-model cache (or all of them with --all) "
+                                   "and print what was removed and the bytes freed; a temporary entry modified "
+                                   "within the hour may be being written and is never removed.",
+                       formatter_class=_HelpFormatter)
+    cp.add_argument("--all", action="store_true", help="remove current entries too")
+    cp.add_argument("--dry-run", action="store_true", help="print what would be removed; remove nothing")
+    cp.add_argument("--json", action="store_true", help="print one JSON object: {root, dry_run, all, removed, "
+                                                        "bytes_freed, bytes}")
+    c.set_defaults(fn=cmd_cache)
 
     d = _cmd(sub, "demo", help="the main job: profile, quantize, schedule, run on a local agent, report")
     d.add_argument("--model", default="smollm2-135m", help="built-in name, GGUF path or Hugging Face folder")

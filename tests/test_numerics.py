@@ -139,7 +139,7 @@ def test_distances_of_a_known_pair_full_and_summary():
     assert summ["x"]["device_vs_sim"]["max_abs"] == max_abs
     assert full["flip"]["device_vs_sim"]["rel_l2"] == pytest.approx(2.0, rel=1e-12)
     assert full["flip"]["device_vs_sim"]["max_abs"] == 2 * float(np.abs(sim_a).max())
-    assert summ["flip"]["device_vs_sim"] == {"rel_l2": 0.0, "max_abs": 0.0, "method": "summary"}
+    assert summ["flip"]["device_vs_sim"] == {"rel_l2": 0.0, "max_abs": 0.0, "max_rel": 0.0, "method": "summary"}
 
 
 def test_host_capture_of_the_float_plan_has_distance_zero_to_itself(smollm):
@@ -158,3 +158,29 @@ def test_host_capture_of_the_float_plan_has_distance_zero_to_itself(smollm):
     # the host's lm_head capture is the forward pass's own logits
     from edgeprobe.forward import forward
     assert np.array_equal(fa["lm_head"], forward(smollm, toks, logits="last")[None])
+
+
+def test_one_element_off_by_a_code_is_named_by_max_rel_under_the_l2_tolerance():
+    """A flipped input code moves few elements: relative L2 stays under 1e-4, max |diff| / max |x| does not."""
+    from edgeprobe.numerics import DEFAULT_MAX_TOLERANCE, DEFAULT_TOLERANCE, compare, tolerances
+
+    sim = np.full((64, 256), 0.5, np.float32)  # ||sim|| = 0.5 * 128 = 64, max |sim| = 0.5
+    sim[0, 0] = 2.0                            # max |sim| = 2; ||sim||^2 = 4096 - 0.25 + 4
+    dev = sim.copy()
+    dev[7, 9] += np.float32(2.0 ** -10)        # one element off by 2^-10: max_rel 2^-11 = 4.9e-4, rel L2 1.5e-5
+    l2 = float(np.sqrt(4096 - 0.25 + 4))
+    caps = ({"y": summarize(dev)}, {"y": summarize(sim)})
+    rep = compare(*caps, None, 1, DEFAULT_TOLERANCE, {"y": dev}, {"y": sim})
+    d = rep.by_name()["y"]["device_vs_sim"]
+    assert d["rel_l2"] == pytest.approx(2.0 ** -10 / l2, rel=1e-9) and d["rel_l2"] < DEFAULT_TOLERANCE
+    assert d["max_abs"] == 2.0 ** -10 and d["max_rel"] == 2.0 ** -11
+    assert rep.first_divergent == {"op": "y", "layer": 1, "kind": "y", **d, "by": "max_rel"}
+    assert rep.to_json()["max_tolerance"] == DEFAULT_MAX_TOLERANCE
+    # max_rel off: the same pair does not diverge; an L2 tolerance under its error names it by rel_l2
+    assert compare(*caps, None, 1, DEFAULT_TOLERANCE, {"y": dev}, {"y": sim}, max_tolerance=None).first_divergent \
+        is None
+    assert compare(*caps, None, 1, 1e-5, {"y": dev}, {"y": sim}).first_divergent["by"] == "rel_l2"
+    # float16 schemes default to looser bounds than the int8 ones (float16 rounding is not a fault)
+    assert tolerances("w8a8") == (DEFAULT_TOLERANCE, DEFAULT_MAX_TOLERANCE) == tolerances(None)
+    rel, mx = tolerances("q4_0-tile")
+    assert rel > DEFAULT_TOLERANCE and mx > DEFAULT_MAX_TOLERANCE

@@ -8,8 +8,11 @@ at the same op names (the one template, run by graph.local's float plan) twice: 
     scheme_vs_float  the quantization's price: the simulation against the float model
 as relative L2 error ||a - b|| / ||b|| and max |a - b|, from the full tensors where both sides kept them
 ("method": "full"), else from the summaries alone ("method": "summary": the lower bounds | ||a|| - ||b|| | / ||b||
-and | max|a| - max|b| |, which can miss a change that keeps the norm). The first op in plan order whose
-device_vs_sim relative L2 exceeds the tolerance is the first divergent op.
+and | max|a| - max|b| |, which can miss a change that keeps the norm), and max_rel = max |a - b| / max |b|. The first
+op in plan order whose device_vs_sim relative L2 exceeds `tolerance`, or whose max_rel exceeds `max_tolerance`, is
+the first divergent op: relative L2 sees errors spread over a tensor, max_rel one int8 code rounded the other way
+(it moves one column of a linear's output: ~1e-4 of max |x| against float32 reordering's ~1e-6, while the relative
+L2 stays under 1e-4). Both default per scheme (`tolerances`).
 
     res = prefill_numerics(dev, qm, tokens, float_model=model)   # a RunResult; res.numerics is a NumericsReport
     res.numerics.first_divergent, res.numerics.figure(), res.numerics.write("out/")
@@ -29,12 +32,22 @@ from .errors import EdgeprobeError
 
 DEFAULT_TOLERANCE = 1e-4   # device vs simulation relative L2 above which an op diverged: over float reordering (~1e-7),
                            # under one int8 code flipped in one element (~1e-3 in a 16-token SmolLM2 prefill)
+DEFAULT_MAX_TOLERANCE = 2e-5  # max |diff| / max |sim| above which an op diverged: float32 reordering reached 8.4e-7
+                              # (Gemma 3 w8a8, 32 tokens), a flipped input code of a linear 8.9e-5 (w8a8c-shadow)
+# schemes whose device computes in float16 (q4_0-tile's k-ordered FP16 sums, NPU test-time scaling §5.1): the local
+# agent's float16 rounding reaches relative L2 1.2e-3 and max_rel 1.9e-3 (SmolLM2 and Gemma 3, 32 tokens)
+SCHEME_TOLERANCES = {"q4_0-tile": (5e-3, 1e-2)}
 FORMAT = "edgeprobe-numerics/1"
 
 
 class NumericsError(EdgeprobeError, ValueError):
     """A numerics capture that cannot be asked for: a pattern naming no op, an agent without capture, a full capture
     over the limit."""
+
+
+def tolerances(scheme: str | None) -> tuple[float, float]:
+    """The default (relative L2, max_rel) tolerances of a scheme's device-vs-simulation distance."""
+    return SCHEME_TOLERANCES.get(scheme, (DEFAULT_TOLERANCE, DEFAULT_MAX_TOLERANCE))
 
 
 def op_kind(name: str) -> str:
@@ -85,35 +98,40 @@ def host_numerics(model, tokens, ops=None, full=(), linear=None, head=None,
 
 
 def _distance(a_sum: dict, b_sum: dict, a=None, b=None) -> dict:
-    """How far a is from b: rel_l2, max_abs and the method (full tensors, or the summaries' lower bounds)."""
+    """How far a is from b: rel_l2, max_abs, max_rel (max_abs / max |b|) and the method (full tensors, or the
+    summaries' lower bounds)."""
     if a is not None and b is not None and np.shape(a) == np.shape(b):
         d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
         ok = np.isfinite(d)
         d = d[ok] if not ok.all() else d
         diff = float(np.sqrt(np.dot(d.reshape(-1), d.reshape(-1))))
-        return {"rel_l2": diff / max(b_sum["l2"], 1e-30), "max_abs": float(np.abs(d).max()) if d.size else 0.0,
-                "method": "full"}
-    return {"rel_l2": abs(a_sum["l2"] - b_sum["l2"]) / max(b_sum["l2"], 1e-30),
-            "max_abs": abs(a_sum["max_abs"] - b_sum["max_abs"]), "method": "summary"}
+        rel, max_abs, method = diff / max(b_sum["l2"], 1e-30), float(np.abs(d).max()) if d.size else 0.0, "full"
+    else:
+        rel, max_abs, method = (abs(a_sum["l2"] - b_sum["l2"]) / max(b_sum["l2"], 1e-30),
+                                abs(a_sum["max_abs"] - b_sum["max_abs"]), "summary")
+    return {"rel_l2": rel, "max_abs": max_abs, "max_rel": max_abs / max(b_sum["max_abs"], 1e-30), "method": method}
 
 
 @dataclass
 class NumericsReport:
     """Per-op numerics of one run: `ops` in plan order, each {op, layer, kind, shape, device, sim, float (summaries),
-    device_vs_sim, scheme_vs_float ({rel_l2, max_abs, method}), nonfinite}; `first_divergent` the first op whose
-    device_vs_sim rel_l2 exceeds `tolerance` (None: none did); `device_full` the device's outputs sent whole (to
-    recompute an op from the device's own inputs)."""
+    device_vs_sim, scheme_vs_float ({rel_l2, max_abs, max_rel, method}), nonfinite}; `first_divergent` the first op
+    whose device_vs_sim rel_l2 exceeds `tolerance` or max_rel `max_tolerance` ({op, layer, kind, the distance, "by":
+    "rel_l2", "max_rel" or "nonfinite"}; None: none did); `device_full` the device's outputs sent whole (to recompute
+    an op from the device's own inputs)."""
     ops: list
     tolerance: float
     first_divergent: dict | None
     meta: dict = field(default_factory=dict)
+    max_tolerance: float | None = None
     device_full: dict = field(default_factory=dict, repr=False)  # {op: the device's whole output}, not saved
 
     def by_name(self) -> dict:
         return {r["op"]: r for r in self.ops}
 
     def to_json(self) -> dict:
-        return {"format": FORMAT, "tolerance": self.tolerance, "metric": "rel_l2 = ||a - b|| / ||b||",
+        return {"format": FORMAT, "tolerance": self.tolerance, "max_tolerance": self.max_tolerance,
+                "metric": "rel_l2 = ||a - b|| / ||b||; max_rel = max |a - b| / max |b|",
                 "hist": {"bins": HIST_BINS, "lo_log2": HIST_LO, "note": "bin b counts floor(log2|x|) == lo_log2 + b, "
                          "clamped into the bins; zeros and non-finite values are not counted"},
                 "first_divergent": self.first_divergent, **self.meta, "ops": self.ops}
@@ -157,9 +175,10 @@ class NumericsReport:
 
 def compare(device: dict, sim: dict, float_: dict | None, n_layers: int, tolerance: float = DEFAULT_TOLERANCE,
             device_full: dict | None = None, sim_full: dict | None = None, float_full: dict | None = None,
-            order=None) -> NumericsReport:
+            order=None, max_tolerance: float | None = DEFAULT_MAX_TOLERANCE) -> NumericsReport:
     """The report from three captures ({op: summary}, and {op: array} where kept): device against the scheme's
-    simulation, and the simulation against float, op by op in `order` (default: the simulation's)."""
+    simulation, and the simulation against float, op by op in `order` (default: the simulation's). max_tolerance
+    None: max_rel decides nothing."""
     device_full, sim_full, float_full = device_full or {}, sim_full or {}, float_full or {}
     rows, first = [], None
     for name in order or list(sim):
@@ -171,18 +190,23 @@ def compare(device: dict, sim: dict, float_: dict | None, n_layers: int, toleran
         if float_ is not None and name in float_:
             r["float"] = float_[name]
             r["scheme_vs_float"] = _distance(sim[name], float_[name], sim_full.get(name), float_full.get(name))
-        if first is None and (r["device_vs_sim"]["rel_l2"] > tolerance or r["nonfinite"]):
-            first = {"op": name, "layer": r["layer"], "kind": r["kind"], **r["device_vs_sim"]}
+        d = r["device_vs_sim"]
+        by = ("nonfinite" if r["nonfinite"] else "rel_l2" if d["rel_l2"] > tolerance else
+              "max_rel" if max_tolerance is not None and d["max_rel"] > max_tolerance else None)
+        if first is None and by:
+            first = {"op": name, "layer": r["layer"], "kind": r["kind"], **d, "by": by}
         rows.append(r)
-    return NumericsReport(rows, tolerance, first)
+    return NumericsReport(rows, tolerance, first, max_tolerance=max_tolerance)
 
 
-def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tolerance: float = DEFAULT_TOLERANCE,
-                     limit_bytes: int = MAX_FULL_BYTES, progress: bool = False, fault: dict | None = None):
+def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tolerance: float | None = None,
+                     limit_bytes: int = MAX_FULL_BYTES, progress: bool = False, fault: dict | None = None,
+                     max_tolerance: float | None = None):
     """A layer-by-layer prefill of `tokens` on `dev` with numerics captured at the ops `ops` picks (glob, None: all),
     and the host's captures -> the RunResult, with .numerics a NumericsReport. full: op names sent whole; None: every
     picked op when they fit `limit_bytes`, else none (the report then compares summaries). float_model: the float
-    Model for scheme_vs_float (None: not computed). fault: TEST ONLY, {"op", "index", "codes"} (see
+    Model for scheme_vs_float (None: not computed). tolerance, max_tolerance: None gives the scheme's
+    (`tolerances`). fault: TEST ONLY, {"op", "index", "codes"} (see
     edgeprobe_kernels.numerics.Capture). Raises NumericsError before running for a pattern naming no op, a full
     capture over the limit, and after it for an agent that does not capture."""
     from .plan import prefill_plan
@@ -217,7 +241,8 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
         if need > limit_bytes:
             raise NumericsError(f"full capture of {len(full)} ops is {need} bytes ({need / 2**20:.1f} MiB), over the "
                                 f"limit of {limit_bytes} bytes: capture fewer ops in full")
-    sim_arrays = {n: a for n, a in sim_arrays.items() if n in set(on_host(full))}
+    whole = set(on_host(full))
+    sim_arrays = {n: a for n, a in sim_arrays.items() if n in whole}
     field_ = {"ops": ops, "full": list(full), "full_limit_bytes": int(limit_bytes)}
     if fault:
         field_["fault"] = fault
@@ -232,8 +257,10 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
     dev_full = dict(zip(on_host(got["full"]), got_full))
     flt, flt_arrays = host_numerics(float_model, tokens, host_ops, on_host(full)) if float_model is not None \
         else (None, {})
-    report = compare(dev_sum, sim, flt, qm.model.config.n_layers, tolerance, dev_full, sim_arrays, flt_arrays,
-                     order=on_host(names))
+    tol, max_tol = tolerances(qm.scheme)
+    report = compare(dev_sum, sim, flt, qm.model.config.n_layers, tol if tolerance is None else tolerance, dev_full,
+                     sim_arrays, flt_arrays, order=on_host(names),
+                     max_tolerance=max_tol if max_tolerance is None else max_tolerance)
     report.meta = {"scheme": qm.scheme, "tokens": int(len(tokens)), "ops_captured": len(dev_sum),
                    "full_captured": len(dev_full), "full_bytes": int(got.get("full_bytes", 0)),
                    "agent": dev.info.get("agent_version"), "fault": fault}

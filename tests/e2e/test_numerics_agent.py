@@ -123,11 +123,17 @@ def test_run_cli_writes_numerics_and_refuses_a_pattern_naming_nothing(tmp_path):
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
         "edgeprobe: error: --numerics-ops 'blk.99.*' names no op of the plan (ops are named like 'embed', "
         "'blk.1.attn_q', 'blk.1.*', 'lm_head')")
+    r = subprocess.run(base + ["--numerics", "--numerics-max-tolerance", "0"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "edgeprobe: error: --numerics-max-tolerance must be a positive relative error, got 0.0")
     r = subprocess.run(base + ["--numerics", "--numerics-ops", "blk.0.*,lm_head", "--numerics-out", str(tmp_path / "n"),
-                               "--json"], capture_output=True, text=True, timeout=600)
+                               "--numerics-max-tolerance", "3e-5", "--json"], capture_output=True, text=True,
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     nm = json.loads(r.stdout.strip().splitlines()[-1])["numerics"]
     assert nm["ops"] == 16 and nm["first_divergent"] is None and nm["capture_ms"] > 0
+    assert (nm["tolerance"], nm["max_tolerance"]) == (1e-4, 3e-5)  # the scheme's L2 default, the max_rel asked for
     saved = json.loads((tmp_path / "n" / "numerics.json").read_text())
     assert [o["op"] for o in saved["ops"]][-1] == "lm_head" and (tmp_path / "n" / "numerics.html").stat().st_size
 

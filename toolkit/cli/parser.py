@@ -185,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --numerics: write numerics.json and numerics.html (divergence by depth) here")
     r.add_argument("--numerics-tolerance", type=float, metavar="REL_L2",
                    help="with --numerics: the device-vs-simulation relative L2 error past which an op diverged "
-                        "(default 1e-4)")
+                        "(default per scheme: 1e-4; q4_0-tile 5e-3)")
+    r.add_argument("--numerics-max-tolerance", type=float, metavar="MAX_REL",
+                   help="with --numerics: the max |device - simulation| / max |simulation| past which an op "
+                        "diverged: one int8 code rounded the other way (default per scheme: 2e-5; q4_0-tile 1e-2)")
     r.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     r.add_argument("--no-progress", action="store_true")
     r.set_defaults(fn=cmd_run)

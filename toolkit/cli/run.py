@@ -322,14 +322,17 @@ def _prefill(args, dev, qm, tokens, ids, progress: bool, per_device: bool = Fals
 def _numerics_refusal(args, specs) -> str | None:
     """Why --numerics and its flags cannot run as asked (None: they can)."""
     given = [f for f, v in (("--numerics-ops", args.numerics_ops), ("--numerics-out", args.numerics_out),
-                            ("--numerics-tolerance", args.numerics_tolerance)) if v is not None]
+                            ("--numerics-tolerance", args.numerics_tolerance),
+                            ("--numerics-max-tolerance", args.numerics_max_tolerance)) if v is not None]
     if not args.numerics:
         return f"{given[0]} applies with --numerics; add --numerics" if given else None
     if len(specs) > 1 or args.decode is not None or args.scheduler != "layer":
         return ("--numerics captures one device's layer-by-layer prefill: give one --device, leave --scheduler at "
                 "layer and drop --decode")
-    if args.numerics_tolerance is not None and not args.numerics_tolerance > 0:
-        return f"--numerics-tolerance must be a positive relative L2 error, got {args.numerics_tolerance}"
+    for flag, v in (("--numerics-tolerance", args.numerics_tolerance),
+                    ("--numerics-max-tolerance", args.numerics_max_tolerance)):
+        if v is not None and not v > 0:
+            return f"{flag} must be a positive relative error, got {v}"
     return None
 
 
@@ -344,14 +347,14 @@ def _numerics_ops_exist(model, n: int, pattern: str) -> bool:
 
 def _prefill_numerics(args, dev, qm, model, tokens, progress: bool):
     """--numerics: the prefill with every chosen op captured, compared with the host -> (RunResult, extra fields)."""
-    from ..numerics import DEFAULT_TOLERANCE, prefill_numerics
+    from ..numerics import prefill_numerics
 
-    tol = args.numerics_tolerance or DEFAULT_TOLERANCE
-    res = prefill_numerics(dev, qm, tokens, ops=args.numerics_ops, float_model=model, tolerance=tol,
-                           progress=progress)
+    res = prefill_numerics(dev, qm, tokens, ops=args.numerics_ops, float_model=model, tolerance=args.numerics_tolerance,
+                           max_tolerance=args.numerics_max_tolerance, progress=progress)
     rep = res.numerics
     worst = max(rep.ops, key=lambda r: r["device_vs_sim"]["rel_l2"])
-    out = {"tolerance": tol, "ops": len(rep.ops), "full_captured": rep.meta["full_captured"],
+    out = {"tolerance": rep.tolerance, "max_tolerance": rep.max_tolerance, "ops": len(rep.ops),
+           "full_captured": rep.meta["full_captured"],
            "first_divergent": rep.first_divergent,
            "max_device_vs_sim": {"op": worst["op"], **worst["device_vs_sim"]},
            "capture_ms": sum(e["end_us"] - e["start_us"] for e in res.trace.events if e["kind"] == "numerics") / 1e3}
@@ -363,9 +366,10 @@ def _prefill_numerics(args, dev, qm, model, tokens, progress: bool):
 def _say_numerics(nm: dict) -> None:
     """--numerics in words: the first divergent op, or the largest device-vs-simulation error."""
     f = nm["first_divergent"]
-    where = (f"first divergent op {f['op']} (relative L2 {f['rel_l2']:.3g} vs the simulation, tolerance "
-             f"{nm['tolerance']:g})" if f else
-             f"no op leaves the simulation by more than relative L2 {nm['tolerance']:g} (largest: "
+    where = (f"first divergent op {f['op']} (relative L2 {f['rel_l2']:.3g}, max |diff| / max |x| {f['max_rel']:.3g} vs "
+             f"the simulation; tolerances {nm['tolerance']:g} and {nm['max_tolerance']:g})" if f else
+             f"no op leaves the simulation by more than relative L2 {nm['tolerance']:g} or max |diff| / max |x| "
+             f"{nm['max_tolerance']:g} (largest relative L2: "
              f"{nm['max_device_vs_sim']['op']}, {nm['max_device_vs_sim']['rel_l2']:.3g})")
     files = f"; wrote {nm['files']['json']} and {nm['files']['html']}" if nm.get("files") else ""
     print(f"numerics of {nm['ops']} ops ({nm['full_captured']} whole, capture {nm['capture_ms']:.1f} ms on the "

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from edgeprobe import models
@@ -96,11 +97,11 @@ def _model_entry(root, name, scheme, key, version, blob=b"x" * 1000):
 
 
 def _calib_entry(root, name, key, version):
-    npz = root / f"calib-{name}-{key}.npz"
-    npz.write_bytes(b"z" * 300)
-    if version is not None:
-        npz.with_suffix(".json").write_text(json.dumps({"code_version": version}))
-    return npz
+    """A calibration .npz as calibration() writes one: the profile's metadata naming its code version (or not)."""
+    from edgeprobe.profile.store import save_npz
+
+    meta = {"kind": "outliers"} if version is None else {"kind": "outliers", "prepared": {"code_version": version}}
+    return save_npz(root / f"calib-{name}-{key}.npz", meta, {"blk.0.attn_q": {"absmax": np.arange(64.0)}})
 
 
 def _du(path):
@@ -148,8 +149,7 @@ def test_list_marks_current_and_stale(fake_cache):
         assert e["state"] == {"calib-current": "current", "calib-stale": "stale",
                               "calib-unrecorded": "unrecorded"}.get(name, name), name
         assert e["stale"] == (name in STALE), name
-        assert e["bytes"] == _du(p) + (_du(p.with_suffix(".json")) if p.suffix == ".npz" and
-                                       p.with_suffix(".json").exists() else 0), name
+        assert e["bytes"] == _du(p), name
     cur = entries[str(paths["current"])]
     assert (cur["kind"], cur["model"], cur["scheme"], cur["code_version"]) == \
         ("model", "smollm2-135m", "w8a8-shadow", code_version())
@@ -172,9 +172,7 @@ def test_prune_removes_exactly_the_stale(fake_cache):
     assert {e["path"] for e in removed} == {e["path"] for e in would} == {str(paths[n]) for n in STALE}
     assert sum(e["bytes"] for e in removed) == expected_bytes
     assert not any(paths[n].exists() for n in STALE)
-    assert not paths["calib-stale"].with_suffix(".json").exists()  # a calibration's record goes with it
-    kept = {paths["current"], paths["calib-current"], paths["calib-current"].with_suffix(".json"), paths["writing"],
-            root / "notes.txt"}
+    kept = {paths["current"], paths["calib-current"], paths["writing"], root / "notes.txt"}
     assert {p for p in root.iterdir()} == kept
     assert _tree(paths["current"]) == current_files  # the current entry untouched
     assert {e["state"] for e in cache_entries()} == {"current", "writing"}

@@ -11,7 +11,7 @@ folder and renamed into place: an interrupted run or two runs preparing at once 
 Each step says what it prepares and how long it took, one line each, through `say`.
 
 Entries are never replaced in place, so a code change leaves the old ones behind: each records the code version it
-was prepared under (the manifest's "prepared" field; a calibration's `.json` beside its `.npz`), `cache_entries()`
+was prepared under (a "prepared" field in the manifest, or in a calibration's .npz metadata), `cache_entries()`
 lists them as current or stale and `prune()` removes the stale ones (`edgeprobe cache list|prune`).
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from functools import lru_cache
 from pathlib import Path
 
@@ -75,6 +76,7 @@ def calibration(model, progress: bool = False, say=None, tokens: int = CALIB_TOK
     """The activation profile (OutlierStats) of `model` on the first `tokens` training-corpus tokens, cached."""
     from .corpus import read_corpus
     from .profile import OutlierStats
+    from .profile.store import save_npz
     from .quant import calibration_profile
 
     refuse_config_only(model)
@@ -92,10 +94,9 @@ def calibration(model, progress: bool = False, say=None, tokens: int = CALIB_TOK
                                progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{time.time_ns()}.npz")
-    prof.save(tmp)
-    # its code version beside it, written first: a published .npz always has one (cache_entries reads it)
-    _write_json(path.with_suffix(".json"), {"code_version": code_version(), "model": model.sha256, "tokens": tokens,
-                                            "window": window})
+    # prof.save(tmp), its metadata also naming the code version it was computed under (read by cache_entries)
+    save_npz(tmp, {**prof._meta(), "prepared": {"code_version": code_version(), "tokens": tokens, "window": window}},
+             prof.arrays)
     tmp.replace(path)
     say(f"calibrated in {time.perf_counter() - t0:.1f} s")
     return prof
@@ -152,12 +153,6 @@ def prepared(model, scheme: str, progress: bool = False, say=None, prune_rate: f
     return qm
 
 
-def _write_json(path: Path, doc: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{time.time_ns()}")
-    tmp.write_text(json.dumps(doc))
-    tmp.replace(path)
-
-
 def _tree(path: Path) -> tuple[int, float]:
     """(bytes of the files under `path`, or of `path` itself; the newest mtime among them), 0 for what vanished."""
     paths = [path, *path.rglob("*")] if path.is_dir() else [path]
@@ -173,10 +168,16 @@ def _tree(path: Path) -> tuple[int, float]:
 
 
 def _recorded(path: Path) -> dict | None:
-    """The JSON object at `path`, or None if missing or unreadable."""
+    """The JSON object at `path` (a manifest), or in a calibration .npz's __meta__; None if missing or unreadable."""
+    import numpy as np
+
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+        if path.suffix == ".npz":
+            with zipfile.ZipFile(path) as z:  # that member alone: the profile's arrays stay unread
+                doc = json.loads(np.lib.format.read_array(z.open("__meta__.npy")).tobytes())
+        else:
+            doc = json.loads(path.read_text())
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile):
         return None
     return doc if isinstance(doc, dict) else None
 
@@ -187,9 +188,9 @@ def cache_entries(root: Path | None = None, now: float | None = None) -> list[di
     written or left by an interrupted run), model, scheme (None for a calibration or temp), bytes, modified (epoch
     seconds of its newest file), code_version (recorded, None if not), state and stale.
     state: "current" (prepared under today's code_version()), "stale" (an older code version), "unrecorded" (from
-    before entries recorded their code version: counted stale), "incomplete" (a model without a readable manifest,
-    a calibration's record without its profile: counted stale),
-    "writing" (a temp modified within TEMP_GRACE_S: never pruned) or "abandoned" (an older temp: stale).
+    before entries recorded their code version, or unreadable: counted stale), "incomplete" (a model folder without
+    a readable manifest: counted stale), "writing" (a temp modified within TEMP_GRACE_S: never pruned) or
+    "abandoned" (an older temp: stale).
     Files edgeprobe did not write are left out."""
     root = Path(root) if root is not None else cache_root()
     now = time.time() if now is None else now
@@ -206,31 +207,28 @@ def cache_entries(root: Path | None = None, now: float | None = None) -> list[di
     out = []
     for p in children:
         name = p.name
-        if name.startswith("."):  # ".<entry>.<ns>.tmp" folders, ".calib-….<ns>.npz" and ".<x>.json.<ns>" files
+        incomplete = False
+        if name.startswith("."):  # ".<entry>.<ns>.tmp" folders, ".calib-….<ns>.npz[.tmp]" files
             kind, model, scheme, version = "temp", None, None, None
         elif p.is_dir() and _KEYED.search(name):
             kind = "model"
             m = _recorded(p / "manifest.json")
+            incomplete = m is None
             rec = (m or {}).get("prepared")
             version = rec.get("code_version") if isinstance(rec, dict) else None
             model = ((m or {}).get("model") or {}).get("name") or name.rsplit("-", 1)[0]
             scheme = (m or {}).get("scheme")
         elif name.startswith("calib-") and name.endswith(".npz") and _KEYED.search(name[:-4]):
             kind, scheme = "calibration", None
-            version = (_recorded(p.with_suffix(".json")) or {}).get("code_version")
-            model = name[len("calib-"):].rsplit("-", 1)[0]
-        elif (name.startswith("calib-") and name.endswith(".json") and _KEYED.search(name[:-5])
-              and not p.with_suffix(".npz").exists()):
-            kind, scheme, version = "calibration", None, None  # its .npz never published: an interrupted run's
+            rec = (_recorded(p) or {}).get("prepared")
+            version = rec.get("code_version") if isinstance(rec, dict) else None
             model = name[len("calib-"):].rsplit("-", 1)[0]
         else:
-            continue  # a calibration's .json goes with its .npz; anything else is not ours
+            continue  # not something prepare.py writes
         size, modified = _tree(p)
-        if kind == "calibration" and name.endswith(".npz") and p.with_suffix(".json").exists():
-            size += _tree(p.with_suffix(".json"))[0]
         if kind == "temp":
             state = "writing" if now - modified < TEMP_GRACE_S else "abandoned"
-        elif (kind == "calibration" and name.endswith(".json")) or (kind == "model" and m is None):
+        elif incomplete:
             state = "incomplete"
         else:
             state = "unrecorded" if version is None else "current" if version == today else "stale"
@@ -247,8 +245,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path)
     else:
         path.unlink(missing_ok=True)
-        if path.name.startswith("calib-"):
-            path.with_suffix(".json").unlink(missing_ok=True)
 
 
 def prune(all: bool = False, dry_run: bool = False, root: Path | None = None, now: float | None = None) -> list[dict]:

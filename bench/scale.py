@@ -137,27 +137,15 @@ def _vocab(n: int) -> tuple[list[str], list[str], list[int], str]:
 def write_checkpoint(s: Shape, layers: int, qtype, path: Path, seed: int = 0) -> int:
     """Write the shape's first `layers` blocks to `path` as GGUF, tensor by tensor (never the whole model in memory).
     Returns the file's size in bytes."""
+    from edgeprobe.models.gguf_writer import add_bpe_tokenizer, add_llama_keys
+
     w = gguf.GGUFWriter(str(path), arch=s.arch)
     w.add_name(f"generated {s.arch} {s.hidden}x{layers}")
-    w.add_context_length(s.context)
-    w.add_embedding_length(s.hidden)
-    w.add_block_count(layers)
-    w.add_feed_forward_length(s.ffn)
-    w.add_head_count(s.heads)
-    w.add_head_count_kv(s.kv_heads)
-    w.add_key_length(s.head_dim)
-    w.add_value_length(s.head_dim)
-    w.add_rope_dimension_count(s.head_dim)
-    w.add_rope_freq_base(s.rope_theta)
-    w.add_layer_norm_rms_eps(s.rms_eps)
-    w.add_vocab_size(s.vocab)
+    add_llama_keys(w, context=s.context, hidden=s.hidden, n_layers=layers, ffn=s.ffn, heads=s.heads,
+                   kv_heads=s.kv_heads, head_dim=s.head_dim, rope_theta=s.rope_theta, rms_eps=s.rms_eps,
+                   vocab=s.vocab)
     w.add_file_type({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype.name])
-    tokens, merges, types, pre = _vocab(s.vocab)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
+    add_bpe_tokenizer(w, *_vocab(s.vocab))
     specs = tensors(s, layers)
     for name, (shape, quant) in specs.items():
         if quant:

@@ -53,6 +53,32 @@ def _vocab(tok: Tokenizer) -> tuple[list[str], list[str], list[int]]:
     return tokens, merges, types
 
 
+def add_llama_keys(w: gguf.GGUFWriter, *, context: int, hidden: int, n_layers: int, ffn: int, heads: int,
+                   kv_heads: int, head_dim: int, rope_theta: float, rms_eps: float, vocab: int) -> None:
+    """The hyperparameter keys a llama-family GGUF carries (llama.cpp's names), as our loader reads them back."""
+    w.add_context_length(context)
+    w.add_embedding_length(hidden)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(rms_eps)
+    w.add_vocab_size(vocab)
+
+
+def add_bpe_tokenizer(w: gguf.GGUFWriter, tokens: list[str], merges: list[str], types: list[int], pre: str) -> None:
+    """A byte-level BPE tokenizer as GGUF's "gpt2" model: pieces by id, merges, token types, pre-tokenizer name."""
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+
+
 def write_gguf(model: Model, path, dtype: str = "f32") -> Path:
     """Write `model` to `path` as a GGUF file (architecture "llama", Mixtral-style experts if any)."""
     if dtype not in ("f32", "f16"):
@@ -61,30 +87,16 @@ def write_gguf(model: Model, path, dtype: str = "f32") -> Path:
     path = Path(path)
     w = gguf.GGUFWriter(str(path), arch="llama")
     w.add_name(model.name or c.name or path.stem)
-    w.add_context_length(c.context_length)
-    w.add_embedding_length(c.hidden)
-    w.add_block_count(c.n_layers)
-    w.add_feed_forward_length(c.expert_ffn if c.n_experts else c.ffn)
-    w.add_head_count(c.n_heads)
-    w.add_head_count_kv(c.n_kv_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_eps)
-    w.add_vocab_size(c.vocab_size)
+    add_llama_keys(w, context=c.context_length, hidden=c.hidden, n_layers=c.n_layers,
+                   ffn=c.expert_ffn if c.n_experts else c.ffn, heads=c.n_heads, kv_heads=c.n_kv_heads,
+                   head_dim=c.head_dim, rope_theta=c.rope_theta, rms_eps=c.rms_eps, vocab=c.vocab_size)
     if c.n_experts:
         w.add_expert_count(c.n_experts)
         w.add_expert_used_count(c.n_experts_used)
         w.add_expert_weights_norm(c.norm_topk)
         if c.shared_expert_ffn:
             w.add_expert_shared_feed_forward_length(c.shared_expert_ffn)
-    tokens, merges, types = _vocab(tok)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(_pre_tokenizer_name(tok))
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
+    add_bpe_tokenizer(w, *_vocab(tok), _pre_tokenizer_name(tok))
     if tok.bos_id is not None:
         w.add_bos_token_id(tok.bos_id)
     if tok.eos_id is not None:

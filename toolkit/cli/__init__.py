@@ -2,7 +2,7 @@
 rename or remove them.
 
 parser.py builds the parser; one module per command family runs it: evaluate (eval, generate), quant (quantize),
-profile, run, schedule, agent (agent, kernels), demo.
+profile, run, schedule, agent (agent, kernels), trace, cache (the prepared-model cache), demo.
 """
 from __future__ import annotations
 

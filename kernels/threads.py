@@ -6,7 +6,10 @@ So the policy counts the cores other processes keep busy (/proc/stat's busy time
 process's own CPU time, over the last ~0.25 s) and uses the rest: all cores on a quiet machine, one beside a hog.
 Host passes enter `host_pass()` (and `tick()` per window); the agent's lanes ask `POLICY.threads()` for an op that
 computes alone (edgeprobe_agent.threads.Cores), while overlapping lanes keep one core each.
-EDGEPROBE_THREADS=N fixes the count at N (no measuring).
+
+Inside a host pass BLAS runs one thread a call and the host's GEMMs (`matmul_wt`) spread fixed column blocks over
+the chosen threads, so a pass's bits do not depend on the count, nor on the machine's load.
+EDGEPROBE_THREADS=N fixes the count at N (no measuring); unset or `auto`, it is measured.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import os
 import sys
 import threading
 import time
+
+import numpy as np
 
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 BUSY_SHARE = 0.4      # a core that other processes use more than this share of the time is theirs
@@ -94,45 +99,46 @@ class ThreadPolicy:
     """Threads = the cores not busy with other processes (threads_for), measured by `load` at most every
     INTERVAL_S. load: a CpuLoad, a callable returning others' busy cores (tests inject one), or None (assume a
     quiet machine: all cores). fixed: a count that overrides the measurement; None takes EDGEPROBE_THREADS's
-    when `env` (the user's word), else measures.
+    when `env` (the user's word: a count, or `auto`, the default), else measures.
 
-    With `env`, measuring is the user's choice, EDGEPROBE_THREADS=auto: OpenBLAS rounds float32 GEMMs differently
-    with one thread than with two, so a count chosen by the machine's load would make a calibration, and the model
-    quantized from it, depend on that load (SmolLM2's smoothquant perplexity over 64 tokens: 1.62x float's at two
-    threads, 1.49x at one). Unset, host passes keep BLAS and numba as started and lone agent lanes take every core."""
+    The count changes a host pass's speed, never its bits: inside a pass BLAS runs one thread a call and the GEMMs
+    are cut into blocks that depend on their shapes alone (matmul_wt). OpenBLAS's own threading rounds float32
+    GEMMs differently with one thread than with two, which made a calibration, and the model quantized from it,
+    depend on the load (SmolLM2's smoothquant perplexity over 64 tokens: 1.62x float's at two threads, 1.49x at
+    one)."""
 
     def __init__(self, cores: int = CORES, load=None, fixed: int | None = None, env: bool = True):
         self.cores, self.load = cores, load
         word = os.environ.get("EDGEPROBE_THREADS", "") if env else ""
         self.fixed = fixed if fixed is not None else (int(word) if word.isdigit() and int(word) > 0 else None)
-        self.auto = word == "auto" if env else True  # measure the load (else: all cores, counts as started)
         self.last = None            # the count of the last decision (the bench prints it)
         self.chosen: dict = {}      # count -> decisions made with it
+        self.width = 1              # threads matmul_wt spreads over: the running host pass's count, else 1
         self._others = 0.0
         self._sample = None
         self._measuring = threading.Lock()
-        self._lock = threading.Lock()  # the host passes' count and BLAS's saved count
+        self._lock = threading.Lock()  # the host passes' depth and BLAS's saved count
         self._blas = _openblas()  # set / get, resolved once
         self._depth = 0             # host passes running in this process (BLAS's count is process-wide)
         self._blas_before = None
-        self._blas_now = None
 
     def others(self, fresh: bool = False) -> float:
         """Cores other processes keep busy: the last measurement, renewed once INTERVAL_S have passed. fresh: a
-        pass starts, so it measures a new interval of FIRST_S (this process idle meanwhile)."""
+        pass starts, so the interval since the last sample counts once FIRST_S long; the process's first pass
+        measures FIRST_S itself (this process idle meanwhile)."""
         load = self.load
         if load is None:
             return 0.0
         if not isinstance(load, CpuLoad):
             return float(load())
         s, now = self._sample, time.monotonic()
-        if not fresh and s is not None and now - s[0] < INTERVAL_S:
+        if s is not None and now - s[0] < (FIRST_S if fresh else INTERVAL_S):
             return self._others
         if not self._measuring.acquire(blocking=False):
             return self._others  # another lane is measuring: its result serves this op too
         try:
             s = self._sample
-            if s is None or fresh:
+            if s is None:
                 s = self._sample = load.sample()
                 if s is None or not fresh:
                     return self._others  # no /proc/stat, or a lane's first op: the next one has an interval
@@ -147,23 +153,19 @@ class ThreadPolicy:
     def threads(self, cap: int | None = None, fresh: bool = False) -> int:
         """The thread count for work that may use `cap` cores (default all of this process's)."""
         cores = min(cap or self.cores, self.cores) if self.fixed is None else min(cap or self.fixed, self.fixed)
-        k = cores if self.fixed is not None or not self.auto else threads_for(cores, self.others(fresh))
+        k = cores if self.fixed is not None else threads_for(cores, self.others(fresh))
         self.last = k
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 
-    def tick(self, fresh: bool = False) -> int:
-        """Inside host_pass: decide again (cheap: a measurement at most every INTERVAL_S) and set BLAS's count and
-        this thread's numba count to it. Call it per window or layer. Returns the count; outside a pass it sets
-        nothing (nothing would set it back)."""
+    def tick(self, fresh: bool = False) -> int | None:
+        """Inside host_pass: decide again (cheap: a measurement at most every INTERVAL_S) and set matmul_wt's
+        width and this thread's numba count to it. Call it per window or layer. Returns the count; outside a pass
+        it sets nothing (nothing would set it back) and returns None."""
         if not self._depth:
-            return self.last
-        if self.fixed is None and not self.auto:
-            return self._blas_now  # neither measured nor fixed: the counts stay as the process started them
+            return None
         k = self.threads(fresh=fresh)
-        if self._blas is not None and k != self._blas_now:
-            self._blas[0](k)  # process-wide: a BLAS call already running keeps the threads it started with
-            self._blas_now = k
+        self.width = k
         numba = sys.modules.get("numba")  # not imported for it: a pass that runs no numba kernel pays nothing
         if numba is not None:
             n = min(k, numba.config.NUMBA_NUM_THREADS)
@@ -173,13 +175,15 @@ class ThreadPolicy:
 
     @contextlib.contextmanager
     def host_pass(self):
-        """A host pass's threads: measured at entry, renewed by tick(), BLAS's and this thread's numba counts set
-        back to what they were at exit. Nested passes share the outermost one's BLAS count and measurement."""
+        """A host pass's threads: BLAS at one thread a call, the count measured at entry and renewed by tick();
+        BLAS's and this thread's numba counts set back at exit. Nested passes share the outermost one's."""
         with self._lock:
             self._depth += 1
             outer = self._depth == 1
             if outer and self._blas is not None:
-                self._blas_before = self._blas_now = int(self._blas[1]())
+                self._blas_before = int(self._blas[1]())
+                if self._blas_before != 1:
+                    self._blas[0](1)  # process-wide: a BLAS call already running keeps the threads it started with
         numba = sys.modules.get("numba")
         numba_before = numba.get_num_threads() if numba is not None else None
         try:
@@ -190,9 +194,10 @@ class ThreadPolicy:
                 numba.set_num_threads(numba_before)
             with self._lock:
                 self._depth -= 1
-                if self._depth == 0 and self._blas is not None and self._blas_now != self._blas_before:
-                    self._blas[0](self._blas_before)
-                    self._blas_now = self._blas_before
+                if self._depth == 0:
+                    self.width = 1
+                    if self._blas is not None and self._blas_before != 1:
+                        self._blas[0](self._blas_before)
 
 
 POLICY = ThreadPolicy(load=CpuLoad())
@@ -207,3 +212,57 @@ def host_pass():
 def tick() -> int | None:
     """POLICY.tick(): inside a host pass, decide again per window or layer."""
     return POLICY.tick()
+
+
+# A host GEMM's output columns are cut into blocks that depend on its width alone, and each block is one BLAS call
+# on one BLAS thread: the bits are the same whatever the number of threads running the blocks (OpenBLAS's own
+# threading splits the rows, and its sums there change with the row count).
+BLOCK_COLS = 128      # about this many output columns a block
+MAX_BLOCKS = 16       # at most this many blocks (an LM head's 49,152 columns: 16 blocks of 3,072)
+_ALIGN = 16           # block edges on multiples of 16 columns: whole micro-kernel tiles
+
+
+@functools.lru_cache(maxsize=1024)
+def column_blocks(n: int) -> tuple[tuple[int, int], ...]:
+    """The fixed (start, stop) column blocks of an n-column GEMM output: a function of n alone."""
+    nb = max(1, min(MAX_BLOCKS, n // BLOCK_COLS))
+    edges = sorted({0, n, *(min(n, round(n * i / nb / _ALIGN) * _ALIGN) for i in range(1, nb))})
+    return tuple(zip(edges[:-1], edges[1:]))
+
+
+_POOL = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool():
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            from concurrent.futures import ThreadPoolExecutor
+            _POOL = ThreadPoolExecutor(max_workers=max(1, CORES - 1), thread_name_prefix="edgeprobe-gemm")
+        return _POOL
+
+
+def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """y = x @ w^T for x float32[M, K], w float32[N, K] -> float32[M, N], in column_blocks(N), each block one BLAS call,
+    spread over the current host pass's threads (POLICY.width; the caller runs one share). Thread-count invariant
+    inside a host pass, where BLAS runs one thread a call."""
+    n = w.shape[0]
+    blocks = column_blocks(n)
+    k = min(POLICY.width, len(blocks))
+    y = np.empty((x.shape[0], n), dtype=np.result_type(x, w))
+
+    def run(part):
+        for a, b in part:
+            y[:, a:b] = x @ w[a:b].T
+
+    if k <= 1:
+        run(blocks)
+        return y
+    cuts = [round(len(blocks) * i / k) for i in range(k + 1)]
+    parts = [blocks[cuts[i]:cuts[i + 1]] for i in range(k)]
+    futures = [_pool().submit(run, part) for part in parts[1:]]
+    run(parts[0])
+    for f in futures:
+        f.result()
+    return y

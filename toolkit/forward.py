@@ -32,6 +32,7 @@ from edgeprobe_kernels.names import (
     FFN_LINEARS,
     ROUTERS,  # noqa: F401  (re-exported: router linears stay float)
 )
+from edgeprobe_kernels.threads import matmul_wt
 
 from .errors import TokenRangeError
 from .graph.local import HostRaised, float_plan, run_float
@@ -126,7 +127,7 @@ def float_linear(model: Model) -> LinearFn:
     Expert linears are named "blk.{i}.ffn_up_exps.{e}": expert e's slice of the stacked tensor.
     """
     def linear(name: str, x: np.ndarray) -> np.ndarray:
-        return x @ model.linear_weight(name).T
+        return matmul_wt(x, model.linear_weight(name))  # the same bits at any thread count (host passes)
     return linear
 
 
@@ -253,7 +254,7 @@ def _op_lm_head(inp, attrs, ctx):
     if attrs.get("last_only", True):
         x = np.ascontiguousarray(x.reshape(B, x.shape[0] // B, x.shape[1])[:, -1])
     head = ctx.host.head
-    return _user(head, x) if head else x @ ctx.host.model.output_weight.T
+    return _user(head, x) if head else matmul_wt(x, ctx.host.model.output_weight)
 
 
 # the agent's registry, with the host's linears, LM head and MoE router (its hook, the caller's linears), and every

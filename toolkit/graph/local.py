@@ -108,7 +108,8 @@ def run_float(plan, get, tokens: np.ndarray, session=None, host=None) -> np.ndar
     output (float32[rows, vocab] or [rows, hidden]). An error a host callable raised is raised as it was."""
     ctx = HostContext(get=get, session=session, host=host)
     try:
-        outs = run_untraced(plan, {"tokens": tokens}, ctx)
+        with host_pass():  # BLAS at one thread a call, the GEMMs spread over the policy's count: the same bits always
+            outs = run_untraced(plan, {"tokens": tokens}, ctx)
     except HostRaised as e:
         raise e.error.with_traceback(e.error.__traceback__) from None
     return outs[plan.outputs[0]]

@@ -5,9 +5,9 @@ an outlier profile on SmolLM2-135M, tok/s (tokens through the model per second) 
 to the quiet one-thread speed, with the load average measured beside each setting and the thread counts chosen:
 
   1 thread      EDGEPROBE_THREADS=1 (what OPENBLAS_NUM_THREADS=1 gave), quiet
-  policy        the policy (EDGEPROBE_THREADS=auto), quiet / beside one CPU-bound process (hog) / beside a
-                two-thread BLAS job (blas2)
-  fixed 2       two threads whatever the load (BLAS and numba as started before the policy), same neighbours
+  policy        the policy (the default), quiet / beside one CPU-bound process (hog) / beside a two-thread BLAS
+                job (blas2)
+  fixed 2       EDGEPROBE_THREADS=2: two threads whatever the load, same neighbours
 
 Goals on 2 cores: policy quiet >= 1.6, beside a hog >= 0.8, beside blas2 >= 0.5. Settings interleave per round
 and each cell is the median over rounds, so a load that drifts lands on every setting alike; each measurement is
@@ -91,7 +91,6 @@ def main():
     rates = {(p, s[0]): [] for p in passes for s in SETTINGS}
     loads = {s[0]: [] for s in SETTINGS}
     chosen = {s[0]: {} for s in SETTINGS}
-    POLICY.auto = True  # the policy's rows measure the load, as EDGEPROBE_THREADS=auto does
     for r in range(args.rounds):
         for name, fixed, kind in SETTINGS:
             proc = neighbour(kind)

@@ -1,5 +1,6 @@
 """The one thread policy (edgeprobe_kernels.threads): its decision from the measured busy cores, the BLAS and numba
-counts it sets and gives back, and that host passes and the agent's lanes both take their counts from it."""
+counts it sets and gives back, that host passes and the agent's lanes both take their counts from it, and that a host
+pass's bits do not depend on the count it chose (matmul_wt's fixed column blocks)."""
 from types import SimpleNamespace
 
 import numba
@@ -14,6 +15,11 @@ def _blas() -> int:
     """numpy's OpenBLAS thread count, read back through threadpoolctl."""
     (info,) = [i for i in threadpool_info() if i["internal_api"] == "openblas"]
     return info["num_threads"]
+
+
+def _counts() -> tuple[int, int, int]:
+    """(BLAS threads, matmul_wt's width, this thread's numba threads)."""
+    return _blas(), T.POLICY.width, numba.get_num_threads()
 
 
 @pytest.mark.parametrize("cores, others, want", [
@@ -55,20 +61,21 @@ def test_a_host_pass_sets_blas_and_numba_then_gives_them_back():
     p = T.ThreadPolicy(2, load=lambda: busy["others"], env=False)
     with threadpool_limits(limits=2, user_api="blas"):
         numba.set_num_threads(2)
-        assert p.tick() is None and _blas() == 2  # outside a pass nothing is set
+        assert p.tick() is None and _blas() == 2 and p.width == 1  # outside a pass nothing is set
         with p.host_pass() as q:
-            assert q is p and (_blas(), numba.get_num_threads()) == (1, 1)  # beside a busy core: one thread
+            # beside a busy core: one thread; BLAS runs one thread a call in every pass (matmul_wt spreads the blocks)
+            assert q is p and (_blas(), p.width, numba.get_num_threads()) == (1, 1, 1)
             busy["others"] = 0.0
-            assert p.tick() == 2 and (_blas(), numba.get_num_threads()) == (2, 2)  # the neighbour left
+            assert p.tick() == 2 and (_blas(), p.width, numba.get_num_threads()) == (1, 2, 2)  # the neighbour left
             busy["others"] = 1.0
-            with p.host_pass():  # nested: shares the outer pass's count, gives back nothing of the outer's
-                assert (_blas(), numba.get_num_threads()) == (1, 1)
-            assert _blas() == 1
-        assert (_blas(), numba.get_num_threads()) == (2, 2)
+            with p.host_pass():  # nested: decides again, gives back nothing of the outer's
+                assert (_blas(), p.width, numba.get_num_threads()) == (1, 1, 1)
+            assert _blas() == 1 and numba.get_num_threads() == 2
+        assert (_blas(), p.width, numba.get_num_threads()) == (2, 1, 2)
         with pytest.raises(RuntimeError):
             with p.host_pass():
                 raise RuntimeError("a failing pass still gives the counts back")
-        assert (_blas(), numba.get_num_threads()) == (2, 2)
+        assert (_blas(), p.width, numba.get_num_threads()) == (2, 1, 2)
 
 
 def test_agent_lanes_and_host_passes_take_their_counts_from_the_same_policy(monkeypatch):
@@ -84,7 +91,6 @@ def test_agent_lanes_and_host_passes_take_their_counts_from_the_same_policy(monk
     busy = {"others": 1.0}
     monkeypatch.setattr(T.POLICY, "load", lambda: busy["others"])
     monkeypatch.setattr(T.POLICY, "fixed", None)
-    monkeypatch.setattr(T.POLICY, "auto", True)  # EDGEPROBE_THREADS=auto
     monkeypatch.setattr(executor, "CORES_IN_USE", c)
     one_lane = {"ops": [{"name": f"c{i}", "kind": "add", "lane": "cpu", "inputs": [{"input": "x"}, {"input": "x"}]}
                         for i in range(3)], "outputs": ["c2"]}
@@ -95,9 +101,9 @@ def test_agent_lanes_and_host_passes_take_their_counts_from_the_same_policy(monk
             busy["others"] = others
             _, events = execute(plan, {"x": np.ones((2, 2), np.float32)}, Context(get=None))
             with T.host_pass():
-                seen[others] = ({e["threads"] for e in events}, _blas(), numba.get_num_threads())
+                seen[others] = ({e["threads"] for e in events}, *_counts())
         # a lone lane's op and a host pass: the same count, recorded in each trace event
-        assert seen == {1.0: ({1}, 1, 1), 0.0: ({2}, 2, 2)}
+        assert seen == {1.0: ({1}, 1, 1, 1), 0.0: ({2}, 1, 2, 2)}
         assert c.enter() == 2 and c.enter() == 1  # lanes that overlap keep one core each
         c.leave()
         c.leave()
@@ -110,11 +116,10 @@ def test_eval_and_profile_passes_run_inside_the_policy(monkeypatch):
 
     monkeypatch.setattr(T.POLICY, "load", lambda: 1.0)  # a neighbour holds a core: passes get one thread
     monkeypatch.setattr(T.POLICY, "fixed", None)
-    monkeypatch.setattr(T.POLICY, "auto", True)  # EDGEPROBE_THREADS=auto
     counts = []
 
     def fake_forward(model, tokens, **kw):
-        counts.append((_blas(), numba.get_num_threads()))
+        counts.append(_counts())
         return np.zeros((len(tokens), 8), np.float32)
 
     model = SimpleNamespace(config=SimpleNamespace(context_length=64, vocab_size=8, n_experts=1), tokenizer=None,
@@ -132,22 +137,63 @@ def test_eval_and_profile_passes_run_inside_the_policy(monkeypatch):
         monkeypatch.setattr(experts, "_RoutingRecorder", lambda m: SimpleNamespace(
             hooks=lambda: {}, take=lambda: (np.zeros((4, 1, 1), np.int16), np.zeros((4, 1, 1), np.float32))))
         trace = experts.record_routing(model, np.arange(8), window=4, progress=False)
-        assert trace.tokens == 8 and counts == [(1, 1)] * 8 and (_blas(), numba.get_num_threads()) == (2, 2)
+        assert trace.tokens == 8 and counts == [(1, 1, 1)] * 8 and _counts() == (2, 1, 2)
 
 
-def test_unset_the_policy_leaves_counts_as_started_and_gives_a_lone_lane_every_core(monkeypatch):
-    """Measuring is opt-in (EDGEPROBE_THREADS=auto): a load-chosen count would make a calibration depend on the load,
-    since OpenBLAS rounds float32 GEMMs differently with one thread than with two."""
+def test_unset_or_auto_the_policy_measures_and_a_number_fixes_it(monkeypatch):
     monkeypatch.delenv("EDGEPROBE_THREADS", raising=False)
-    p = T.ThreadPolicy(2, load=lambda: 2.0)  # both cores busy elsewhere: measured, this would be 1
-    assert not p.auto and p.threads() == 2
-    set_to = []
-    p._blas = (set_to.append, lambda: 2)
-    with p.host_pass() as q:
-        assert q.tick() == 2
-    assert set_to == []  # BLAS's count never touched
+    assert T.ThreadPolicy(2, load=lambda: 2.0).threads() == 1  # both cores busy elsewhere
     monkeypatch.setenv("EDGEPROBE_THREADS", "auto")
     assert T.ThreadPolicy(2, load=lambda: 2.0).threads() == 1
+    monkeypatch.setenv("EDGEPROBE_THREADS", "2")
+    assert T.ThreadPolicy(2, load=lambda: 2.0).threads() == 2
+
+
+@pytest.mark.parametrize("n", [1, 15, 64, 128, 192, 576, 1000, 1536, 2048, 49152, 151936])
+def test_column_blocks_tile_the_output_on_16_column_edges(n):
+    blocks = T.column_blocks(n)
+    assert blocks[0][0] == 0 and blocks[-1][1] == n and all(a < b for a, b in blocks)
+    assert all(b0[1] == b1[0] for b0, b1 in zip(blocks, blocks[1:]))
+    assert all(a % 16 == 0 for a, _ in blocks) and len(blocks) == max(1, min(T.MAX_BLOCKS, n // T.BLOCK_COLS))
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 64, 576), (7, 576, 192), (128, 576, 1536), (256, 1536, 576), (64, 96, 49152)])
+def test_matmul_wt_gives_the_same_bits_at_every_width(monkeypatch, m, k, n):
+    rng = np.random.default_rng(m + n)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    ref = (x.astype(np.float64) @ w.astype(np.float64).T)
+    with threadpool_limits(limits=1, user_api="blas"):
+        ys = []
+        for width in (1, 2, 3):
+            monkeypatch.setattr(T.POLICY, "width", width)
+            ys.append(T.matmul_wt(x, w))
+    assert ys[0].dtype == np.float32 and ys[0].shape == (m, n)
+    assert all(np.array_equal(ys[0], y) for y in ys[1:])
+    np.testing.assert_allclose(ys[0], ref, rtol=0, atol=1e-5 * np.sqrt(k) * float(np.abs(ref).max()))
+
+
+def test_a_host_pass_computes_the_same_bits_whatever_the_count_and_blas_start(monkeypatch, smollm, heldout_ids):
+    """Logits and a calibration (the clips and SmoothQuant scales a w8a8 model is quantized from) at a count of 1
+    and 2 threads, with numpy's BLAS started at 1 or 2 threads: bit for bit equal. Before, OpenBLAS's own
+    threading gave other roundings at two threads than at one, so a calibration followed the machine's load."""
+    from edgeprobe.forward import forward
+    from edgeprobe.quant import calibration_profile
+
+    ids = np.asarray(heldout_ids[:64])
+    runs = []
+    for fixed, blas in ((1, 1), (2, 2), (2, 1), (1, 2)):
+        monkeypatch.setattr(T.POLICY, "fixed", fixed)
+        with threadpool_limits(limits=blas, user_api="blas"):
+            logits = forward(smollm, ids)
+            prof = calibration_profile(smollm, ids, tokens=64, window=32, progress=False)
+        runs.append((logits, prof.clips_at(99.99), prof.smoothquant_scales(), T.POLICY.chosen.copy()))
+    logits0, clips0, scales0, _ = runs[0]
+    assert np.isfinite(logits0).all() and len(clips0) == 4 * smollm.config.n_layers
+    for logits, clips, scales, _ in runs[1:]:
+        assert np.array_equal(logits, logits0) and clips == clips0
+        assert scales.keys() == scales0.keys() and all(np.array_equal(scales[k], scales0[k]) for k in scales)
+    assert runs[-1][3].get(2, 0) > runs[0][3].get(2, 0)  # the two-thread runs did decide two threads
 
 
 def test_decode_loops_and_in_process_plans_run_inside_the_policy(monkeypatch):
@@ -156,11 +202,10 @@ def test_decode_loops_and_in_process_plans_run_inside_the_policy(monkeypatch):
 
     monkeypatch.setattr(T.POLICY, "load", lambda: 1.0)  # a neighbour holds a core: passes get one thread
     monkeypatch.setattr(T.POLICY, "fixed", None)
-    monkeypatch.setattr(T.POLICY, "auto", True)  # EDGEPROBE_THREADS=auto
     counts = []
 
     def fake_forward(model, tokens, cache=None, **kw):
-        counts.append((_blas(), numba.get_num_threads()))
+        counts.append(_counts())
         shape = (len(tokens), 8) if np.ndim(tokens) == 2 else (8,)  # a batch's step: a row a sequence; else "last"
         return np.zeros(shape, np.float32)
 
@@ -171,7 +216,7 @@ def test_decode_loops_and_in_process_plans_run_inside_the_policy(monkeypatch):
     real_execute = local.execute
 
     def counted_execute(*a, **k):
-        counts.append((_blas(), numba.get_num_threads()))
+        counts.append(_counts())
         return real_execute(*a, **k)
 
     monkeypatch.setattr(local, "execute", counted_execute)
@@ -185,12 +230,11 @@ def test_decode_loops_and_in_process_plans_run_inside_the_policy(monkeypatch):
         assert [o.shape for o in out] == [(1, 8), (2, 8), (2, 8)] and len(counts) == 6
         outs, _, _ = local.run_plan(plan, get=None, inputs={"x": np.ones((2, 2), np.float32)})
         np.testing.assert_array_equal(outs["c0"], np.full((2, 2), 2, np.float32))
-        assert counts == [(1, 1)] * 7 and (_blas(), numba.get_num_threads()) == (2, 2)  # given back after each
+        assert counts == [(1, 1, 1)] * 7 and _counts() == (2, 1, 2)  # given back after each
 
 
 def test_only_the_outermost_pass_takes_a_fresh_measurement(monkeypatch):
-    # a fresh measurement idles FIRST_S (80 ms): a plan nested in a decode loop must not pay it per step
-    monkeypatch.setenv("EDGEPROBE_THREADS", "auto")
+    # a fresh measurement may idle FIRST_S (80 ms): a plan nested in a decode loop must not pay it per step
     p = T.ThreadPolicy(2, load=lambda: 0.0)
     asked = []
     monkeypatch.setattr(p, "others", lambda fresh=False: asked.append(fresh) or 0.0)

@@ -10,6 +10,7 @@ from edgeprobe.profile import OutlierStats, run
 from edgeprobe.profile.base import Profile
 from edgeprobe.profile.outliers import tensor_names
 from edgeprobe.profile.sparsity import SparsityStats
+from edgeprobe_kernels.names import layer_of
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,53 @@ def test_layer_major_equals_window_major(which, request):
     s_lay = run(model, ids, OutlierStats.for_model(model, clips, percentile=99.9), order="layer", **kw)
     _equal(s_win, s_lay)
     assert sum(int(st["count"].sum()) for st in s_win.arrays.values()) > 0  # something was counted
+
+
+class Held(Recorded):
+    """Recorded, plus the tensors the model's weights held when each hook point fired (state, between layers)."""
+
+    KIND = "held"
+
+    def hooks(self, model):
+        rec, self.held = super().hooks(model), {}
+
+        def observe(name, x):
+            self.held.setdefault(name, set()).update(model.weights.resident())
+            rec[name](name, x)
+        return {n: observe for n in rec}
+
+
+@pytest.mark.parametrize("which,name", [("smollm", "smollm2-135m"), ("tiny_moe", "tiny-moe")])
+def test_layer_major_holds_one_layer_of_a_lazily_loaded_model(which, name, request):
+    """A model loaded lazily (SmolLM2: tensors mapped from the cache; tiny-moe: in memory, no cache) holds, while
+    layer i runs, layer i's blk tensors alone (the embedding table only in layer 0), and after the pass nothing the
+    pass loaded; its hooks see what the window-major pass over an already loaded model sees, bit for bit. A
+    materialized model keeps every tensor."""
+    ref = request.getfixturevalue(which)
+    lazy = models.load(name)
+    assert not lazy.weights.resident()  # nothing held before the pass
+    ids = ref.tokenizer.encode(read_corpus("train")[:1500])
+    kw = dict(window=48, max_tokens=3 * 48, progress=False)
+    r_lay = run(lazy, ids, Held(model_name=lazy.name, model_sha256=lazy.sha256, params={}), order="layer", **kw)
+    r_win = run(ref, ids, Recorded(model_name=ref.name, model_sha256=ref.sha256, params={}), **kw)
+    assert r_lay.held.keys() == r_win.arrays.keys()
+    for point, held in r_lay.held.items():
+        layers = {layer_of(n) for n in held if n.startswith("blk.")}
+        others = {n for n in held if not n.startswith("blk.")}
+        if point.startswith("blk."):
+            i = layer_of(point)
+            assert layers == {i} and others <= ({"token_embd.weight"} if i == 0 else set()), (point, held)
+        else:  # out_norm: every layer released
+            assert layers == set() and others == {"output_norm.weight"}, (point, held)
+    assert lazy.weights.resident() == frozenset()
+    for point, calls in r_win.arrays.items():
+        assert len(calls) == len(r_lay.arrays[point]) == 3
+        for a, b in zip(calls, r_lay.arrays[point]):
+            assert all(x.dtype == y.dtype and np.array_equal(x, y) for x, y in zip(a, b)), point
+
+    lazy.weights.materialize()
+    run(lazy, ids, Recorded(model_name=lazy.name, model_sha256=lazy.sha256, params={}), order="layer", **kw)
+    assert lazy.weights.resident() == frozenset(lazy.weights)
 
 
 def test_layer_major_refuses_per_window_profiles(smollm):

@@ -34,6 +34,9 @@ class LazyWeights(Mapping[str, np.ndarray]):
     is written to `cache_dir/name.npy` so the next process maps it instead of dequantizing again.
     With `cache_dir=None`, or when the cache cannot be written (read-only, disk full), tensors are
     kept in memory only and a warning says so once.
+
+    Every tensor returned is held (mapped or in memory) until `release` drops it: a layer-major pass releases each
+    layer once done with it, so its peak memory is one layer's weights, not the model's (issue 43, item 2).
     """
 
     def __init__(self, loaders: dict[str, Callable[[], np.ndarray]], cache_dir: Path | None):
@@ -99,6 +102,22 @@ class LazyWeights(Mapping[str, np.ndarray]):
                               "EDGEPROBE_CACHE to a writable directory.", RuntimeWarning, stacklevel=3)
                 self._warned = True
             self._cache_dir = None
+
+    def resident(self) -> frozenset[str]:
+        """The names of the tensors held now (mapped from the cache or in memory)."""
+        return frozenset(self._mem)
+
+    def release(self, names) -> None:
+        """Stop holding these tensors (names not held are ignored): a mapped one is unmapped and an in-memory one
+        freed once nothing else refers to it, so its pages leave the RSS. The next access maps the cache again, or
+        dequantizes again where there is no cache."""
+        for name in names:
+            self._mem.pop(name, None)
+
+    def release_layer(self, i: int) -> None:
+        """release every held tensor of layer i (`blk.{i}.*`)."""
+        prefix = f"blk.{i}."
+        self.release([n for n in self._mem if n.startswith(prefix)])
 
     def materialize(self) -> "LazyWeights":
         """Dequantize (or map) every tensor now, e.g. before timing a forward pass."""

@@ -6,6 +6,7 @@ from collections import defaultdict
 import numpy as np
 from tqdm.auto import tqdm
 
+from edgeprobe_kernels.names import layer_of
 from edgeprobe_kernels.threads import host_pass
 
 from ..errors import TextError, WindowError
@@ -85,6 +86,32 @@ def _per_window_state_free(p: Profile) -> bool:
     return t.begin_window is Profile.begin_window and t.end_window is Profile.end_window
 
 
+def _releaser(weights, plan, segments: list[list[str]]):
+    """-> release(s), called once every window has run segment s: drops from `weights` the tensors this pass loaded
+    that no later segment reads (layer i's blk.{i}.* after layer i; others after the last op naming them), so the
+    pass holds one layer's weights at a time. Tensors held before the pass (a materialized model, a small model
+    after an earlier pass) stay held; weights without LazyWeights.release (a plain dict) are left alone."""
+    if not hasattr(weights, "release"):
+        return lambda s: None
+    held_before = weights.resident()
+    layer_of_seg = [plan.ops[seg[0]].get("layer", -1) for seg in segments]
+    last_read: dict[str, int] = {}
+    for s, seg in enumerate(segments):
+        for name in seg:
+            for r in plan.ops[name].get("inputs", []):
+                if "blob" in r:
+                    last_read[r["blob"]] = s
+
+    def done(name: str, s: int) -> bool:
+        if name.startswith("blk."):  # host ops (linears, experts) read a layer's tensors inside its segment only
+            return layer_of_seg[s] >= 0 and layer_of(name) <= layer_of_seg[s]
+        return last_read.get(name, -1) <= s
+
+    def release(s: int) -> None:
+        weights.release([n for n in weights.resident() - held_before if done(n, s)])
+    return release
+
+
 def run_layers(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None = None,
                progress: bool = True, desc: str = "profile"):
     """runner.run's pass in layer-major order: `ids` (int[tokens]) cut into windows of `window` tokens, each from an
@@ -108,6 +135,7 @@ def run_layers(model: Model, ids, *profiles, window: int = 512, max_tokens: int 
             segments[-1].append(name)
         else:
             segments.append([name])
+    release = _releaser(model.weights, plan, segments)
     ctx = HostContext(get=model.weights.__getitem__, lane=lane,
                       host=_Host(model, hooks, float_linear(model), model.head))
     tokens = [_as_batch(c, model.config.vocab_size)[0].reshape(-1) for c in chunks]
@@ -118,11 +146,12 @@ def run_layers(model: Model, ids, *profiles, window: int = 512, max_tokens: int 
             p.begin_window(c)
     bar = tqdm(total=len(segments) * len(chunks), desc=desc, unit="win", disable=not progress, leave=False)
     with host_pass() as threads, bar:
-        for seg in segments:
+        for s, seg in enumerate(segments):
             for w in range(len(chunks)):
                 threads.tick()
                 run_float_part(plan, seg, tokens[w], ctx, results[w], unread[w])
                 bar.update(1)
+            release(s)
     for p in profiles:
         for c in chunks:
             p.end_window(len(c))

@@ -57,16 +57,15 @@ if numba is not None:
                         out[b, t, h, 2 * i + 1] = x0 * s + x1 * c
 
     @numba.njit(nogil=True, fastmath=True, cache=True)
-    def _attention_few_nb(q, k, v, S, start, window, out):
+    def _attention_few_nb(q, k, v, S, start, window, scale, softcap, out):
         """attention() for a few query rows (decode): per query head, scores over the keys it sees, softmax,
         weighted sum of values, in one pass per head and no [rows, S] temporaries. k, v: C-contiguous
         [B, KV, >= S, d] (a KV cache read in place), positions S.. ignored. Computes in float64 like
         _attention_few_np (see there): its float32 output is the numpy path's, bit for bit (but for ~1e-8
-        of elements)."""
+        of elements). scale: the scores' factor (float64); softcap > 0: scores become tanh(s / softcap) * softcap."""
         B, T, H, d = q.shape
         KV = k.shape[1]
         G = H // KV
-        scale = 1.0 / np.sqrt(np.float64(d))
         p = np.empty(S, np.float64)
         qs = np.empty(d, np.float64)
         o = np.empty(d, np.float64)
@@ -85,6 +84,8 @@ if numba is not None:
                         for j in range(d):
                             acc += qs[j] * np.float64(k[b, g, s, j])
                         p[s] = acc * scale
+                        if softcap > 0.0:
+                            p[s] = np.tanh(p[s] / softcap) * softcap
                         mx = p[s] if s == lo else max(mx, p[s])
                     tot = 0.0
                     for s in range(lo, hi):
@@ -99,7 +100,8 @@ if numba is not None:
                         out[b * T + t, h * d + j] = np.float32(o[j])
 
 
-def _attention_few_np(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int) -> np.ndarray:
+def _attention_few_np(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int, scale: float,
+                      softcap: float = 0.0) -> np.ndarray:
     """attention() for a few query rows (decode) without numba, computed as _attention_few_nb does: in float64,
     rounded to float32 once at the end. The host (numba) and an agent without numba (a phone) must produce the
     same bits here, not just close ones: W8A8's per-tensor activation quantization turns a one-ulp difference in
@@ -115,7 +117,9 @@ def _attention_few_np(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, w
     kk = k[:, :, lo:S].astype(np.float64)
     vv = v[:, :, lo:S].astype(np.float64)
     qg = q.transpose(0, 2, 1, 3).reshape(B, KV, G * T, d).astype(np.float64)
-    scores = np.matmul(qg, kk.swapaxes(-1, -2)) * (1.0 / np.sqrt(np.float64(d)))  # [B, KV, G*T, S - lo]
+    scores = np.matmul(qg, kk.swapaxes(-1, -2)) * scale  # [B, KV, G*T, S - lo]
+    if softcap > 0:
+        scores = np.tanh(scores / softcap) * softcap
     pos, keys = (start + np.arange(T))[:, None], np.arange(lo, S)[None, :]
     hidden = (keys > pos) | ((keys <= pos - window) if window > 0 else False)
     if hidden.any():
@@ -204,13 +208,15 @@ def _split(fn, items: list) -> None:
                 f.result()  # waits for every part, and raises the first part's error
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0, scale: float = 0.0,
+              softcap: float = 0.0) -> np.ndarray:
     """Causal grouped-query attention, optionally over a sliding window (Gemma 3's local layers).
 
     q: float32[B, T, n_heads, d] at positions start..start+T-1; k, v: float32[B, n_kv, >= S, d], S = start + T:
     a KV cache may be passed whole (positions S.. are ignored; decode reads it in place, no copy of its prefix).
     Query head h reads KV head h // (n_heads / n_kv). window > 0: the query at position i sees keys
-    i - window + 1..i only. Returns float32[B*T, n_heads*d].
+    i - window + 1..i only. scale: the scores' factor, 0 for 1/sqrt(d) (Gemma: 1/sqrt(query_pre_attn_scalar));
+    softcap > 0: scores become tanh(s / softcap) * softcap before the mask (Gemma 2). Returns float32[B*T, n_heads*d].
     """
     B, T, H, d = q.shape
     S = start + T
@@ -222,27 +228,34 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
         # numba vectorizes contiguous rows only: a whole cache is; a strided prefix view is copied
         kc = k if k.flags.c_contiguous else np.ascontiguousarray(k[:, :, :S])
         vc = v if v.flags.c_contiguous else np.ascontiguousarray(v[:, :, :S])
-        _attention_few_nb(np.ascontiguousarray(q), kc, vc, S, start, window, out)
+        _attention_few_nb(np.ascontiguousarray(q), kc, vc, S, start, window, _scale64(d, scale), float(softcap), out)
         return out
-    if B * T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:
-        return _attention_few_np(q, k, v, start, window)  # the kernel's float64 arithmetic: same bits as with numba
+    if B * T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:  # the kernel's float64 arithmetic: same bits
+        return _attention_few_np(q, k, v, start, window, _scale64(d, scale), float(softcap))
     k, v = k[:, :, :S], v[:, :, :S]
     first, last = start // ATTN_BLOCK, (S - 1) // ATTN_BLOCK
     if first == last:
         hook = SPLIT_HOOK  # in the agent, BLAS on one thread: its sleeping worker woke for each small GEMM (~6)
         with hook() if hook is not None else contextlib.nullcontext():  # 64 tokens: ~600 -> ~450 us here
-            return _attention_block(q, k, v, start, window).reshape(B * T, H * d)
+            return _attention_block(q, k, v, start, window, scale, softcap).reshape(B * T, H * d)
     out = np.empty((B, T, H * d), np.float32)
 
     def blocks(b0s):  # the blocks are independent: split over the op's cores (softmax is numpy, one thread each)
         for b in b0s:
             p0, p1 = max(start, b * ATTN_BLOCK), min(S, (b + 1) * ATTN_BLOCK)
-            out[:, p0 - start:p1 - start] = _attention_block(q[:, p0 - start:p1 - start], k, v, p0, window)
+            out[:, p0 - start:p1 - start] = _attention_block(q[:, p0 - start:p1 - start], k, v, p0, window, scale,
+                                                             softcap)
     _split(blocks, list(range(first, last + 1)))
     return out.reshape(B * T, H * d)
 
 
-def _attention_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int) -> np.ndarray:
+def _scale64(d: int, scale: float) -> float:
+    """The scores' factor in float64: 1/sqrt(d) unless the model gives its own."""
+    return float(scale) if scale else 1.0 / np.sqrt(np.float64(d))
+
+
+def _attention_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int, scale: float = 0.0,
+                     softcap: float = 0.0) -> np.ndarray:
     """attention() for query rows at positions start..start+T-1 inside one block of ATTN_BLOCK positions, aligned
     at absolute positions: scores over keys 0..end-1, end the block's end, keys past the prompt zeros (masked).
     A query row's arithmetic then depends on its position alone, not on where a chunked prefill cut the prompt:
@@ -264,8 +277,10 @@ def _attention_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, wi
     if T < R:
         rows = np.zeros((B, R, H, d), q.dtype)
         rows[:, start - b0:S - b0] = q
-    qg = rows.transpose(0, 2, 1, 3).reshape(B, KV, G * R, d) * np.float32(1.0 / np.sqrt(d))
+    qg = rows.transpose(0, 2, 1, 3).reshape(B, KV, G * R, d) * np.float32(scale or 1.0 / np.sqrt(d))
     scores = np.matmul(qg, k.swapaxes(-1, -2))  # [B, KV, G*R, end]
+    if softcap:
+        scores = np.tanh(scores / np.float32(softcap)) * np.float32(softcap)
     lo = 0 if window else b0  # without a window every query sees keys 0..b0-1: mask only the block's own
     pos, keys = (b0 + np.arange(R))[:, None], np.arange(lo, end)[None, :]
     hidden = (keys > pos) | ((keys <= pos - window) if window else False)

@@ -51,6 +51,11 @@ class ModelConfig:
     sliding_window: int = 0
     swa_pattern: int = 0
     rope_theta_local: float = 0.0
+    # Gemma: attention scores times attn_scale (1/sqrt(query_pre_attn_scalar); 0: Llama's 1/sqrt(head_dim)); Gemma 2
+    # soft-caps them and the final logits: s -> tanh(s / cap) * cap (0: no cap)
+    attn_scale: float = 0.0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
     # Qwen2: biases on the Q/K/V projections; Llama 3: RoPE frequency divisors (rope_freqs / rope_scaling llama3)
     attn_bias: bool = False
     rope_freq_factors: tuple = ()

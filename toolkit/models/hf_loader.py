@@ -2,7 +2,9 @@
 
 Tensors are renamed to GGUF's names and Q/K rows are permuted from Hugging Face's "halves" RoPE
 layout to the "adjacent pairs" layout, exactly as llama.cpp's converter does, so the one forward
-pass serves both formats.
+pass serves both formats. As that converter does too, Gemma's norm weights w (Hugging Face computes
+x * (1 + w)) are stored as 1 + w, and Phi-3's fused qkv_proj and gate_up_proj are split into Q, K, V
+and gate, up.
 """
 from __future__ import annotations
 
@@ -26,9 +28,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                  "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
-# those whose safetensors this loader reads (the others: config only; Phi-3 fuses qkv and gate_up, Gemma 2 soft-caps
-# its logits, and HF's Gemma norms add 1 to their weights, none of which the loader or forward pass does yet)
-WEIGHT_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe")
+# those whose safetensors this loader reads: every architecture it names
+WEIGHT_MODEL_TYPES = SUPPORTED_MODEL_TYPES
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 _ARCH_NAME = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}  # the others run as "llama" always did
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -49,6 +50,13 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+# Gemma 2/3 norm four times a layer: post_attention_layernorm is the attention output's norm there, not the FFN's
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -61,7 +69,7 @@ _EXPERT_NAMES = {"w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exp
 _EXPERT_PROJ = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
 
 
-def gguf_name(hf_name: str) -> str | None:
+def gguf_name(hf_name: str, model_type: str = "llama") -> str | None:
     """Hugging Face tensor name -> GGUF tensor name (None for tensors the forward pass ignores).
 
     A Mixtral expert tensor maps to "<stacked GGUF name>.<expert>", e.g. "blk.0.ffn_up_exps.3".
@@ -72,8 +80,9 @@ def gguf_name(hf_name: str) -> str | None:
     if len(parts) != 4 or parts[:2] != ["model", "layers"]:
         return None
     rest = parts[3]
-    if rest in _LAYER_NAMES:
-        return f"blk.{parts[2]}.{_LAYER_NAMES[rest]}"
+    names = _GEMMA_LAYER_NAMES if model_type in GEMMA_TYPES else _LAYER_NAMES
+    if rest in names:
+        return f"blk.{parts[2]}.{names[rest]}"
     if rest == "block_sparse_moe.gate.weight":
         return f"blk.{parts[2]}.ffn_gate_inp.weight"
     if rest == "mlp.gate.weight":  # Qwen3-MoE's router
@@ -84,6 +93,40 @@ def gguf_name(hf_name: str) -> str | None:
     if len(sub) == 5 and sub[:2] == ["mlp", "experts"] and sub[3] in _EXPERT_PROJ and sub[4] == "weight":
         return f"blk.{parts[2]}.{_EXPERT_PROJ[sub[3]]}.{sub[2]}"
     return None
+
+
+def fused_parts(hf_name: str, cfg: ModelConfig) -> list[tuple[str, int, int]] | None:
+    """Phi-3's fused projections -> [(GGUF name, first row, rows)]: qkv_proj holds Q, K, V's rows in that order,
+    gate_up_proj gate's then up's (None for any other tensor)."""
+    parts = hf_name.split(".", 3)
+    if len(parts) != 4 or parts[:2] != ["model", "layers"]:
+        return None
+    i, rest = parts[2], parts[3]
+    if rest == "self_attn.qkv_proj.weight":
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        return [(f"blk.{i}.attn_q.weight", 0, q), (f"blk.{i}.attn_k.weight", q, kv),
+                (f"blk.{i}.attn_v.weight", q + kv, kv)]
+    if rest == "mlp.gate_up_proj.weight":
+        return [(f"blk.{i}.ffn_gate.weight", 0, cfg.ffn), (f"blk.{i}.ffn_up.weight", cfg.ffn, cfg.ffn)]
+    return None
+
+
+def _plus_one(w: np.ndarray) -> np.ndarray:
+    """Gemma's norm weight as the forward pass multiplies by it: HF's Gemma RMSNorm computes x * (1 + w)."""
+    return w + np.float32(1.0)
+
+
+def _chain(*fns):
+    """The composition of the transforms that are not None, applied left to right (None if there are none)."""
+    fns = [f for f in fns if f is not None]
+    if not fns:
+        return None
+
+    def run(w):
+        for f in fns:
+            w = f(w)
+        return w
+    return run
 
 
 def halves_to_adjacent(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -141,9 +184,16 @@ def _stacked_loader(parts: list[tuple[Path, str]]):
     return lambda: np.stack([_read_tensor(p, n) for p, n in parts])
 
 
-def _rope(cfg: dict) -> dict:
-    """RoPE settings, whether nested (transformers >= 5: rope_parameters) or flat (rope_theta, rope_scaling)."""
-    return dict(cfg.get("rope_scaling") or {}, **(cfg.get("rope_parameters") or {}))
+def _rope(cfg: dict, layer_type: str = "full_attention") -> dict:
+    """RoPE settings, whether nested (transformers >= 5: rope_parameters, Gemma 3's one per layer type) or flat
+    (rope_theta, rope_scaling)."""
+    params = cfg.get("rope_parameters") or {}
+    if isinstance(params.get(layer_type), dict):  # Gemma 3: {"full_attention": {...}, "sliding_attention": {...}}
+        params = params[layer_type]
+    elif any(isinstance(v, dict) for v in params.values()):
+        params = {}  # another layer type asked of a per-type dict: its caller falls back to the flat keys
+    flat = {k: v for k, v in (cfg.get("rope_scaling") or {}).items() if not isinstance(v, dict)}
+    return dict(flat, **params)
 
 
 def _window_layout(model_type: str, cfg: dict, n_layers: int) -> dict:
@@ -153,13 +203,17 @@ def _window_layout(model_type: str, cfg: dict, n_layers: int) -> dict:
     window = int(cfg.get("sliding_window") or 0)
     if not window:
         return {}
-    if model_type == "gemma2":
-        return {"sliding_window": window, "swa_pattern": 2}
-    if model_type == "gemma3_text":
+    if model_type in GEMMA_TYPES:
         types = cfg.get("layer_types")
-        pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
-        if types and [t == "full_attention" for t in types] != [(i + 1) % pattern == 0 for i in range(len(types))]:
-            raise UnsupportedModelError(f"layer_types {types[:8]}... is not Gemma 3's every-{pattern}th-layer-global "
+        full = [t == "full_attention" for t in types or ()]
+        if any(full):  # transformers >= 5 lists the layers' types: the first global layer gives the pattern
+            pattern = full.index(True) + 1
+        else:
+            pattern = len(full) + 1 if full else int(cfg.get("sliding_window_pattern")
+                                                     or cfg.get("_sliding_window_pattern")
+                                                     or (2 if model_type == "gemma2" else 6))
+        if types and full != [(i + 1) % pattern == 0 for i in range(len(types))]:
+            raise UnsupportedModelError(f"layer_types {types[:8]}... is not an every-{pattern}th-layer-global "
                                         "pattern; only that layout of local and global layers is implemented")
         return {"sliding_window": window, "swa_pattern": pattern}
     if model_type in ("mistral", "mixtral", "phi3"):
@@ -208,7 +262,7 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
     try:
         hidden, n_heads, n_layers = int(cfg["hidden_size"]), int(cfg["num_attention_heads"]), int(
             cfg["num_hidden_layers"])
-        theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        theta = float(rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
         head_dim = int(cfg.get("head_dim") or hidden // n_heads)
         factors = ()
         if rope_type == "llama3":
@@ -219,9 +273,13 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
                                                 int(rope["original_max_position_embeddings"])))
         extra = dict(_window_layout(model_type, cfg, n_layers), **_moe(model_type, cfg, path))
         if gemma:  # Gemma: embeddings times sqrt(hidden) (in float32, as the GGUF loader), norms after attn and FFN
-            extra.update(embed_scale=float(np.sqrt(np.float32(hidden))), post_norms=True)
+            extra.update(embed_scale=float(np.sqrt(np.float32(hidden))), post_norms=True,
+                         attn_scale=_attn_scale(cfg, head_dim),
+                         attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+                         final_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
             if model_type == "gemma3_text":
-                extra["rope_theta_local"] = float(cfg.get("rope_local_base_freq") or 10000.0)
+                local = _rope(cfg, "sliding_attention").get("rope_theta")
+                extra["rope_theta_local"] = float(local or cfg.get("rope_local_base_freq") or 10000.0)
         return ModelConfig(
             arch=_ARCH_NAME.get(model_type, "llama"),
             n_layers=n_layers,
@@ -247,6 +305,12 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
                                f"{architecture_of(cfg)} config") from e
 
 
+def _attn_scale(cfg: dict, head_dim: int) -> float:
+    """Gemma's score scale 1/sqrt(query_pre_attn_scalar), 0 (Llama's 1/sqrt(head_dim)) where the two are equal."""
+    scalar = float(cfg.get("query_pre_attn_scalar") or head_dim)
+    return 0.0 if scalar == head_dim else scalar ** -0.5
+
+
 def _moe(model_type: str, cfg: dict, path) -> dict:
     """Mixture-of-experts fields: Mixtral (intermediate_size is each expert's) and Qwen3-MoE (moe_intermediate_size;
     every layer sparse: mlp_only_layers empty, decoder_sparse_step 1)."""
@@ -261,7 +325,8 @@ def _moe(model_type: str, cfg: dict, path) -> dict:
         if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
             raise UnsupportedModelError(f"{path}: dense layers among the MoE layers (mlp_only_layers, "
                                         "decoder_sparse_step) are not supported; every layer must be sparse")
-        return dict(n_experts=int(cfg["num_experts"]), n_experts_used=int(cfg["num_experts_per_tok"]),
+        n_experts = cfg.get("num_experts") or cfg["num_local_experts"]  # transformers >= 5 writes the latter
+        return dict(n_experts=int(n_experts), n_experts_used=int(cfg["num_experts_per_tok"]),
                     expert_ffn=int(cfg["moe_intermediate_size"]), norm_topk=bool(cfg.get("norm_topk_prob", True)))
     return {}
 
@@ -338,10 +403,12 @@ def load_hf_folder(path: Path, name: str = "") -> Model:
         raise ModelFormatError(f"{path} has no *.safetensors file; convert .bin checkpoints to safetensors first")
     hf_cfg = read_config_json(path / "config.json")
     cfg = config_from_hf(hf_cfg, path)
-    if hf_cfg["model_type"] not in WEIGHT_MODEL_TYPES:
+    model_type = hf_cfg["model_type"]
+    if model_type not in WEIGHT_MODEL_TYPES:
         raise UnsupportedModelError(
             f"{path}: {architecture_of(hf_cfg)} plans from its config.json (edgeprobe schedule) but its safetensors "
             f"are not loaded yet (weights load for {', '.join(ARCHITECTURES[t] for t in WEIGHT_MODEL_TYPES)})")
+    gemma = model_type in GEMMA_TYPES
     loaders, shapes, experts = {}, {}, {}
     for file in files:
         try:
@@ -351,7 +418,17 @@ def load_hf_folder(path: Path, name: str = "") -> Model:
         except Exception as e:
             raise ModelFormatError(f"{file} cannot be read as safetensors ({e}); it is truncated or corrupt") from e
         for key in keys:
-            g = gguf_name(key)
+            fused = fused_parts(key, cfg)
+            if fused is not None:
+                if key_shapes[key][0] != sum(n for _, _, n in fused):
+                    raise ModelFormatError(f"{file}: {key} has {key_shapes[key][0]} rows, config.json implies "
+                                           f"{sum(n for _, _, n in fused)}; the checkpoint and its config disagree")
+                for g, r0, n in fused:
+                    shapes[g] = (n, *key_shapes[key][1:])
+                    rows = (lambda r0, n: lambda w: w[r0:r0 + n])(r0, n)
+                    loaders[g] = _tensor_loader(file, key, _chain(rows, rope_layout_transform(g, cfg)))
+                continue
+            g = gguf_name(key, model_type)
             if g is None:
                 continue
             if "_exps." in g:  # one expert of a stacked tensor
@@ -359,9 +436,8 @@ def load_hf_folder(path: Path, name: str = "") -> Model:
                 experts.setdefault(base + ".weight", {})[int(e)] = (file, key, key_shapes[key])
                 continue
             shapes[g] = key_shapes[key]
-            transform = None
-            transform = rope_layout_transform(g, cfg)
-            loaders[g] = _tensor_loader(file, key, transform)
+            plus_one = _plus_one if gemma and g.endswith("norm.weight") else None
+            loaders[g] = _tensor_loader(file, key, _chain(plus_one, rope_layout_transform(g, cfg)))
     for tname, by_e in experts.items():
         if sorted(by_e) != list(range(cfg.n_experts)):
             raise ModelFormatError(f"{path}: {tname} has experts {sorted(by_e)[:10]}, config.json says "

@@ -1,0 +1,134 @@
+"""Every architecture edgeprobe names loads its weights from a Hugging Face folder and runs as transformers does.
+
+Each case builds a 2-layer model in transformers with the head shapes of a real checkpoint (head_dim, query and KV
+heads from tests/data/configs where one is stored; hidden, FFN, experts and vocabulary shrunk), random float32
+weights, saves it with save_pretrained (safetensors) beside a word-level tokenizer.json, loads the folder with
+edgeprobe.models.load and compares the forward pass's logits with transformers' on the same token ids.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edgeprobe import models
+from edgeprobe.forward import KVCache, forward
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+CONFIGS = Path(__file__).resolve().parent / "data" / "configs"
+HIDDEN, FFN, VOCAB, LAYERS, TOKENS = 128, 256, 512, 2, 12
+WINDOW = 4  # sliding windows shrunk so that 12 tokens cross them
+# token ids the models' configs name, inside the shrunk vocabulary
+SPECIAL = dict(pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def _heads(name: str) -> dict:
+    """Query heads, KV heads and head_dim of a stored config.json."""
+    j = json.loads((CONFIGS / name / "config.json").read_text())
+    return dict(num_attention_heads=j["num_attention_heads"], num_key_value_heads=j["num_key_value_heads"],
+                head_dim=j.get("head_dim") or j["hidden_size"] // j["num_attention_heads"])
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# model_type -> (transformers class prefix, config arguments beyond the shared ones)
+CASES = {
+    "llama": ("Llama", dict(_heads("llama-3.2-1b"), rope_parameters=LLAMA3_ROPE, max_position_embeddings=131072,
+                            tie_word_embeddings=True)),
+    # Mistral 7B's shapes (32 query heads, 8 KV heads, head_dim 128) with v0.1's sliding window
+    "mistral": ("Mistral", dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=WINDOW)),
+    "qwen2": ("Qwen2", dict(_heads("qwen2.5-3b"), rope_theta=1000000.0)),
+    "qwen3": ("Qwen3", dict(_heads("qwen3-1.7b"), rope_theta=1000000.0)),
+    "qwen3_moe": ("Qwen3Moe", dict(_heads("qwen3-30b-a3b"), num_experts=16, num_experts_per_tok=8,
+                                   moe_intermediate_size=64, norm_topk_prob=True)),
+    "mixtral": ("Mixtral", dict(_heads("mixtral-8x7b"), num_local_experts=8, num_experts_per_tok=2,
+                                intermediate_size=128)),
+    # gemma-3-270m's heads (4 query heads, 1 KV head, head_dim 256); local, then global layer
+    "gemma3_text": ("Gemma3", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=WINDOW,
+                                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=256)),
+    # the attention soft-cap shrunk from 50 so that it binds on random weights (the logits reach ~100: 30 binds);
+    # query_pre_attn_scalar other than head_dim, as in Gemma 2 27B (hidden / heads = 144 with head_dim 128)
+    "gemma2": ("Gemma2", dict(_heads("gemma-2-2b"), sliding_window=WINDOW, query_pre_attn_scalar=144,
+                              attn_logit_softcapping=0.5, final_logit_softcapping=30.0)),
+    # Phi-3-mini's head_dim 96 with Phi-3-medium's grouped KV heads (40 / 10 there)
+    "phi3": ("Phi3", dict(num_attention_heads=8, num_key_value_heads=2, head_dim=96, sliding_window=WINDOW)),
+}
+
+
+# what each architecture's config must turn into (beyond the shapes every case checks)
+EXPECT = {
+    "llama": lambda c: len(c.rope_freq_factors) == c.head_dim // 2 and max(c.rope_freq_factors) == 32.0,
+    "mistral": lambda c: (c.sliding_window, c.swa_pattern) == (WINDOW, LAYERS + 1),
+    "qwen2": lambda c: c.attn_bias,
+    "qwen3": lambda c: c.qk_norm,
+    "qwen3_moe": lambda c: (c.n_experts, c.n_experts_used, c.expert_ffn, c.qk_norm) == (16, 8, 64, True),
+    "mixtral": lambda c: (c.n_experts, c.n_experts_used, c.expert_ffn) == (8, 2, 128),
+    "gemma3_text": lambda c: (c.qk_norm, c.post_norms, c.sliding_window, c.swa_pattern, c.rope_theta,
+                              c.rope_theta_local, c.attn_scale, c.act_fn) == (True, True, WINDOW, 2, 1e6, 1e4, 0.0,
+                                                                              "gelu_tanh"),
+    "gemma2": lambda c: (c.qk_norm, c.post_norms, c.sliding_window, c.swa_pattern, c.attn_scale, c.attn_softcap,
+                         c.final_softcap) == (False, True, WINDOW, 2, 144 ** -0.5, 0.5, 30.0),
+    "phi3": lambda c: (c.sliding_window, c.swa_pattern, c.ffn) == (WINDOW, LAYERS + 1, FFN),
+}
+
+
+def _write_tokenizer(folder: Path) -> None:
+    """A word-level tokenizer.json: "t{i}" is token i."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tok_models
+
+    tok = Tokenizer(tok_models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(folder / "tokenizer.json"))
+
+
+def _build(model_type: str, folder: Path):
+    """The transformers model of a case, random float32 weights, saved to `folder` with a tokenizer."""
+    prefix, extra = CASES[model_type][0], dict(CASES[model_type][1])
+    cfg_cls = getattr(transformers, ("Gemma3Text" if prefix == "Gemma3" else prefix) + "Config")
+    cfg = cfg_cls(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=extra.pop("intermediate_size", FFN),
+                  num_hidden_layers=LAYERS, rms_norm_eps=1e-6, **SPECIAL, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, prefix + "ForCausalLM")(cfg).eval().float()
+    gemma = model_type.startswith("gemma")
+    with torch.no_grad():  # transformers initializes norms to 1 (Gemma: 0) and biases to 0: make every weight count
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_((0.0 if gemma else 1.0) + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0.0, 1.0 if "embed" in name else 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer(folder)
+    return model
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_generated_checkpoint_runs_as_transformers_does(model_type, tmp_path):
+    prefix, extra = CASES[model_type]
+    ref_model = _build(model_type, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == model_type
+
+    m = models.load(tmp_path, cache_dir=None)
+    c = m.config
+    assert (c.n_layers, c.hidden, c.vocab_size, c.n_heads, c.n_kv_heads, c.head_dim) == (
+        LAYERS, HIDDEN, VOCAB, extra["num_attention_heads"], extra["num_key_value_heads"], extra["head_dim"])
+    assert EXPECT[model_type](c), c
+    assert m.tokenizer.encode("t5 t300 t7").tolist()[-3:] == [5, 300, 7]
+    ids = np.random.default_rng(1).integers(0, VOCAB, TOKENS)
+    ours = forward(m, ids)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
+    assert ours.shape == ref.shape == (TOKENS, VOCAB)
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    tol = 1e-5 * max(1.0, float(np.abs(ref).max()))
+    assert np.abs(ours - ref).max() < tol
+    # a prefill, then decode steps through the KV cache (one query row: the attention kernel's decode path)
+    cache, prefill = KVCache(c), TOKENS - 4
+    steps = [forward(m, ids[:prefill], cache=cache, logits="last")]
+    steps += [forward(m, ids[t:t + 1], cache=cache, logits="last") for t in range(prefill, TOKENS)]
+    assert np.abs(np.stack(steps) - ref[prefill - 1:]).max() < tol

@@ -25,9 +25,9 @@ from .int8_gemm import (
 from .intn import dequantize_channels
 from .lut import lut16_dequant
 from .shadow import extract_outliers, shadow_delta_onepass, shadow_gemm
+from .threads import matmul_wt
 from .tiles import dequantize_tiles_t
 
-SMALL_M = 32
 W8A8_SCHEMES = {"w8a8", "w8a8-shadow", "w8a8c-shadow"}  # an int8 GEMM with a per-tensor activation scale
 SHADOW_SCHEMES = {"w8a8-shadow", "w8a8c-shadow"}        # plus mllm-NPU's float shadow GEMM of the outliers
 W8A8_KINDS, SHADOW_KINDS = W8A8_SCHEMES, SHADOW_SCHEMES  # their names before records said `scheme`
@@ -47,11 +47,9 @@ def weight_blobs(rec: dict) -> set:
 
 
 def x_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x float32[M, K] @ w[N, K]^T. For few rows (decode, small batches) as (w @ x^T)^T: OpenBLAS's
-    small-M GEMM is 2-5x slower than the transposed form on this CPU (bench/decode.py)."""
-    if x.shape[0] <= SMALL_M:
-        return np.ascontiguousarray((w @ x.T).T)
-    return x @ w.T
+    """x float32[M, K] @ w[N, K]^T: the host's one GEMM (edgeprobe_kernels.threads.matmul_wt: fixed column blocks,
+    the transposed form for few rows)."""
+    return matmul_wt(x, w)
 
 
 def run_float(rec, get, counters):

@@ -17,6 +17,7 @@ except ImportError:
     numba = None
 
 from .int8_gemm import GEMV_M  # the same decode-sized row count as the int8 GEMV
+from .threads import run_blocks
 
 QK = 32  # values per block (ggml's QK8_0)
 ROWS = 4096  # output rows dequantized at a time on the BLAS path (no float copy of the whole head)
@@ -88,6 +89,9 @@ def matmul_q8_0(x: np.ndarray, q: np.ndarray, d: np.ndarray) -> np.ndarray:
         _matmul_q8_0_nb(x, q, d, y)
         return y
     y = np.empty((M, N), np.float32)
-    for v in range(0, N, ROWS):
-        y[:, v:v + ROWS] = x @ dequantize_q8_0(q[v:v + ROWS], d[v:v + ROWS]).T
+
+    def block(a, b):
+        y[:, a:b] = x @ dequantize_q8_0(q[a:b], d[a:b]).T
+
+    run_blocks(block, ((v, min(N, v + ROWS)) for v in range(0, N, ROWS)))  # fixed blocks: the same bits at any width
     return y

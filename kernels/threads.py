@@ -243,26 +243,39 @@ def _pool():
         return _POOL
 
 
-def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """y = x @ w^T for x float32[M, K], w float32[N, K] -> float32[M, N], in column_blocks(N), each block one BLAS call,
-    spread over the current host pass's threads (POLICY.width; the caller runs one share). Thread-count invariant
-    inside a host pass, where BLAS runs one thread a call."""
-    n = w.shape[0]
-    blocks = column_blocks(n)
+def run_blocks(fn, blocks) -> None:
+    """fn(start, stop) for every block, spread over the current host pass's threads (POLICY.width; the caller runs
+    one share, the pool the others). The blocks must write disjoint outputs; their grouping never changes a bit."""
+    blocks = list(blocks)
     k = min(POLICY.width, len(blocks))
-    y = np.empty((x.shape[0], n), dtype=np.result_type(x, w))
 
     def run(part):
         for a, b in part:
-            y[:, a:b] = x @ w[a:b].T
+            fn(a, b)
 
     if k <= 1:
         run(blocks)
-        return y
+        return
     cuts = [round(len(blocks) * i / k) for i in range(k + 1)]
-    parts = [blocks[cuts[i]:cuts[i + 1]] for i in range(k)]
-    futures = [_pool().submit(run, part) for part in parts[1:]]
-    run(parts[0])
+    futures = [_pool().submit(run, blocks[cuts[i]:cuts[i + 1]]) for i in range(1, k)]
+    run(blocks[:cuts[1]])
     for f in futures:
         f.result()
+
+
+SMALL_M = 32  # up to this many rows a block is (w x^T)^T: OpenBLAS's small-M GEMM is 2-5x slower on them
+
+
+def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """y = x @ w^T for x float32[M, K], w float[N, K] -> float32[M, N]: each of column_blocks(N) one BLAS call, spread
+    over the host pass's threads (run_blocks). Inside a host pass BLAS runs one thread a call, so the bits do not
+    depend on the thread count; for few rows (decode) each block is (w_block @ x^T)^T (bench/decode.py)."""
+    y = np.empty((x.shape[0], w.shape[0]), dtype=np.result_type(x, w))
+    if x.shape[0] <= SMALL_M:
+        def block(a, b):
+            y[:, a:b] = (w[a:b] @ x.T).T
+    else:
+        def block(a, b):
+            y[:, a:b] = x @ w[a:b].T
+    run_blocks(block, column_blocks(w.shape[0]))
     return y

@@ -87,9 +87,9 @@ def _write_tokenizer(folder: Path) -> None:
     tok.save(str(folder / "tokenizer.json"))
 
 
-def _build(model_type: str, folder: Path):
+def _build(model_type: str, folder: Path, **overrides):
     """The transformers model of a case, random float32 weights, saved to `folder` with a tokenizer."""
-    prefix, extra = CASES[model_type][0], dict(CASES[model_type][1])
+    prefix, extra = CASES[model_type][0], dict(CASES[model_type][1], **overrides)
     cfg_cls = getattr(transformers, ("Gemma3Text" if prefix == "Gemma3" else prefix) + "Config")
     cfg = cfg_cls(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=extra.pop("intermediate_size", FFN),
                   num_hidden_layers=LAYERS, rms_norm_eps=1e-6, **SPECIAL, **extra)
@@ -132,3 +132,77 @@ def test_generated_checkpoint_runs_as_transformers_does(model_type, tmp_path):
     steps = [forward(m, ids[:prefill], cache=cache, logits="last")]
     steps += [forward(m, ids[t:t + 1], cache=cache, logits="last") for t in range(prefill, TOKENS)]
     assert np.abs(np.stack(steps) - ref[prefill - 1:]).max() < tol
+
+
+# llama.cpp's converter (convert_hf_to_gguf.py) for the architectures whose GGUF layout differs from Llama's: Gemma's
+# norms stored as 1 + w and four a layer, Phi-3's fused qkv_proj and gate_up_proj kept fused
+_GGUF_LAYER = {
+    "gemma2": {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+               "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"},
+    "phi3": {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.qkv_proj": "attn_qkv",
+             "self_attn.o_proj": "attn_output", "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"},
+}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+def _write_gguf(model_type: str, ref_model, path: Path) -> None:
+    """ref_model's weights as llama.cpp's converter writes them (float32), with the metadata llama.cpp reads."""
+    import gguf
+
+    cfg, arch = ref_model.config, model_type
+    g = gguf.GGUFWriter(str(path), arch)
+    for name, t in ref_model.state_dict().items():
+        w = t.numpy().astype(np.float32)
+        if name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            gname = f"blk.{i}.{_GGUF_LAYER[arch][rest.removesuffix('.weight')]}.weight"
+        elif name in _GGUF_GLOBAL and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            gname = _GGUF_GLOBAL[name]
+        else:
+            continue
+        if arch == "gemma2" and gname.endswith("norm.weight"):
+            w = w + np.float32(1.0)
+        g.add_tensor(gname, np.ascontiguousarray(w))
+    g.add_block_count(cfg.num_hidden_layers)
+    g.add_context_length(cfg.max_position_embeddings)
+    g.add_embedding_length(cfg.hidden_size)
+    g.add_feed_forward_length(cfg.intermediate_size)
+    g.add_head_count(cfg.num_attention_heads)
+    g.add_head_count_kv(cfg.num_key_value_heads)
+    g.add_key_length(cfg.head_dim)
+    g.add_value_length(cfg.head_dim)
+    g.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    g.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    g.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        g.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        g.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    g.add_tokenizer_model("gpt2")
+    g.add_token_list([f"t{i}" for i in range(VOCAB)])
+    g.write_header_to_file()
+    g.write_kv_data_to_file()
+    g.write_tensors_to_file()
+    g.close()
+
+
+# Gemma 2's GGUF carries no query_pre_attn_scalar (llama.cpp derives it from the model's size): 2B's, head_dim
+@pytest.mark.parametrize("model_type,overrides", [("gemma2", {"query_pre_attn_scalar": 256}), ("phi3", {})])
+def test_generated_gguf_runs_as_transformers_does(model_type, overrides, tmp_path):
+    ref_model = _build(model_type, tmp_path / "hf", **overrides)
+    path = tmp_path / f"{model_type}.gguf"
+    _write_gguf(model_type, ref_model, path)
+    m = models.load(path, cache_dir=None)
+    c = m.config
+    assert (c.arch, c.n_layers, c.hidden, c.ffn, c.n_heads, c.n_kv_heads, c.head_dim, c.sliding_window) == (
+        model_type, LAYERS, HIDDEN, FFN, CASES[model_type][1]["num_attention_heads"],
+        CASES[model_type][1]["num_key_value_heads"], CASES[model_type][1]["head_dim"], WINDOW)
+    ids = np.random.default_rng(1).integers(0, VOCAB, TOKENS)
+    ours = forward(m, ids)
+    with torch.no_grad():
+        ref = ref_model(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()
+    assert np.abs(ours - ref).max() < 1e-5 * max(1.0, float(np.abs(ref).max()))

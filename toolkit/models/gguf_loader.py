@@ -18,12 +18,14 @@ from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, default_cache_dir, file_sha256
 
-SUPPORTED_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "qwen3moe")
+SUPPORTED_ARCHS = ("llama", "gemma2", "gemma3", "phi3", "qwen2", "qwen3", "qwen3moe")
 # llama.cpp runs these with NEOX RoPE: Q/K rows stay in the halves layout
-HALVES_ARCHS = ("gemma3", "qwen2", "qwen3", "qwen3moe")
-# llama.cpp's values for Gemma 3 files that lack the keys (src/llama-model.cpp): 5 local layers to 1 global, local
-# RoPE base
-GEMMA3_SWA_PATTERN, GEMMA3_ROPE_LOCAL = 6, 10000.0
+HALVES_ARCHS = ("gemma2", "gemma3", "phi3", "qwen2", "qwen3", "qwen3moe")
+GEMMA_ARCHS = ("gemma2", "gemma3")
+# llama.cpp's values for Gemma files that lack the keys (src/llama-model.cpp): Gemma 3 has 5 local layers to 1
+# global and a local RoPE base, Gemma 2 alternates local and global layers
+GEMMA3_SWA_PATTERN, GEMMA3_ROPE_LOCAL, GEMMA2_SWA_PATTERN = 6, 10000.0, 2
+GEMMA2_27B_LAYERS = 46  # llama.cpp scales Gemma 2 27B's queries by 1/sqrt(hidden / heads), the others' by head_dim's
 _MAGIC = b"GGUF"
 
 
@@ -80,13 +82,21 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     if vocab is None:
         vocab = len(get("tokenizer.ggml.tokens", []))
     n_experts = int(get(f"{arch}.expert_count", 0) or 0)
-    gemma = arch == "gemma3"
+    gemma = arch in GEMMA_ARCHS
     window = int(get(f"{arch}.attention.sliding_window", 0) or 0)
+    n_layers = int(need("block_count"))
+    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
+        raise UnsupportedModelError(f"{path}: LongRoPE (rope_factors_long/short, Phi-3 128k) is not supported; "
+                                    "plain RoPE and Llama 3's are implemented")
+    swa_default = {"gemma3": GEMMA3_SWA_PATTERN, "gemma2": GEMMA2_SWA_PATTERN, "phi3": n_layers + 1}.get(arch, 0)
+    attn_scale = 0.0
+    if arch == "gemma2" and n_layers == GEMMA2_27B_LAYERS and hidden // n_heads != head_dim:
+        attn_scale = float(hidden // n_heads) ** -0.5
     return ModelConfig(
         arch=arch,
-        n_layers=int(need("block_count")),
+        n_layers=n_layers,
         hidden=hidden,
-        ffn=int(need("feed_forward_length")),
+        ffn=int(need("feed_forward_length")),  # Phi-3's fused ffn_up holds 2 x this many rows
         n_heads=n_heads,
         n_kv_heads=n_kv,
         head_dim=head_dim,
@@ -101,8 +111,11 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         qk_norm="blk.0.attn_q_norm.weight" in names,
         post_norms="blk.0.post_attention_norm.weight" in names,
         sliding_window=window,
-        swa_pattern=int(get(f"{arch}.attention.sliding_window_pattern", GEMMA3_SWA_PATTERN if gemma and window else 0)),
-        rope_theta_local=float(get(f"{arch}.rope.freq_base_swa", GEMMA3_ROPE_LOCAL if gemma else 0.0)),
+        swa_pattern=int(get(f"{arch}.attention.sliding_window_pattern", swa_default if window else 0)),
+        rope_theta_local=float(get(f"{arch}.rope.freq_base_swa", GEMMA3_ROPE_LOCAL if arch == "gemma3" else 0.0)),
+        attn_scale=attn_scale,
+        attn_softcap=float(get(f"{arch}.attn_logit_softcapping", 0.0) or 0.0),
+        final_softcap=float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
         attn_bias="blk.0.attn_q.bias" in names,
         rope_freq_factors=tuple(_rope_freqs(names.get("rope_freqs.weight"))),
         n_experts=n_experts,
@@ -133,6 +146,20 @@ def _rope_freqs(t) -> np.ndarray:
     if t is None:
         return np.zeros(0)
     return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(-1).astype(np.float64)
+
+
+def _fused(cfg: ModelConfig, name: str, shapes: dict) -> list[tuple[str, int, int]] | None:
+    """Phi-3's fused tensors as llama.cpp's converter writes them -> [(unfused name, first row, rows)]: attn_qkv
+    holds Q, K, V's rows, ffn_up (with no ffn_gate beside it) gate's then up's (None for any other tensor)."""
+    if cfg.arch != "phi3":
+        return None
+    blk = name.rpartition(".")[0].rpartition(".")[0]  # blk.{i}
+    q, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn
+    if name.endswith(".attn_qkv.weight"):
+        return [(f"{blk}.attn_q.weight", 0, q), (f"{blk}.attn_k.weight", q, kv), (f"{blk}.attn_v.weight", q + kv, kv)]
+    if name.endswith(".ffn_up.weight") and f"{blk}.ffn_gate.weight" not in shapes and shapes[name][0] == 2 * f:
+        return [(f"{blk}.ffn_gate.weight", 0, f), (f"{blk}.ffn_up.weight", f, f)]
+    return None
 
 
 def _rope_transforms(cfg: ModelConfig, names) -> dict:
@@ -166,6 +193,9 @@ class _Reader:
 
 def _check_tensors(cfg: ModelConfig, reader: gguf.GGUFReader, path: Path) -> None:
     shapes = {t.name: tuple(int(x) for x in reversed(t.shape)) for t in reader.tensors}
+    for name, shape in list(shapes.items()):  # Phi-3: check the unfused tensors
+        for part, _, rows in _fused(cfg, name, shapes) or ():
+            shapes[part] = (rows, *shape[1:])
     h, q, kv = cfg.hidden, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
     expect = {"token_embd.weight": (cfg.vocab_size, h), "output_norm.weight": (h,)}
     for i in range(cfg.n_layers):
@@ -220,8 +250,20 @@ def load_gguf(path: Path, cache_dir: Path | None | bool = True, name: str = "") 
             types[t.tensor_type.name] = types.get(t.tensor_type.name, 0) + 1
         _write_meta(cache_dir, {"config": dataclasses.asdict(cfg), "tokenizer": tok.to_json(),
                                 "shapes": shapes, "tensor_types": types, "source": str(path)})
+    from .hf_loader import _chain, rope_layout_transform
+
+    loaders = {}
+    for n, s in shapes.items():
+        parts = _fused(cfg, n, shapes)
+        if parts is None:
+            loaders[n] = None
+            continue
+        for part, r0, rows in parts:  # Phi-3: each part is its rows of the fused tensor, then in the adjacent layout
+            rope = rope_layout_transform(part, cfg) if cfg.arch in HALVES_ARCHS else None
+            loaders[part] = _dequantizer(get_reader, n, tuple(s), _chain((lambda a, b: lambda w: w[a:a + b])(r0, rows),
+                                                                        rope))
     tf = _rope_transforms(cfg, shapes)
-    loaders = {n: _dequantizer(get_reader, n, tuple(s), tf.get(n)) for n, s in shapes.items()}
+    loaders = {n: f or _dequantizer(get_reader, n, tuple(shapes[n]), tf.get(n)) for n, f in loaders.items()}
     return Model(config=cfg, tokenizer=tok, weights=LazyWeights(loaders, cache_dir), source=str(path),
                  sha256=sha, name=name or cfg.name, meta={"format": "gguf", "tensor_types": types})
 

@@ -4,9 +4,9 @@ For each model shape: a GGUF checkpoint with that shape's exact tensors (Llama-3
 `--layers N` keeps the first N blocks) and random weights (normal x 0.02, norms 1.0) quantized to Q8_0 or Q4_0 by
 the `gguf` package, written into a temporary directory (never kept). A fresh process loads it with edgeprobe's
 loader and profiles outliers layer-major on `--tokens` tokens of the built-in corpus (the calibration pass too, unless
-`--calib-order window`: what `profile outliers --order layer` runs today), with EDGEPROBE_CACHE pointed at
-a temporary folder. Reported: peak RSS of that process, disk the cache grew by, forward tokens/s (the calibration
-pass and the outlier pass both count), and a roofline measured in the same run: BLAS float32 GFLOP/s on a
+`--calib-order window`: what `profile outliers --order layer` runs today), with EDGEPROBE_CACHE pointed at a
+temporary folder. Reported: peak RSS of that process (its own VmHWM), disk the cache grew by, forward tokens/s (the
+calibration pass and the outlier pass both count), and a roofline measured in the same run: BLAS float32 GFLOP/s on a
 512-token window through the FFN's up projection, and the checkpoint's read rate from disk (page cache dropped).
 bound tok/s = BLAS FLOP/s / (2 x parameters of the layers run); the embedding lookup and LM head cost no FLOPs here.
 
@@ -82,8 +82,14 @@ runner = functools.partial(run, order="layer") if sys.argv[3] == "layer" else No
 st = profile_outliers(m, ids, tokens=int(sys.argv[2]), window=512, progress=True, order="layer", runner=runner)
 t2 = time.perf_counter()
 finite = all(np.isfinite(a).all() for d in st.arrays.values() for a in d.values() if a.dtype.kind == "f")
+# ru_maxrss keeps the parent's peak across fork and exec (the checkpoint writer's): VmHWM is this process's own
+ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+try:
+    hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024
+except OSError:
+    hwm = ru
 print(json.dumps({"tokens": st.tokens, "corpus_tokens": len(ids), "load_s": t1 - t0, "profile_s": t2 - t1,
-                  "finite": bool(finite), "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "finite": bool(finite), "maxrss_mb": hwm, "ru_maxrss_mb": ru}))
 """
 
 

@@ -71,13 +71,15 @@ OP_KINDS = {
     "linear": "x -> x @ W^T as a quantized record computes it (attrs rec, part all|int8|shadow, rows/cols/pad_to)",
     "concat": "pieces of one linear's output joined on axis 0 (sequence cut) or 1 (row cut)",
     "rope": "q or k rows -> rotated at their positions (start, or the session's length)",
-    "attention": "q, k.., v.. -> causal softmax attention (attrs session: over a decode session's cache; window)",
+    "attention": "q, k.., v.. -> causal softmax attention (attrs session: over a decode session's cache; window; "
+                 "scale, softcap: Gemma's score factor and Gemma 2's tanh cap)",
     "add": "a + b + ...",
     "swiglu": "gate, up -> silu(gate) * up",
     "geglu": "gate, up -> gelu_tanh(gate) * up (Gemma)",
     "sigmoid_mul": "x, g[rows, 1] -> x * sigmoid(g) (Qwen-MoE's shared-expert gate)",
     "moe_ffn": "x, router -> routed top-k SwiGLU experts mixed by router weights (EdgeMoE streaming in attrs)",
     "ffn_flash": "x, predictor A, B, b -> the FFN from the predicted-active neurons read from flash (LLM in a flash)",
-    "lm_head": "x, W (or Q8_0 codes, scales) -> logits of the last position of each sequence (or every row)",
+    "lm_head": "x, W (or Q8_0 codes, scales) -> logits of the last position of each sequence (or every row; "
+               "attrs softcap: Gemma 2's tanh cap)",
     "fused": "a run of one lane's consecutive ops of a layer, computed back to back (attrs ops; a decode step)",
 }

@@ -206,3 +206,29 @@ def test_generated_gguf_runs_as_transformers_does(model_type, overrides, tmp_pat
         ref = ref_model(torch.tensor(ids[None].astype(np.int64))).logits[0].numpy()
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
     assert np.abs(ours - ref).max() < 1e-5 * max(1.0, float(np.abs(ref).max()))
+
+
+def test_gemma2_plans_carry_its_score_scale_and_soft_caps_to_the_agent(tmp_path):
+    """The template's attention ops carry Gemma 2's score scale and soft-cap and its lm_head the logit soft-cap, so
+    a plan the agent runs (its own ops, in-process here) gives the host pass's logits; without them it would not."""
+    from edgeprobe.graph.local import run_plan
+    from edgeprobe.plan import prefill_plan
+    from edgeprobe.quant import quantize
+
+    _build("gemma2", tmp_path)
+    m = models.load(tmp_path, cache_dir=None)
+    qm = quantize(m, "float")
+    ids = np.random.default_rng(2).integers(0, VOCAB, TOKENS).astype(np.int32)
+    plan = prefill_plan(qm.manifest, len(ids))
+    attn = [op["attrs"] for op in plan["ops"] if op["kind"] == "attention"]
+    head = next(op["attrs"] for op in plan["ops"] if op["kind"] == "lm_head")
+    c = m.config
+    assert len(attn) == LAYERS and all((a["scale"], a["softcap"]) == (c.attn_scale, c.attn_softcap) for a in attn)
+    assert head["softcap"] == c.final_softcap > 0
+    outs, _, _ = run_plan(plan, qm.store.get, {"tokens": ids})
+    ref = forward(m, ids, logits="last")
+    assert np.abs(outs["lm_head"][0] - ref).max() < 1e-5 * max(1.0, float(np.abs(ref).max()))
+    for op in plan["ops"]:  # the same plan without them computes something else
+        op["attrs"].pop("softcap", None)
+    outs, _, _ = run_plan(plan, qm.store.get, {"tokens": ids})
+    assert np.abs(outs["lm_head"][0] - ref).max() > 1e-2

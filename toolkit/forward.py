@@ -24,8 +24,9 @@ from typing import Callable, Mapping, Union
 import numpy as np
 
 from edgeprobe_agent.ops import OPS
+from edgeprobe_agent.ops.dense import softcap_logits
 from edgeprobe_kernels import names as N
-from edgeprobe_kernels.llama_ops import GATED_ACTS, attention, mix_experts, route  # noqa: F401  (route: re-exported)
+from edgeprobe_kernels.llama_ops import GATED_ACTS, mix_experts, route  # noqa: F401  (route: re-exported)
 from edgeprobe_kernels.llama_ops import rope_tables as _rope_tables
 from edgeprobe_kernels.names import (
     ATTN_LINEARS,
@@ -254,37 +255,12 @@ def _op_lm_head(inp, attrs, ctx):
     if attrs.get("last_only", True):
         x = np.ascontiguousarray(x.reshape(B, x.shape[0] // B, x.shape[1])[:, -1])
     head = ctx.host.head
-    return _user(head, x) if head else matmul_wt(x, ctx.host.model.output_weight)
-
-
-def _op_head(inp, attrs, ctx):
-    """The LM head's logits, soft-capped where the model says so (Gemma 2: tanh(logits / cap) * cap)."""
-    out = _op_lm_head(inp, attrs, ctx)
-    cap = np.float32(ctx.host.model.config.final_softcap)
-    return np.tanh(out / cap) * cap if cap else out
-
-
-def _op_attention(inp, attrs, ctx):
-    """The agent's attention op, or, for a model whose scores have their own scale or soft-cap (Gemma), the same
-    computation with them: the template's attention op does not carry them. inputs q [B*T, H*d], k, v [B*T, KV*d]."""
-    c = ctx.host.model.config
-    if not (c.attn_scale or c.attn_softcap):
-        return OPS["attention"](inp, attrs, ctx)
-    q, k, v = inp
-    H, KV, d, B = int(attrs["n_heads"]), int(attrs["n_kv_heads"]), int(attrs["head_dim"]), int(attrs.get("batch", 1))
-    T, S = q.shape[0] // B, k.shape[0] // B
-    if attrs.get("session"):  # the KV cache: new positions appended, every position attended
-        start = ctx.session.length + ctx.offset
-        k, v = ctx.session.write(int(attrs["kv_layer"]), start, k.reshape(B, S, KV, d), v.reshape(B, S, KV, d))
-    else:
-        start = int(attrs.get("start", 0))
-        k, v = (a.reshape(B, S, KV, d).transpose(0, 2, 1, 3) for a in (k, v))
-    return attention(q.reshape(B, T, H, d), k, v, start, int(attrs.get("window", 0)), c.attn_scale, c.attn_softcap)
+    return softcap_logits(_user(head, x) if head else matmul_wt(x, ctx.host.model.output_weight), attrs)
 
 
 # the agent's registry, with the host's linears, LM head and MoE router (its hook, the caller's linears), and every
 # op's output offered to the hooks
-_HOST_FNS = {"linear": _op_linear, "lm_head": _op_head, "attention": _op_attention}
+_HOST_FNS = {"linear": _op_linear, "lm_head": _op_lm_head}
 HOST_OPS = {**{kind: _hooked(fn) for kind, fn in {**OPS, **_HOST_FNS}.items()},
             "moe_ffn": _hooked(_op_moe_ffn, at_points=False)}
 # without hooks: no wrapper per op (a decode step's ~450 ops each pay for one)

@@ -114,7 +114,8 @@ def op_attention(inp, attrs, ctx):
     else:
         kk = k.reshape(B, S, KV, d).transpose(0, 2, 1, 3)
         vv = v.reshape(B, S, KV, d).transpose(0, 2, 1, 3)
-    return attention(q.reshape(B, T, H, d), kk, vv, start, int(attrs.get("window", 0))).reshape(B * T, H * d)
+    return attention(q.reshape(B, T, H, d), kk, vv, start, int(attrs.get("window", 0)), float(attrs.get("scale", 0.0)),
+                     float(attrs.get("softcap", 0.0))).reshape(B * T, H * d)
 
 
 @op("add")
@@ -160,6 +161,12 @@ def op_lm_head(inp, attrs, ctx):
         if w.dtype != np.int8 or w.shape[1] != x.shape[1] or d.shape != (w.shape[0], x.shape[1] // QK):
             raise OpError("bad_input", f"a Q8_0 head needs codes int8[vocab, {x.shape[1]}] and scales "
                                        f"[vocab, {x.shape[1] // QK}], got {w.dtype}{w.shape} and {d.shape}")
-        return matmul_q8_0(x, w, d)
-    return x_wt(x, w)
+        return softcap_logits(matmul_q8_0(x, w, d), attrs)
+    return softcap_logits(x_wt(x, w), attrs)
+
+
+def softcap_logits(y: np.ndarray, attrs) -> np.ndarray:
+    """Logits soft-capped as Gemma 2's are (attrs softcap > 0: tanh(y / cap) * cap), else y itself."""
+    cap = np.float32(attrs.get("softcap", 0.0))
+    return np.tanh(y / cap) * cap if cap else y
 

@@ -221,6 +221,8 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
                 ("float_sparse", 2 * R * SHADOW_CHANNELS * n_out, 0), rec=rec, part="shadow")
         return add(f"{op}.sum", "add", [y, b], l, ci, "attn" if lname in N.ATTN_IN else stage, (R, n_out))
 
+    # Gemma's score scale (1/sqrt(query_pre_attn_scalar)) and Gemma 2's soft-caps, only where a model has them
+    scores = {k: float(c.get(f, 0.0)) for k, f in (("scale", "attn_scale"), ("softcap", "attn_softcap")) if c.get(f)}
     kv: dict = {}  # (chunk, layer) -> (k after RoPE, v): what later chunks' attention reads
     for ci in range(n_chunks):
         start = ci * chunk_len
@@ -269,7 +271,7 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
             a = add(f"{p}.attention", "attention", ins, l, ci, "attn", (R, H * d),
                     ("attention", 4 * batch * H * T * keys * d, 0), n_heads=H, n_kv_heads=KV, head_dim=d, batch=batch,
                     **({"parts": ci + 1} if chunk is not None else {}), **pos, **sess,
-                    **({"kv_layer": l} if session else {}), **({"window": win} if win else {}))
+                    **({"kv_layer": l} if session else {}), **({"window": win} if win else {}), **scores)
             o = linear(p, "attn_output", a, l, ci, "ffn", R)
             if cfg.post_norms:  # Gemma: the attention's output normalized before the residual
                 pw = w.tensor(N.weight(N.blk(l, "post_attention_norm")))
@@ -288,7 +290,8 @@ def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = No
     vocab = c["vocab_size"]
     head, head_bytes = w.head()
     add("lm_head", "lm_head", [n, *head], -1, n_chunks - 1, "ffn", (rows, vocab),
-        ("linear", 2 * rows * h * vocab, head_bytes), group_layer=L - 1, last_only=last_only, batch=batch)
+        ("linear", 2 * rows * h * vocab, head_bytes), group_layer=L - 1, last_only=last_only, batch=batch,
+        **({"softcap": float(c["final_softcap"])} if c.get("final_softcap") else {}))
     return ops
 
 

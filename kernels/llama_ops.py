@@ -6,10 +6,10 @@ on the agent computes what the host simulates.
 from __future__ import annotations
 
 import contextlib
-import os
-import threading
 
 import numpy as np
+
+from .threads import POLICY, spread
 
 try:
     import numba
@@ -170,8 +170,6 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
 
 ATTN_BLOCK = 64  # positions per block of a prompt's attention (query rows; keys padded to the block's end)
 SPLIT_ROWS = 256  # from this many rows an elementwise op is worth splitting over the op's cores
-_POOL: list = []  # [ThreadPoolExecutor]: made at the first split; its threads only ever run _split's parts
-_POOL_LOCK = threading.Lock()
 # A context manager factory under which the op's BLAS calls run on one thread, set by the agent (threads.py), or
 # None: ops never split. Two parts each calling 2-thread BLAS ran attention 2-3x slower; and outside the agent
 # OpenBLAS's idle worker spins ~0.1 s after each call (the agent shortens it), taking the core a part would use.
@@ -185,27 +183,17 @@ def _op_cores() -> int:
 
 
 def _split(fn, items: list) -> None:
-    """fn(part) over items dealt round-robin into one part per core the op may use: the calling thread runs the
-    first part, pool threads the others (numpy's ufuncs and BLAS release the GIL). Each part writes its own rows,
-    so the result is the same bits as fn(items)."""
+    """fn(part) over items dealt round-robin into one part per core the op may use (threads.spread: the calling
+    thread runs the first part, pool threads the others): in the agent the cores its split hook allows, in a host
+    pass the pass's threads (BLAS already runs one thread a call there). Each part writes its own rows, so the
+    result is the same bits as fn(items)."""
     hook = SPLIT_HOOK
-    n = min(_op_cores(), len(items)) if hook is not None else 1
+    n = min(_op_cores() if hook is not None else POLICY.width, len(items))
     if n < 2:
         fn(items)
         return
-    with _POOL_LOCK:
-        if not _POOL:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _POOL.append(ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 2) - 1),
-                                            thread_name_prefix="op-split"))
-    with hook():
-        futures = [_POOL[0].submit(fn, items[i::n]) for i in range(1, n)]
-        try:
-            fn(items[0::n])
-        finally:
-            for f in futures:
-                f.result()  # waits for every part, and raises the first part's error
+    with hook() if hook is not None else contextlib.nullcontext():
+        spread(fn, [items[i::n] for i in range(n)])
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0, scale: float = 0.0,

@@ -243,9 +243,24 @@ def _pool():
         return _POOL
 
 
+def spread(fn, parts: list) -> None:
+    """fn(part) for every part: the calling thread runs the first, the pool's threads the others (numpy's ufuncs and
+    BLAS release the GIL); returns once all are done, raising the first part's error."""
+    if len(parts) < 2:
+        for part in parts:
+            fn(part)
+        return
+    futures = [_pool().submit(fn, part) for part in parts[1:]]
+    try:
+        fn(parts[0])
+    finally:
+        for f in futures:
+            f.result()
+
+
 def run_blocks(fn, blocks) -> None:
-    """fn(start, stop) for every block, spread over the current host pass's threads (POLICY.width; the caller runs
-    one share, the pool the others). The blocks must write disjoint outputs; their grouping never changes a bit."""
+    """fn(start, stop) for every block, spread over the current host pass's threads (POLICY.width) in contiguous
+    shares. The blocks must write disjoint outputs; their grouping never changes a bit."""
     blocks = list(blocks)
     k = min(POLICY.width, len(blocks))
 
@@ -253,14 +268,8 @@ def run_blocks(fn, blocks) -> None:
         for a, b in part:
             fn(a, b)
 
-    if k <= 1:
-        run(blocks)
-        return
-    cuts = [round(len(blocks) * i / k) for i in range(k + 1)]
-    futures = [_pool().submit(run, blocks[cuts[i]:cuts[i + 1]]) for i in range(1, k)]
-    run(blocks[:cuts[1]])
-    for f in futures:
-        f.result()
+    cuts = [round(len(blocks) * i / max(k, 1)) for i in range(max(k, 1) + 1)]
+    spread(run, [blocks[cuts[i]:cuts[i + 1]] for i in range(max(k, 1))])
 
 
 SMALL_M = 32  # up to this many rows a block is (w x^T)^T: OpenBLAS's small-M GEMM is 2-5x slower on them

@@ -175,18 +175,19 @@ def test_matmul_wt_gives_the_same_bits_at_every_width(monkeypatch, m, k, n):
 
 def test_a_host_pass_computes_the_same_bits_whatever_the_count_and_blas_start(monkeypatch, smollm, heldout_ids):
     """Logits and a calibration (the clips and SmoothQuant scales a w8a8 model is quantized from) at a count of 1
-    and 2 threads, with numpy's BLAS started at 1 or 2 threads: bit for bit equal. Before, OpenBLAS's own
+    and 2 threads, with numpy's BLAS started at 1 or 2 threads: bit for bit equal, GEMMs, attention blocks and
+    SwiGLU rows spread over the threads or not. Before, OpenBLAS's own
     threading gave other roundings at two threads than at one, so a calibration followed the machine's load."""
     from edgeprobe.forward import forward
     from edgeprobe.quant import calibration_profile
 
-    ids = np.asarray(heldout_ids[:64])
+    ids = np.asarray(heldout_ids[:300])  # over 256 rows and 64 positions: attention and SwiGLU split their rows too
     runs = []
     for fixed, blas in ((1, 1), (2, 2), (2, 1), (1, 2)):
         monkeypatch.setattr(T.POLICY, "fixed", fixed)
         with threadpool_limits(limits=blas, user_api="blas"):
             logits = forward(smollm, ids)
-            prof = calibration_profile(smollm, ids, tokens=64, window=32, progress=False)
+            prof = calibration_profile(smollm, ids, tokens=256, window=128, progress=False)
         runs.append((logits, prof.clips_at(99.99), prof.smoothquant_scales(), T.POLICY.chosen.copy()))
     logits0, clips0, scales0, _ = runs[0]
     assert np.isfinite(logits0).all() and len(clips0) == 4 * smollm.config.n_layers

@@ -234,6 +234,15 @@ _POOL = None
 _POOL_LOCK = threading.Lock()
 
 
+def _forget_pool():
+    global _POOL
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's threads: it makes its own
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _pool():
     global _POOL
     with _POOL_LOCK:

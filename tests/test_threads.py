@@ -246,3 +246,27 @@ def test_only_the_outermost_pass_takes_a_fresh_measurement(monkeypatch):
     with p.host_pass():
         pass
     assert asked == [True, False, False, False, True]
+
+
+def test_a_forked_child_spreads_on_its_own_pool():
+    """A child forked after the pool started has none of its threads: without a pool of its own its first split
+    would wait forever."""
+    import os
+
+    T.spread(lambda part: None, [[0], [1]])  # the parent's pool exists
+    pid = os.fork()
+    if pid == 0:
+        out = np.zeros(2)
+        T.spread(lambda part: out.__setitem__(part[0], 1.0), [[0], [1]])
+        os._exit(0 if out.tolist() == [1.0, 1.0] else 3)
+    import signal
+    import time
+
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] == pid, "the forked child's split never finished"
+    assert os.waitstatus_to_exitcode(done[1]) == 0

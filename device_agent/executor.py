@@ -210,6 +210,7 @@ class Context:
                                      # decode loop's steps resolve a step op's ~65 blobs once; set only where get
                                      # is the run's own cache (its arrays never change within the run)
     numerics: object = None          # the run's numerics capture (edgeprobe_kernels.numerics.Capture), if asked
+    captured: list | None = None     # the capture events of a fused op's sub-ops (ops.fused), taken by the executor
 
 
 def run_untraced(plan: Plan, inputs: dict, ctx: Context) -> dict:
@@ -241,6 +242,20 @@ def run_ops(plan: Plan, names, inputs: dict, ctx: Context, results: dict, unread
             unread[key] -= 1
             if not unread[key] and key not in keep:
                 del results[key]
+
+
+def capture_names(plan: Plan) -> list:
+    """The op names a numerics capture picks from, in plan order: a plan op's, or a fused op's sub-ops' in its place
+    (a decode step's one op `step` -> embed, blk.0.attn_norm, ..., lm_head: the template's names, as the host's)."""
+    def leaves(op):
+        for sub in op["attrs"]["ops"]:
+            yield from leaves(sub) if sub["kind"] == "fused" else (sub["name"],)
+
+    out = []
+    for n in plan.order:
+        op = plan.ops[n]
+        out += list(leaves(op)) if op["kind"] == "fused" else [n]
+    return out
 
 
 def _capture(capture, name: str, out, fixed: dict):
@@ -291,6 +306,8 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
         emulated = ctx.emulated.get(lane, False)
         steps, enter, leave = plan.steps, CORES_IN_USE.enter, CORES_IN_USE.leave
         capture = ctx.numerics
+        if capture is not None:  # a fused op's sub-op captures land here (ops.fused) and join the events below
+            lane_ctx.captured = []
         if solo:  # the pass's one count of cores (see the docstring): its ops' enter / leave do nothing
             solo_threads = enter()
             enter, leave = (lambda side: solo_threads), (lambda side: None)
@@ -347,9 +364,12 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                         ev["threads"] = threads
                     if event:
                         ev.update(event)  # the op's own fields (emulated among them) win
-                cap_ev = None
-                if capture is not None and name in capture.ops:  # its own event: timelines with it never pass for plain
-                    out, cap_ev = _capture(capture, name, out, fixed)
+                cap_ev, sub_caps = None, None
+                if capture is not None:
+                    if name in capture.ops:  # its own event: timelines with it never pass for plain
+                        out, cap_ev = _capture(capture, name, out, fixed)
+                    elif lane_ctx.captured:
+                        sub_caps, lane_ctx.captured = lane_ctx.captured, []
                 with lock:
                     results[name] = out
                     if subs:
@@ -358,6 +378,8 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                         events.append(ev)
                     if cap_ev is not None:
                         events.append(cap_ev)
+                    if sub_caps:
+                        events.extend(sub_caps)
                     for key in reads:
                         unread[key] -= 1
                         if not unread[key] and key not in keep:

@@ -26,8 +26,10 @@ except ImportError:  # a phone's agent without isal: the same checksum, slower
 
 PROTOCOL_VERSION = 1
 # run's optional "numerics" field {"ops": glob | None, "full": [op names], "full_limit_bytes": int, "fault": test only}
-# asks for per-op output summaries (edgeprobe_kernels.numerics); the reply's "numerics" {"summaries", "full",
-# "full_bytes"} carries them, the full tensors as frames after the outputs' (an older agent's reply lacks the key)
+# asks for per-op output summaries (edgeprobe_kernels.numerics); the reply's "numerics" {"version", "summaries", "full",
+# "full_bytes"[, "full_steps"]} carries them, the full tensors as frames after the outputs' (an older agent's reply
+# lacks the key). Capture version 2 (hello's "numerics") names a fused op's sub-ops (a decode step's template ops) and
+# tags a decode loop's summaries with their "step"; a version-1 agent knows only the plan's own op names
 REQUESTS = ("hello", "has_blobs", "put_blob", "load_model", "put_plan", "run", "cancel", "stats", "heartbeat", "bye",
             "open_session", "session_reorder", "close_session")
 CHUNK_BYTES = 4 << 20            # put_blob chunk size the client uses (the agent accepts any)

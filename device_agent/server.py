@@ -37,11 +37,11 @@ import msgpack
 import numpy as np
 import zmq
 
-from edgeprobe_kernels.numerics import Capture, CaptureError
+from edgeprobe_kernels.numerics import CAPTURE_VERSION, Capture, CaptureError
 
 from . import __version__
 from .backends import check_backend, lane_backends, lane_kernels, opencl_devices, opencl_unavailable
-from .executor import EMULATED_LANES, LANES, Cancelled, Context, execute, validate
+from .executor import EMULATED_LANES, LANES, Cancelled, Context, capture_names, execute, validate
 from .ops import OpError, RunnerCache
 from .protocol import (
     ALLOWED_DTYPES,
@@ -420,7 +420,7 @@ class Agent:
                 "machine": platform.machine(), "system": platform.system(), "cores": os.cpu_count(),
                 "memory_bytes": _memory_bytes(), "opencl": cl, "clock_us": now_us(),
                 "numpy": np.__version__, "numba": numba_version(), "numba_threading": numba_threading(),
-                "store": self.store.stats(), "malloc": self.malloc, "files": self.files}
+                "store": self.store.stats(), "malloc": self.malloc, "files": self.files, "numerics": CAPTURE_VERSION}
 
     def do_heartbeat(self, ident, rid, h, arrays):
         return {"clock_us": now_us()}
@@ -625,7 +625,7 @@ class Agent:
                 raise ProtocolError("context_full", f"{sess.length + advance * steps} positions exceed the session's "
                                                     f"capacity {sess.capacity}")
         try:  # None unless asked; a pattern naming no op, or a malformed field, refused before the run
-            capture = Capture.of_request(h.get("numerics"), plan.order)
+            capture = Capture.of_request(h.get("numerics"), capture_names(plan) if "numerics" in h else ())
         except CaptureError as e:
             raise ProtocolError(e.code, str(e)) from None
         run = _Run(rid, ident, session=sess, advance=advance * steps, steps=steps, keep=keep, loop=loop)
@@ -653,6 +653,8 @@ class Agent:
         events, kept, fed, step_counters, seen = [], [], [], [], 0
         for i in range(run.steps):
             step_ctx = replace(ctx, counters={}, offset=i * per)  # this step's positions, its own counters
+            if ctx.numerics is not None:  # each step's summaries apart
+                ctx.numerics.step = i
             outs, evs = execute(plan, {name: tokens}, step_ctx, run.cancel, on_op)
             fed.append(tokens)
             logits = outs[out]

@@ -5,7 +5,8 @@ A summary of an op's output x (any numeric dtype, any shape) is a msgpack-able m
     nonfinite (NaN and +-inf count), zeros, hist: 64 counts of floor(log2|x|) over the finite non-zero values, bin b
     holding exponents HIST_LO + b (values below HIST_LO, subnormals among them, in bin 0; above, in bin 63).
 The exponent comes from float32's bit pattern (no log), so the histogram is exact and costs one integer pass.
-`Capture` is what the agent's executor calls after each op whose name it wants (edgeprobe_agent.executor).
+`Capture` is what the agent's executor calls after each op whose name it wants (edgeprobe_agent.executor), and a
+fused op after each of its sub-ops (edgeprobe_agent.ops.fused: a decode step's ops are sub-ops of its step op).
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import numpy as np
 HIST_BINS = 64
 HIST_LO = -32                       # bin 0: floor(log2|x|) <= -32; bin 63: >= 31
 MAX_FULL_BYTES = 256 << 20          # full tensors one run may send back unless the request sets full_limit_bytes
+# what an agent's capture knows (hello's "numerics", the reply's numerics "version"; an agent without either is 1):
+# 1 the plan's own ops; 2 also the sub-ops of fused ops (a decode step) and each step of a decode loop apart
+CAPTURE_VERSION = 2
 
 
 try:  # one serial pass per tensor where numba is (the local agent, the host); numpy's passes elsewhere (arm64)
@@ -97,8 +101,10 @@ class CaptureError(ValueError):
 class Capture:
     """One run's numerics capture: `ops` the names to summarize, `full` those whose whole output is kept too.
     take(name, out) -> out (changed only by the test-only fault), called by the executor from any lane's thread.
-    fault (TEST ONLY, request field numerics.fault = {"op", "index", "codes"}): adds codes * max|x| / 127 (one int8
-    code at a per-tensor scale) to element `index` of that op's output, which then flows on to later ops."""
+    fault (TEST ONLY, request field numerics.fault = {"op", "index", "codes", "step"}): adds codes * max|x| / 127 (one
+    int8 code at a per-tensor scale) to element `index` of that op's output, which then flows on to later ops; with
+    "step", only in that step of a decode loop. `step`: the decode loop's step now running (the server sets it;
+    None outside a loop), kept in each summary and full tensor taken."""
 
     def __init__(self, names, pattern=None, full=(), limit_bytes: int = MAX_FULL_BYTES, fault: dict | None = None):
         self.ops = frozenset(select(names, pattern))
@@ -114,6 +120,7 @@ class Capture:
         self.summaries: list = []
         self.tensors: list = []   # (name, array) of full captures, in capture order
         self.full_bytes = 0
+        self.step: int | None = None
         self._lock = threading.Lock()
 
     @classmethod
@@ -134,7 +141,7 @@ class Capture:
         return cls(names, pattern, full, limit, fault)
 
     def take(self, name: str, out):
-        if self.fault is not None and self.fault.get("op") == name:
+        if self.fault is not None and self.fault.get("op") == name and self.fault.get("step", self.step) == self.step:
             # order="C": a kernel's transposed result (numpy's GEMMs on arm64) copied as is would make reshape a
             # copy, and the fault would land in it instead of in the output
             out = np.array(out, dtype=np.float32, order="C", copy=True)
@@ -143,6 +150,8 @@ class Capture:
             flat[int(self.fault.get("index", 0)) % max(flat.size, 1)] += float(self.fault.get("codes", 1)) * amax / 127
         s = summarize(out)
         s["op"] = name
+        if self.step is not None:
+            s["step"] = self.step
         kept = None
         if name in self.full:
             kept = np.array(out, copy=True)  # kernels may reuse their buffers (arena) after the op
@@ -154,11 +163,15 @@ class Capture:
                                                         f"{self.limit} bytes; capture fewer ops in full or raise "
                                                         "full_limit_bytes")
                 self.full_bytes += kept.nbytes
-                self.tensors.append((name, kept))
+                self.tensors.append((name, kept, self.step))
             self.summaries.append(s)
         return out
 
     def reply(self) -> tuple[dict, list]:
-        """(the reply's numerics map, the full tensors as frames in the order its "full" lists them)."""
-        return ({"summaries": self.summaries, "full": [n for n, _ in self.tensors], "full_bytes": self.full_bytes},
-                [a for _, a in self.tensors])
+        """(the reply's numerics map, the full tensors as frames in the order its "full" lists them; a decode loop's
+        "full_steps" gives each one's step, as its summaries' "step" do)."""
+        out = {"version": CAPTURE_VERSION, "summaries": self.summaries, "full": [n for n, _, _ in self.tensors],
+               "full_bytes": self.full_bytes}
+        if any(s is not None for _, _, s in self.tensors):
+            out["full_steps"] = [s for _, _, s in self.tensors]
+        return out, [a for _, a, _ in self.tensors]

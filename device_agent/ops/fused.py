@@ -9,6 +9,8 @@ from time import perf_counter_ns
 import numpy as np
 
 from edgeprobe_kernels.linear_records import W8A8_SCHEMES, scheme_of
+from edgeprobe_kernels.names import layer_of
+from edgeprobe_kernels.numerics import CaptureError
 
 from .linear import group_linear, runner
 from .registry import OPS, OpError, bytes_in, flops, op
@@ -65,8 +67,10 @@ def op_fused(inp, attrs, ctx):
     hand-offs than in arithmetic. attrs ops: [{"name", "kind", "inputs": [{"arg": i} | {"op": an earlier sub-op}],
     "attrs"}]; the value is the last sub-op's; the event gets the summed flops and parts_us (time per sub-op kind).
     With fused sub-ops (one level deep) it is a step op, a whole decode step in one dispatch, each sub-op timed
-    here as its own event (ctx.event["sub_events"], emitted by the executor in place of this op's)."""
+    here as its own event (ctx.event["sub_events"], emitted by the executor in place of this op's). A numerics capture
+    (ctx.numerics) takes each sub-op it names as it is computed (_captured), before any later sub-op reads it."""
     local, parts, total = {}, {}, 0
+    cap = ctx.numerics
     nested = []
     hvx = ctx.lane == "npu" and ctx.backends.get("npu") == "hvx"
     runners = ctx.runners
@@ -79,6 +83,8 @@ def op_fused(inp, attrs, ctx):
             outs = group_linear(group, x, ctx)
             if outs is not None:
                 for sub, out in zip(group, outs):
+                    if cap is not None and sub["name"] in cap.ops:
+                        out = _captured(ctx, sub["name"], out)
                     local[sub["name"]] = out
                     total += 2 * x.shape[0] * x.shape[1] * out.shape[1]
                 t1 = perf_counter_ns()
@@ -96,6 +102,8 @@ def op_fused(inp, attrs, ctx):
                 # a plain linear's flops without flops()'s lookups (60 of them a decode step)
                 total += (2 * args[0].shape[0] * args[0].shape[1] * out.shape[1] if plain
                           else flops(kind, args, out, a, ctx))
+            if cap is not None and sub["name"] in cap.ops:
+                out = _captured(ctx, sub["name"], out)
             local[sub["name"]] = out
             t1 = perf_counter_ns()
             parts[kind] = parts.get(kind, 0.0) + (t1 - t) / 1000.0
@@ -104,6 +112,25 @@ def op_fused(inp, attrs, ctx):
         ctx.event.update({"flops": int(total), "parts_us": parts, "fused_ops": len(attrs["ops"])})
         if nested:
             ctx.event["sub_events"] = nested
+    return out
+
+
+def _captured(ctx, name: str, out):
+    """Sub-op `name`'s output through the run's numerics capture (the test-only fault may change it) -> the output;
+    its "numerics:<op>" event, on the fused op's lane after the sub-op's, goes to ctx.captured for the executor."""
+    t0 = perf_counter_ns()
+    try:
+        out = ctx.numerics.take(name, out)
+    except CaptureError as e:  # a full tensor over the limit
+        raise OpError(e.code, str(e)) from None
+    if ctx.captured is not None:
+        fixed = ctx.sub_event or {}
+        layer = layer_of(name) if name.startswith("blk.") else -1
+        ctx.captured.append({"name": f"numerics:{name}", "kind": "numerics", "lane": fixed.get("lane", ctx.lane),
+                             "layer": layer, "chunk": fixed.get("chunk", 0), "deps": [name],
+                             "group": f"numerics:blk.{layer}" if layer >= 0 else f"numerics:{name}",
+                             "start_us": t0 / 1000.0, "end_us": perf_counter_ns() / 1000.0,
+                             "bytes_in": int(out.nbytes), "bytes_out": 0, "flops": 0, "emulated": False})
     return out
 
 

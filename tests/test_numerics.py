@@ -184,3 +184,42 @@ def test_one_element_off_by_a_code_is_named_by_max_rel_under_the_l2_tolerance():
     assert tolerances("w8a8") == (DEFAULT_TOLERANCE, DEFAULT_MAX_TOLERANCE) == tolerances(None)
     rel, mx = tolerances("q4_0-tile")
     assert rel > DEFAULT_TOLERANCE and mx > DEFAULT_MAX_TOLERANCE
+
+
+def test_a_fused_op_s_sub_ops_are_captured_by_name_with_their_own_events_and_a_fault_flows_on():
+    """A decode step is one fused op on the agent: capture names and takes its sub-ops, as the host names them."""
+    from edgeprobe.numerics import plan_op_names
+    from edgeprobe_agent.executor import Context, capture_names, execute, validate
+
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    raw = {"ops": [{"name": "f", "kind": "fused", "lane": "cpu", "inputs": [{"input": "a"}],
+                    "attrs": {"ops": [{"name": "x", "kind": "add", "inputs": [{"arg": 0}, {"arg": 0}]},
+                                      {"name": "y", "kind": "add", "inputs": [{"op": "x"}, {"arg": 0}]}]}}],
+           "outputs": ["f"]}
+    plan = validate(raw, has_blob=lambda s: True)
+    assert capture_names(plan) == plan_op_names(raw) == ["x", "y"]
+    cap = Capture(capture_names(plan), "x", full=["x"])
+    outs, events = execute(plan, {"a": a}, Context(get=None, numerics=cap))
+    assert [s["op"] for s in cap.summaries] == ["x"] and np.array_equal(cap.tensors[0][1], 2 * a)
+    ev = {e["name"]: e for e in events}
+    assert ev["numerics:x"]["kind"] == "numerics" and ev["numerics:x"]["lane"] == "cpu"
+    assert ev["numerics:x"]["deps"] == ["x"] and "numerics:y" not in ev
+    cap = Capture(capture_names(plan), None, fault={"op": "x", "index": 0, "codes": 127})
+    outs2, _ = execute(plan, {"a": a}, Context(get=None, numerics=cap))
+    assert outs2["f"][0, 0] == outs["f"][0, 0] + 10 and [s["op"] for s in cap.summaries] == ["x", "y"]
+
+
+def test_a_decode_loop_s_captures_carry_their_step_and_a_fault_lands_in_its_step_alone():
+    cap = Capture(["a"], None, full=["a"], fault={"op": "a", "index": 0, "codes": 127, "step": 1})
+    x = np.ones(4, np.float32)
+    outs = []
+    for step in range(3):
+        cap.step = step
+        outs.append(cap.take("a", x))
+    assert [o[0] for o in outs] == [1, 2, 1] and [s["step"] for s in cap.summaries] == [0, 1, 2]
+    reply, frames = cap.reply()
+    assert reply["version"] == 2 and reply["full"] == ["a"] * 3 and reply["full_steps"] == [0, 1, 2]
+    assert [f[0] for f in frames] == [1, 2, 1]
+    # outside a loop a stepped fault does nothing, one without a step lands every time
+    assert Capture(["a"], None, fault={"op": "a", "codes": 127, "step": 0}).take("a", x)[0] == 1
+    assert "full_steps" not in Capture(["a"], None, full=["a"]).reply()[0]

@@ -62,24 +62,37 @@ def op_layer(name: str, n_layers: int) -> int:
     return -1 if name == "embed" else n_layers
 
 
-def op_names(config, n: int) -> list:
-    """The host's op names of an n-token prefill in plan order (the template's float plan, nothing run)."""
+def op_names(config, n: int, session: bool = False) -> list:
+    """The host's op names of an n-token prefill in plan order (the template's float plan, nothing run); session: the
+    n tokens extend a KV cache (a decode step is n=1)."""
     from .forward import HOST_OPS
     from .graph.local import float_plan
 
-    return float_plan(config, n, 1, False, "last", HOST_OPS).order
+    return float_plan(config, n, 1, session, "last", HOST_OPS).order
+
+
+def plan_op_names(plan: dict) -> list:
+    """The op names an agent's capture picks from in an agent plan, in plan order: a fused op's sub-ops in its place
+    (a decode step's one op `step` -> embed, blk.0.attn_norm, ..., lm_head), as edgeprobe_agent.executor's
+    capture_names."""
+    def leaves(op):
+        for sub in op["attrs"]["ops"]:
+            yield from leaves(sub) if sub["kind"] == "fused" else (sub["name"],)
+
+    return [n for op in plan["ops"] for n in (leaves(op) if op["kind"] == "fused" else (op["name"],))]
 
 
 def host_numerics(model, tokens, ops=None, full=(), linear=None, head=None,
-                  limit_bytes: int | None = None) -> tuple[dict, dict | None]:
+                  limit_bytes: int | None = None, cache=None) -> tuple[dict, dict | None]:
     """The host's capture of one prefill of `tokens` (int[T]) at the template's op names: {op: summary} and {op:
     float32 array} for the ops in `full`, with the caller's linear and head (a QuantizedModel's: the scheme's
     simulation; None: float). ops: a glob pattern (comma-separated) or None for every op. limit_bytes: the arrays
-    kept at most (None: no limit); past it they are dropped and the second value is None."""
+    kept at most (None: no limit); past it they are dropped and the second value is None. cache: a forward.KVCache
+    the tokens extend (a decode step: its positions follow the cache's, which moves on by len(tokens))."""
     from .forward import forward
 
     tokens = np.asarray(tokens, np.int64)
-    names = op_names(model.config, len(tokens))
+    names = op_names(model.config, len(tokens), cache is not None)
     chosen = set(select(names, ops)) | set(full)
     summaries, arrays, kept = {}, {}, [0]
 
@@ -93,7 +106,7 @@ def host_numerics(model, tokens, ops=None, full=(), linear=None, head=None,
             else:
                 arrays[name] = np.array(x, copy=True)
 
-    forward(model, tokens, hooks={n: seen for n in chosen}, linear=linear, head=head, logits="last")
+    forward(model, tokens, cache=cache, hooks={n: seen for n in chosen}, linear=linear, head=head, logits="last")
     return {n: summaries[n] for n in names if n in summaries}, (arrays if kept[0] >= 0 else None)
 
 
@@ -199,6 +212,74 @@ def compare(device: dict, sim: dict, float_: dict | None, n_layers: int, toleran
     return NumericsReport(rows, tolerance, first, max_tolerance=max_tolerance)
 
 
+class _Picked:
+    """The ops a pattern picks from an agent plan's capture names, and how the host names them: a linear the plan
+    splits (w8a8-shadow's int8 part on the npu, its shadow on the cpu) is the host's one op at its join,
+    "<linear>.sum", which the host captures under the linear's name."""
+
+    def __init__(self, names: list, ops, what: str = "the plan"):
+        self.names, self.ops = names, ops
+        self.picked = select(names, ops)
+        if not self.picked:
+            raise NumericsError(f"--numerics-ops {ops!r} names no op of {what} (ops are named like {names[1]!r}, "
+                                f"'blk.1.*', 'lm_head')")
+        self.joins = {n: n[:-4] for n in names if n.endswith(".sum") and n[:-4] not in names}
+        self.host_ops = ",".join(self.on_host(self.picked)) if self.joins else ops
+
+    def on_host(self, ns) -> list:
+        return [self.joins.get(n, n) for n in ns]
+
+    def check_full(self, full, sizes: dict, limit_bytes: int, times: int = 1) -> int:
+        """The bytes a full capture of `full` (plan op names) takes `times` over; refused naming an unknown op, or the
+        size over the limit."""
+        unknown = [n for n in full if n not in self.names]
+        if unknown:
+            raise NumericsError(f"full capture names {unknown[:3]}, which are not ops of the plan")
+        need = times * sum(sizes.get(n, 0) for n in self.on_host(full))
+        if need > limit_bytes:
+            raise NumericsError(f"full capture of {len(full)} ops is {need} bytes ({need / 2**20:.1f} MiB), over the "
+                                f"limit of {limit_bytes} bytes: capture fewer ops in full")
+        return need
+
+    def field(self, full, limit_bytes: int, fault: dict | None) -> dict:
+        """The run request's numerics field."""
+        out = {"ops": self.ops, "full": list(full), "full_limit_bytes": int(limit_bytes)}
+        if fault:
+            out["fault"] = fault
+        return out
+
+
+def _sizes(summaries: dict) -> dict:
+    """{op: bytes of its float32 output} from the host's summaries."""
+    return {n: int(np.prod(s["shape"])) * 4 for n, s in summaries.items()}
+
+
+def _device_capture(dev, res, what: str = "numerics", need: int = 1) -> tuple[dict, list]:
+    """The run reply's numerics map and full tensors; refused in one line where the agent did not capture, or
+    captures at a version under `need` (edgeprobe_kernels.numerics.CAPTURE_VERSION)."""
+    if res.numerics_raw is None:
+        raise NumericsError(f"the agent (version {dev.info.get('agent_version')}) does not capture numerics: its run "
+                            "reply has no 'numerics'; update the agent (edgeprobe agent) to one that does")
+    got, got_full = res.numerics_raw
+    if got.get("version", 1) < need:
+        raise NumericsError(_too_old(dev, got.get("version", 1), need, what))
+    return got, got_full
+
+
+def _too_old(dev, version: int, need: int, what: str) -> str:
+    return (f"the agent (version {dev.info.get('agent_version')}, numerics capture {version}) does not capture "
+            f"{what} (capture {need} does); update the agent (edgeprobe agent)")
+
+
+def _report(qm, pick: _Picked, dev_sum: dict, dev_full: dict, sim: dict, sim_arrays: dict, flt, flt_arrays,
+            tolerance, max_tolerance) -> NumericsReport:
+    """compare() at the plan's op order under the host's names, with the scheme's default tolerances."""
+    tol, max_tol = tolerances(qm.scheme)
+    return compare(dev_sum, sim, flt, qm.model.config.n_layers, tol if tolerance is None else tolerance, dev_full,
+                   sim_arrays, flt_arrays, order=pick.on_host(pick.names),
+                   max_tolerance=max_tol if max_tolerance is None else max_tolerance)
+
+
 def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tolerance: float | None = None,
                      limit_bytes: int = MAX_FULL_BYTES, progress: bool = False, fault: dict | None = None,
                      max_tolerance: float | None = None):
@@ -213,57 +294,259 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
 
     tokens = np.asarray(tokens, np.int32)
     plan = prefill_plan(qm.manifest, len(tokens))
-    names = [o["name"] for o in plan["ops"]]
-    picked = select(names, ops)
-    if not picked:
-        raise NumericsError(f"--numerics-ops {ops!r} names no op of the plan (ops are named like {names[1]!r}, "
-                            f"'blk.1.*', 'lm_head')")
-    # a linear the plan splits (w8a8-shadow's int8 part on the npu, its shadow on the cpu) is the host's one op at
-    # its join, "<linear>.sum": the host captures it under the linear's name
-    joins = {n: n[:-4] for n in names if n.endswith(".sum") and n[:-4] not in names}
-
-    def on_host(ns):
-        return [joins.get(n, n) for n in ns]
-
-    host_ops = ",".join(on_host(picked)) if joins else ops
+    pick = _Picked([o["name"] for o in plan["ops"]], ops)
     # the simulation first: its shapes size the full capture before the device spends anything
-    sim, sim_arrays = host_numerics(qm.model, tokens, host_ops, on_host(picked if full is None else full),
-                                    linear=qm.linear, limit_bytes=limit_bytes if full is None else None)
-    sizes = {n: int(np.prod(s["shape"])) * 4 for n, s in sim.items()}
+    sim, sim_arrays = host_numerics(qm.model, tokens, pick.host_ops,
+                                    pick.on_host(pick.picked if full is None else full), linear=qm.linear,
+                                    limit_bytes=limit_bytes if full is None else None)
     if full is None:
-        full = picked if sim_arrays is not None else []
+        full = pick.picked if sim_arrays is not None else []
         sim_arrays = sim_arrays or {}
     else:
-        unknown = [n for n in full if n not in names]
-        if unknown:
-            raise NumericsError(f"full capture names {unknown[:3]}, which are not ops of the plan")
-        need = sum(sizes.get(n, 0) for n in on_host(full))
-        if need > limit_bytes:
-            raise NumericsError(f"full capture of {len(full)} ops is {need} bytes ({need / 2**20:.1f} MiB), over the "
-                                f"limit of {limit_bytes} bytes: capture fewer ops in full")
-    whole = set(on_host(full))
+        pick.check_full(full, _sizes(sim), limit_bytes)
+    whole = set(pick.on_host(full))
     sim_arrays = {n: a for n, a in sim_arrays.items() if n in whole}
-    field_ = {"ops": ops, "full": list(full), "full_limit_bytes": int(limit_bytes)}
-    if fault:
-        field_["fault"] = fault
     plan_id = dev.plan_for(qm, ("prefill", len(tokens), "cpu"), lambda: plan, progress=progress)
     res = dev.run(plan_id, {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, {qm.scheme}, numerics captured",
-                  numerics=field_)
-    if res.numerics_raw is None:
-        raise NumericsError(f"the agent (version {dev.info.get('agent_version')}) does not capture numerics: its run "
-                            "reply has no 'numerics'; update the agent (edgeprobe agent) to one that does")
-    got, got_full = res.numerics_raw
-    dev_sum = {joins.get(s["op"], s["op"]): s for s in got["summaries"]}
-    dev_full = dict(zip(on_host(got["full"]), got_full))
-    flt, flt_arrays = host_numerics(float_model, tokens, host_ops, on_host(full)) if float_model is not None \
-        else (None, {})
-    tol, max_tol = tolerances(qm.scheme)
-    report = compare(dev_sum, sim, flt, qm.model.config.n_layers, tol if tolerance is None else tolerance, dev_full,
-                     sim_arrays, flt_arrays, order=on_host(names),
-                     max_tolerance=max_tol if max_tolerance is None else max_tolerance)
+                  numerics=pick.field(full, limit_bytes, fault))
+    got, got_full = _device_capture(dev, res)
+    dev_sum = {pick.joins.get(s["op"], s["op"]): s for s in got["summaries"]}
+    dev_full = dict(zip(pick.on_host(got["full"]), got_full))
+    flt, flt_arrays = host_numerics(float_model, tokens, pick.host_ops, pick.on_host(full)) \
+        if float_model is not None else (None, {})
+    report = _report(qm, pick, dev_sum, dev_full, sim, sim_arrays, flt, flt_arrays, tolerance, max_tolerance)
     report.meta = {"scheme": qm.scheme, "tokens": int(len(tokens)), "ops_captured": len(dev_sum),
                    "full_captured": len(dev_full), "full_bytes": int(got.get("full_bytes", 0)),
                    "agent": dev.info.get("agent_version"), "fault": fault}
     report.device_full = dev_full
     res.numerics = report
     return res
+
+
+# ---- decode steps ------------------------------------------------------------------------------------------------
+DECODE_FORMAT = "edgeprobe-numerics-decode/1"
+
+
+@dataclass
+class DecodeNumerics:
+    """Per-op numerics of a decode session: `prefill` (the prompt's run in the session, a NumericsReport; None where
+    the pattern picks none of its ops) and `steps`, one NumericsReport per decode step (meta: step, token, position),
+    each against the host's references through their own KV caches (forward.KVCache) at the same positions.
+    `first_divergent`: the first op that left the simulation, in run order, with its "phase" ("prefill" | "decode")
+    and "step" (None for the prefill); None: none did."""
+    prefill: NumericsReport | None
+    steps: list
+    tokens: np.ndarray                  # int32[steps]: the token each step was fed
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def first_divergent(self) -> dict | None:
+        for rep in ([self.prefill] if self.prefill is not None else []) + self.steps:
+            if rep.first_divergent is not None:
+                return rep.first_divergent
+        return None
+
+    def to_json(self) -> dict:
+        return {"format": DECODE_FORMAT, "first_divergent": self.first_divergent, **self.meta,
+                "tokens": self.tokens.tolist(),
+                "prefill": self.prefill.to_json() if self.prefill is not None else None,
+                "steps": [r.to_json() for r in self.steps]}
+
+    def figure(self):
+        """Divergence by depth, step by step: the largest device-vs-simulation relative L2 per layer (x), one line per
+        decode step (the prefill's too), scheme vs float dashed (a plotly Figure)."""
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        runs = ([("prefill", self.prefill)] if self.prefill is not None else []) + \
+            [(f"step {r.meta['step']}", r) for r in self.steps]
+        for dist, dash in (("device_vs_sim", "solid"), ("scheme_vs_float", "dash")):
+            for label, rep in runs:
+                worst: dict = {}
+                for r in rep.ops:
+                    if r.get(dist) and r[dist]["rel_l2"] >= worst.get(r["layer"], (-1.0, ""))[0]:
+                        worst[r["layer"]] = (r[dist]["rel_l2"], r["op"])
+                if not worst:
+                    continue
+                xs = sorted(worst)
+                fig.add_trace(go.Scatter(x=xs, y=[max(worst[x][0], 1e-12) for x in xs], mode="lines+markers",
+                                         name=f"{label} ({dist.replace('_', ' ')})", legendgroup=dist,
+                                         line={"dash": dash}, customdata=[[worst[x][1]] for x in xs],
+                                         hovertemplate="%{customdata[0]}<br>rel L2 %{y:.3g}<extra></extra>"))
+        tol = self.steps[0].tolerance if self.steps else self.prefill.tolerance
+        fig.add_hline(y=tol, line_dash="dot", annotation_text=f"tolerance {tol:g}")
+        title = "divergence by depth per decode step: device vs simulation (solid), scheme vs float (dashed)"
+        first = self.first_divergent
+        if first:
+            title += f"; first divergent op {first['op']} ({first['phase']}" + \
+                (f" step {first['step']})" if first["step"] is not None else ")")
+        fig.update_layout(title=title, xaxis_title="layer (-1: embed; last: output_norm, lm_head)",
+                          yaxis_title="largest relative L2 error in the layer", yaxis_type="log",
+                          template="plotly_white")
+        return fig
+
+    def write(self, out_dir) -> dict:
+        """numerics.json and numerics.html (the figure, plotly.js inlined) -> their paths."""
+        d = Path(out_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        paths = {"json": str(d / "numerics.json"), "html": str(d / "numerics.html")}
+        Path(paths["json"]).write_text(json.dumps(self.to_json(), indent=1))
+        self.figure().write_html(paths["html"], include_plotlyjs=True)
+        return paths
+
+
+_SESSIONS = iter(range(1 << 62))  # each decode_numerics call opens its own session on the agent
+
+
+def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None, full=None, float_model=None,
+                    tolerance: float | None = None, limit_bytes: int = MAX_FULL_BYTES, progress: bool = False,
+                    fault: dict | None = None, max_tolerance: float | None = None, prefill: bool = True):
+    """A decode session on `dev`: the prompt `tokens` (int[T]) prefilled, then `steps` decode steps, numerics captured
+    at the ops `ops` picks (glob over a decode step's op names, the template's: embed, blk.{i}.attn_q, ..., lm_head;
+    None: all) on every step (and on the prefill, unless prefill=False), and the host's captures through KV caches
+    at the same positions -> the RunResult (outputs "logits" float32[steps, 1, vocab], "fed" int32[1, steps]), with
+    .numerics a DecodeNumerics. step_tokens: int[steps] fed to the steps, one run each; None: greedy, the agent's
+    decode loop (one run, each step fed the argmax of the last logits, the host following the tokens it fed). The
+    host's references (the scheme's simulation; float_model's, if given) are fed the same tokens as the device.
+    full, tolerance, max_tolerance, limit_bytes (for the whole session): as prefill_numerics. fault: TEST ONLY,
+    {"op", "index", "codes", "step"}: with "step" k, only decode step k; without, the prefill and every step."""
+    from .forward import KVCache, forward
+    from .plan import prefill_plan
+    from .trace import Trace
+    from .workflows import DecodeSession
+
+    tokens = np.asarray(tokens, np.int32).reshape(-1)
+    if steps < 1:
+        raise ValueError(f"steps (decode steps) must be >= 1, got {steps}")
+    if step_tokens is not None:
+        step_tokens = np.asarray(step_tokens, np.int32).reshape(-1)
+        if len(step_tokens) != steps:
+            raise ValueError(f"step_tokens gives {len(step_tokens)} tokens for {steps} steps")
+    have = dev.info.get("numerics", 1)
+    if have < 2:
+        raise NumericsError(_too_old(dev, have, 2, "numerics inside decode steps"))
+    T = len(tokens)
+    pre_plan = prefill_plan(qm.manifest, T, session=True)
+    step_plan = prefill_plan(qm.manifest, 1, session=True)
+    step_pick = _Picked(plan_op_names(step_plan), ops, "a decode step")
+    pre_pick = None
+    if prefill:
+        try:
+            pre_pick = _Picked(plan_op_names(pre_plan), ops)
+        except NumericsError:
+            pre_pick = None  # the pattern names decode-only ops: the steps alone
+    # the references' sizes first, so a full capture over the limit is refused before the device spends anything:
+    # the prompt through the simulation's cache, and a decode step's shapes from one token at position 0
+    sim_cache = KVCache(qm.model.config)
+    pre_sim, pre_arrays = ({}, {}) if pre_pick is None else host_numerics(
+        qm.model, tokens, pre_pick.host_ops, pre_pick.on_host(pre_pick.picked), linear=qm.linear, cache=sim_cache)
+    if pre_pick is None:
+        forward(qm.model, tokens, cache=sim_cache, linear=qm.linear, logits="none")
+    shapes, _ = host_numerics(qm.model, [0], step_pick.host_ops, (), linear=qm.linear, cache=KVCache(qm.model.config))
+    step_sizes = _sizes(shapes)
+    if full is None:
+        need = steps * sum(step_sizes.get(n, 0) for n in step_pick.on_host(step_pick.picked)) + \
+            (sum(_sizes(pre_sim).values()) if pre_pick is not None else 0)
+        step_full = step_pick.picked if need <= limit_bytes else []
+        pre_full = pre_pick.picked if pre_pick is not None and need <= limit_bytes else []
+    else:
+        step_full = [n for n in full if n in step_pick.names]
+        pre_full = [n for n in full if pre_pick is not None and n in pre_pick.names]
+        unknown = [n for n in full if n not in step_pick.names and n not in (pre_pick.names if pre_pick else ())]
+        if unknown:
+            raise NumericsError(f"full capture names {unknown[:3]}, which are not ops of the plan")
+        need = step_pick.check_full(step_full, step_sizes, limit_bytes, steps)
+        if pre_pick is not None:
+            pre_pick.check_full(pre_full, _sizes(pre_sim), limit_bytes - need)
+    pre_arrays = {n: a for n, a in (pre_arrays or {}).items() if n in set(pre_pick.on_host(pre_full))} \
+        if pre_pick is not None else {}
+
+    sess = DecodeSession(dev, qm, T + steps, name=f"numerics-{next(_SESSIONS)}", progress=progress)
+    events, out_logits = [], []
+    try:
+        pre_fault = fault if fault and "step" not in fault else None
+        pre_field = pre_pick.field(pre_full, limit_bytes, pre_fault) if pre_pick is not None else None
+        r = dev.run(dev.put_plan(pre_plan), {"tokens": tokens}, title=f"prefill {T} tokens, numerics captured",
+                    session=sess.name, advance=T, phase="prefill",
+                    **({"numerics": pre_field} if pre_field is not None else {}))
+        events += [{**e, "group": e["group"] if e["kind"] == "numerics" else "prefill"} for e in r.trace.events]
+        pre_got = _device_capture(dev, r, "numerics inside decode steps", 2) if pre_field is not None else None
+        step_id = dev.put_plan(step_plan)
+        per_step = []  # (summaries, full names, full arrays) of each step
+        if step_tokens is None:  # the agent's greedy loop, one run; each summary and full tensor says its step
+            first = np.argmax(r.logits.reshape(1, -1), axis=-1).astype(np.int32)
+            r = dev.run(step_id, {"tokens": first}, title=f"decode steps 0..{steps - 1}, numerics captured",
+                        session=sess.name, advance=1, phase="decode", steps=steps, keep="all",
+                        numerics=step_pick.field(step_full, limit_bytes, fault))
+            got, got_full = _device_capture(dev, r, "numerics inside decode steps", 2)
+            fed = np.asarray(r.outputs["fed"]).reshape(-1)
+            at = got.get("full_steps", [0] * len(got["full"]))
+            for k in range(steps):
+                per_step.append(([s for s in got["summaries"] if s.get("step") == k],
+                                 [n for n, j in zip(got["full"], at) if j == k],
+                                 [a for a, j in zip(got_full, at) if j == k]))
+            out_logits = list(np.asarray(r.logits))
+            events += [{**e, "group": e["group"] if e["kind"] == "numerics" else f"step{e.get('step', steps - 1)}"}
+                       for e in r.trace.events]
+        else:
+            fed = step_tokens
+            for k in range(steps):
+                f = None if not fault else fault if "step" not in fault else \
+                    {a: b for a, b in fault.items() if a != "step"} if fault["step"] == k else None
+                r = dev.run(step_id, {"tokens": fed[k:k + 1]}, title=f"decode step {k}, numerics captured",
+                            session=sess.name, advance=1, phase="decode", numerics=step_pick.field(step_full,
+                                                                                                 limit_bytes, f))
+                got, got_full = _device_capture(dev, r, "numerics inside decode steps", 2)
+                per_step.append((got["summaries"], got["full"], got_full))
+                out_logits.append(r.logits.reshape(1, -1))
+                events += [{**e, "step": k, "group": e["group"] if e["kind"] == "numerics" else f"step{k}"}
+                           for e in r.trace.events]
+    finally:
+        sess.close()
+
+    flt_cache = KVCache(float_model.config) if float_model is not None else None
+    pre_rep = None
+    if pre_pick is not None:
+        got, got_full = pre_got
+        flt, flt_arrays = host_numerics(float_model, tokens, pre_pick.host_ops, pre_pick.on_host(pre_full),
+                                        cache=flt_cache) if float_model is not None else (None, {})
+        dev_full = dict(zip(pre_pick.on_host(got["full"]), got_full))
+        pre_rep = _report(qm, pre_pick, {pre_pick.joins.get(s["op"], s["op"]): s for s in got["summaries"]},
+                          dev_full, pre_sim, pre_arrays, flt, flt_arrays, tolerance, max_tolerance)
+        pre_rep.meta = {"phase": "prefill", "step": None, "tokens": T, "ops_captured": len(got["summaries"])}
+        pre_rep.device_full = dev_full
+        _tag(pre_rep, "prefill", None)
+    elif float_model is not None:
+        forward(float_model, tokens, cache=flt_cache, logits="none")
+    reps = []
+    for k, (summ, full_names, full_arrays) in enumerate(per_step):
+        tok = fed[k:k + 1]
+        sim, sim_arrays = host_numerics(qm.model, tok, step_pick.host_ops, step_pick.on_host(step_full),
+                                        linear=qm.linear, cache=sim_cache)
+        flt, flt_arrays = host_numerics(float_model, tok, step_pick.host_ops, step_pick.on_host(step_full),
+                                        cache=flt_cache) if float_model is not None else (None, {})
+        dev_full = dict(zip(step_pick.on_host(full_names), full_arrays))
+        rep = _report(qm, step_pick, {step_pick.joins.get(s["op"], s["op"]): s for s in summ}, dev_full, sim,
+                      sim_arrays or {}, flt, flt_arrays or {}, tolerance, max_tolerance)
+        rep.meta = {"phase": "decode", "step": k, "token": int(tok[0]), "position": T + k, "ops_captured": len(summ),
+                    "full_captured": len(dev_full)}
+        rep.device_full = dev_full
+        _tag(rep, "decode", k)
+        reps.append(rep)
+    result = DecodeNumerics(pre_rep, reps, np.asarray(fed, np.int32),
+                            {"scheme": qm.scheme, "prompt_tokens": T, "decode_steps": steps,
+                             "loop": "agent" if step_tokens is None else "host",
+                             "agent": dev.info.get("agent_version"), "fault": fault})
+    from .client import RunResult
+
+    res = RunResult({"logits": np.stack(out_logits), "fed": np.asarray(fed, np.int32).reshape(1, -1)},
+                    Trace(events, {"title": f"decode {steps} steps after {T} tokens, {qm.scheme}, numerics captured",
+                                   "agent": dev.info.get("agent_version"), "numerics": True}))
+    res.numerics = result
+    return res
+
+
+def _tag(rep: NumericsReport, phase: str, step) -> None:
+    """A decode session's report and its first divergent op say which run they are."""
+    if rep.first_divergent is not None:
+        rep.first_divergent = {**rep.first_divergent, "phase": phase, "step": step}

@@ -234,3 +234,95 @@ def test_a_split_linear_is_compared_at_its_join_under_the_linear_s_name(dev, smo
     assert rep.first_divergent is None and all(r["device_vs_sim"]["max_abs"] == 0 for r in rep.ops)
     rep = prefill_numerics(dev, qm, tokens8, ops="blk.1.*", fault={"op": "blk.1.attn_q.sum", "index": 3}).numerics
     assert rep.first_divergent["op"] == "blk.1.attn_q"
+
+
+# ---- decode steps ---------------------------------------------------------------------------------------------
+def test_decode_steps_capture_every_op_of_each_step_against_references_through_the_kv_cache(agent, qm, tokens8,
+                                                                                             smollm, tmp_path):
+    import json
+
+    from edgeprobe.forward import KVCache, forward
+    from edgeprobe.numerics import decode_numerics, op_names, plan_op_names
+
+    res = decode_numerics(agent, qm, tokens8, steps=3, float_model=smollm)
+    dn = res.numerics
+    step_names = op_names(smollm.config, 1, session=True)
+    # a decode step is one fused op on the agent; its sub-ops are the template's ops, named as the host names them
+    assert plan_op_names(prefill_plan(qm.manifest, 1, session=True)) == step_names
+    assert dn.prefill is not None and [r["op"] for r in dn.prefill.ops] == op_names(smollm.config, 8, session=True)
+    assert [r.meta["step"] for r in dn.steps] == [0, 1, 2] and [r.meta["position"] for r in dn.steps] == [8, 9, 10]
+    assert all([r["op"] for r in rep.ops] == step_names for rep in dn.steps)
+    assert all(r["device_vs_sim"]["method"] == "full" for rep in dn.steps for r in rep.ops)
+    assert dn.first_divergent is None
+    worst = max((r for rep in [dn.prefill] + dn.steps for r in rep.ops), key=lambda r: r["device_vs_sim"]["rel_l2"])
+    assert worst["device_vs_sim"]["rel_l2"] < 1e-6, worst
+    # greedy on the agent: step 0 fed the prefill's argmax, each later step the last step's
+    logits = res.outputs["logits"]
+    assert logits.shape == (3, 1, smollm.config.vocab_size)
+    assert dn.tokens[1:].tolist() == [int(np.argmax(lg)) for lg in logits[:2]]
+    # the captured lm_head of each step is the logits the step returned
+    for k, rep in enumerate(dn.steps):
+        assert np.array_equal(rep.device_full["lm_head"], logits[k])
+    # the simulation's references are the quantized model's KV-cache decode, at the same positions
+    cache = KVCache(smollm.config)
+    forward(qm.model, tokens8, cache=cache, linear=qm.linear, logits="none")
+    for k, rep in enumerate(dn.steps):
+        ref = forward(qm.model, dn.tokens[k:k + 1], cache=cache, linear=qm.linear, logits="last")
+        assert rep.by_name()["lm_head"]["sim"]["l2"] == pytest.approx(np.linalg.norm(ref.astype(np.float64)),
+                                                                       rel=1e-12)
+    by = dn.steps[0].by_name()
+    assert by["blk.0.attn_norm"]["scheme_vs_float"]["rel_l2"] == 0  # before the first quantized linear: exact
+    assert 1e-3 < by["blk.0.attn_q"]["scheme_vs_float"]["rel_l2"] < 0.2
+    # each step's captures are events of their own, tagged with the step: after the event of the op they take (embed,
+    # output_norm, lm_head), or inside the event of the fused layer whose sub-op they take (blk.{i}.attn_q)
+    caps = [e for e in res.trace.events if e["kind"] == "numerics" and "step" in e]
+    assert sorted(e["step"] for e in caps) == sorted([0, 1, 2] * len(step_names))
+    subs = {(e.get("step"), e["name"]): e for e in res.trace.events if e["kind"] != "numerics"}
+    for e in caps:
+        op = subs.get((e["step"], e["deps"][0]))
+        if op is not None:
+            assert e["lane"] == op["lane"] and e["start_us"] >= op["end_us"], e
+        else:
+            layer = subs[(e["step"], f"blk.{e['layer']}")]
+            assert e["lane"] == layer["lane"] and layer["start_us"] <= e["start_us"] <= e["end_us"] <= \
+                layer["end_us"], e
+    saved = dn.to_json()
+    assert saved["first_divergent"] is None and saved["decode_steps"] == 3 and saved["tokens"] == dn.tokens.tolist()
+    assert len(saved["steps"]) == 3 and saved["steps"][1]["step"] == 1 and saved["prefill"]["phase"] == "prefill"
+    paths = dn.write(tmp_path)
+    assert json.loads(open(paths["json"]).read())["format"] == "edgeprobe-numerics-decode/1"
+    assert "plotly" in open(paths["html"]).read()[:100000].lower()
+
+
+def test_a_one_code_fault_in_a_decode_step_is_named_with_its_step(agent, qm, tokens8):
+    from edgeprobe.numerics import decode_numerics
+
+    fault = {"op": "blk.1.attn_output", "index": 5, "codes": 1, "step": 1}
+    dn = decode_numerics(agent, qm, tokens8, steps=3, ops="blk.1.*,blk.2.*", fault=fault).numerics
+    first = dn.first_divergent
+    assert (first["op"], first["phase"], first["step"]) == ("blk.1.attn_output", "decode", 1), first
+    assert dn.prefill.first_divergent is None and dn.steps[0].first_divergent is None
+    by = dn.steps[1].by_name()
+    assert by["blk.1.attn_output"]["device_vs_sim"]["max_abs"] == pytest.approx(
+        by["blk.1.attn_output"]["device"]["max_abs"] / 127, rel=1e-2)
+    assert by["blk.2.attn_norm"]["device_vs_sim"]["rel_l2"] > 0  # it flows on through the step ...
+    # ... and into the next step through the KV cache: blk.2's keys and values at step 1's position moved, so step 2
+    # leaves the simulation first where it reads them (blk.1's were written before the fault)
+    assert dn.steps[2].first_divergent["op"] == "blk.2.attention", dn.steps[2].first_divergent
+    # given tokens, one run a step: the same fault at step 0 is named there
+    fault0 = {"op": "blk.2.ffn_up", "index": 3, "codes": 1, "step": 0}
+    dn = decode_numerics(agent, qm, tokens8, steps=2, step_tokens=[17, 42], ops="blk.2.*", fault=fault0,
+                         prefill=False).numerics
+    assert dn.prefill is None and dn.tokens.tolist() == [17, 42]
+    assert (dn.first_divergent["op"], dn.first_divergent["step"]) == ("blk.2.ffn_up", 0)
+
+
+def test_decode_capture_refuses_a_pattern_naming_nothing_and_an_agent_without_it(agent, qm, tokens8, monkeypatch):
+    from edgeprobe.numerics import decode_numerics
+
+    with pytest.raises(NumericsError, match=r"'blk\.99\.\*' names no op of a decode step"):
+        decode_numerics(agent, qm, tokens8, ops="blk.99.*")
+    monkeypatch.delitem(agent.info, "numerics")  # what an agent that predates decode-step capture says in hello
+    with pytest.raises(NumericsError, match=r"the agent \(version 0\.\d+\.\d+, numerics capture 1\) does not capture "
+                                            r"numerics inside decode steps \(capture 2 does\); update the agent"):
+        decode_numerics(agent, qm, tokens8, ops="lm_head")

@@ -3,8 +3,8 @@
 For each model shape: a GGUF checkpoint with that shape's exact tensors (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B;
 `--layers N` keeps the first N blocks) and random weights (normal x 0.02, norms 1.0) quantized to Q8_0 or Q4_0 by
 the `gguf` package, written into a temporary directory (never kept). A fresh process loads it with edgeprobe's
-loader and profiles outliers layer-major on `--tokens` tokens of the built-in corpus (the calibration pass too, unless
-`--calib-order window`: what `profile outliers --order layer` runs today), with EDGEPROBE_CACHE pointed at a
+loader and profiles outliers layer-major on `--tokens` tokens of the built-in corpus (its calibration pass too, as
+`profile outliers --order layer` runs it), with EDGEPROBE_CACHE pointed at a
 temporary folder. Reported: peak RSS of that process (its own VmHWM), disk the cache grew by, forward tokens/s (the
 calibration pass and the outlier pass both count), and a roofline measured in the same run: BLAS float32 GFLOP/s on a
 512-token window through the FFN's up projection, and the checkpoint's read rate from disk (page cache dropped).
@@ -13,7 +13,7 @@ bound tok/s = BLAS FLOP/s / (2 x parameters of the layers run); the embedding lo
 The vocabulary is SmolLM2's BPE padded with unused pieces to the shape's vocab size, so the corpus tokenizes.
 
     .venv/bin/python bench/scale.py [--models llama-3.2-1b,qwen2.5-3b,llama-3.1-8b] [--layers N] [--tokens 4096]
-                                    [--qtype q8_0|q4_0] [--calib-order layer|window]
+                                    [--qtype q8_0|q4_0]
 """
 from __future__ import annotations
 
@@ -67,19 +67,16 @@ SHAPES = {
 QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 
 CHILD = """
-import functools, json, resource, sys, time
+import json, resource, sys, time
 import numpy as np
 from edgeprobe import models
 from edgeprobe.corpus import read_corpus
 from edgeprobe.profile.jobs import profile_outliers
-from edgeprobe.profile.runner import run
 t0 = time.perf_counter()
 m = models.load(sys.argv[1])
 ids = m.tokenizer.encode(read_corpus("train"))
 t1 = time.perf_counter()
-# runner: both passes layer-major (profile_outliers gives `order` to the outlier pass alone)
-runner = functools.partial(run, order="layer") if sys.argv[3] == "layer" else None
-st = profile_outliers(m, ids, tokens=int(sys.argv[2]), window=512, progress=True, order="layer", runner=runner)
+st = profile_outliers(m, ids, tokens=int(sys.argv[2]), window=512, progress=True, order="layer")  # both passes
 t2 = time.perf_counter()
 finite = all(np.isfinite(a).all() for d in st.arrays.values() for a in d.values() if a.dtype.kind == "f")
 # ru_maxrss keeps the parent's peak across fork and exec (the checkpoint writer's): VmHWM is this process's own
@@ -207,7 +204,7 @@ def du(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def measure(name: str, layers: int, tokens: int, qtype, calib_order: str = "layer") -> dict:
+def measure(name: str, layers: int, tokens: int, qtype) -> dict:
     s = SHAPES[name]
     with tempfile.TemporaryDirectory(prefix="edgeprobe-scale-") as tmp:
         ckpt, cache = Path(tmp) / f"{name}-{layers}l-{qtype.name.lower()}.gguf", Path(tmp) / "cache"
@@ -217,7 +214,7 @@ def measure(name: str, layers: int, tokens: int, qtype, calib_order: str = "laye
         read = disk_read_mb_s(ckpt)
         gflops = blas_gflops(s)
         env = {**os.environ, "EDGEPROBE_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-        r = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), str(tokens), calib_order], env=env,
+        r = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), str(tokens)], env=env,
                            stdout=subprocess.PIPE, text=True)
         if r.returncode != 0:
             raise SystemExit(f"bench/scale.py: profiling {name} failed (exit {r.returncode}); its error is above")
@@ -234,7 +231,7 @@ def measure(name: str, layers: int, tokens: int, qtype, calib_order: str = "laye
             "params_file": params_run + s.vocab * s.hidden * (1 if s.tied else 2), "ckpt_bytes": size,
             "extra_bytes": extra, "npy_files": len(npy), "npy_bytes": npy_bytes, "write_s": write_s,
             "disk_mb_s": read, "blas_gflops": gflops, "tok_s": tok_s, "bound_tok_s": bound, "ratio": tok_s / bound,
-            "calib_order": calib_order,
+            "calib_order": "layer",
             **child}
 
 
@@ -254,8 +251,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r['bound_tok_s']:7.1f} {r['ratio']:6.0%} {r['blas_gflops']:9.1f} {r['disk_mb_s']:9.0f}")
     print("params: in the file (embedding included); bound = BLAS FLOP/s / (2 x params of the layers run); tok/s "
           "counts both forward passes (calibration, then the layer-major outlier pass); extra disk: what "
-          "EDGEPROBE_CACHE grew by (float32 .npy weight cache and metadata); calibration pass: "
-          f"{', '.join(sorted({r['calib_order'] for r in rows}))}-major")
+          "EDGEPROBE_CACHE grew by (float32 .npy weight cache and metadata)")
 
 
 def main() -> None:
@@ -265,8 +261,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, help="blocks to keep (default: each model's real depth)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--qtype", default="q8_0", choices=sorted(QTYPES))
-    ap.add_argument("--calib-order", default="layer", choices=["layer", "window"],
-                    help="the calibration pass's order (window: as profile_outliers runs it with order='layer')")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -285,7 +279,7 @@ def main() -> None:
         if SHAPES[n].arch not in SUPPORTED_ARCHS:
             print(f"{n}: architecture {SHAPES[n].arch} not supported yet by edgeprobe's GGUF loader; skipped")
             continue
-        rows.append(measure(n, args.layers or SHAPES[n].layers, args.tokens, QTYPES[args.qtype], args.calib_order))
+        rows.append(measure(n, args.layers or SHAPES[n].layers, args.tokens, QTYPES[args.qtype]))
         print(json.dumps(rows[-1]), file=sys.stderr)
     print_table(rows)
     if args.json:

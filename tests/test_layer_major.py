@@ -123,13 +123,19 @@ def test_layer_major_refuses_per_window_profiles(smollm):
         run(smollm, np.zeros(128, np.int64), window=64, order="tokens", progress=False)
 
 
-def test_the_outliers_job_and_cli_take_the_order(smollm, capsys):
+def test_the_outliers_job_and_cli_take_the_order(smollm, capsys, monkeypatch):
     from edgeprobe.cli import main
+    from edgeprobe.profile import jobs
     from edgeprobe.profile.jobs import profile_outliers
 
     ids = smollm.tokenizer.encode(read_corpus("train")[:1200])
     kw = dict(tokens=96, window=48, calib_tokens=96, progress=False)
+    orders = []
+    real = jobs.run
+    monkeypatch.setattr(jobs, "run", lambda *a, **k: orders.append((k.get("desc"), k.get("order"))) or real(*a, **k))
     _equal(profile_outliers(smollm, ids, **kw), profile_outliers(smollm, ids, order="layer", **kw))
+    # layer-major: its calibration too (a window-major one would hold every layer's weights)
+    assert orders == [("outliers", "window"), ("calibrate", "layer"), ("outliers", "layer")]
     # Ray's shards are window-major: refused in one line before any cluster starts or model loads
     assert main(["profile", "outliers", "--order", "layer", "--ray", "local", "--out", "unused"]) == 2
     out = capsys.readouterr()

@@ -1,6 +1,7 @@
 """The profile jobs behind `edgeprobe profile ...` and the notebooks: calibrate, stream, summarize, draw."""
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -22,8 +23,10 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
     """Calibrate per-tensor clips on the first `calib_tokens`, then stream `tokens` into OutlierStats (order:
     runner.run's, "window" or "layer"; a Ray runner is window-major)."""
     windows(ids, window, tokens)  # validates before any work
+    # layer-major: the calibration too, else it holds every layer's weights (its histograms are counts: same bits)
+    calib = runner if runner is not None or order == "window" else functools.partial(run, order=order)
     at = calibrate_clips_at(model, ids, {percentile, CHANNEL_CLIP_PERCENTILE}, window,
-                            min(calib_tokens, tokens or len(ids)), progress, runner=runner)
+                            min(calib_tokens, tokens or len(ids)), progress, runner=calib)
     st = OutlierStats.for_model(model, at[float(percentile)], percentile,
                                 clips_at={p: c for p, c in at.items() if p != float(percentile)})
     if runner is not None:

@@ -41,27 +41,43 @@ def _moments_numpy(f: np.ndarray) -> tuple:
             float(max(f.max(), -f.min())), int(np.count_nonzero(f == 0)) if counts[0] else 0)
 
 
+def _summary_numpy(f: np.ndarray) -> tuple:
+    """f float32[n] -> (hist int64[HIST_BINS], nonfinite, sum x^2, sum x, max |x|, zeros) from the exponent counts."""
+    counts, ss, sm, mx, zeros = _moments_numpy(f)
+    lo = 127 + HIST_LO  # the biased exponent of bin 0
+    hist = counts[lo:lo + HIST_BINS].astype(np.int64)
+    hist[0] += counts[:lo].sum() - zeros  # below the bins: subnormals and tiny values
+    hist[-1] += counts[lo + HIST_BINS:255].sum()
+    return hist, int(counts[255]), ss, sm, mx, zeros
+
+
 if numba is not None:
     @numba.njit(nogil=True, cache=True)
-    def _moments_numba(f):
-        counts = np.zeros(256, np.int64)
+    def _summary_numba(f):
+        # the bins in the one pass: a decode step's outputs are ~600 values, where numpy's passes over the exponent
+        # counts cost more than the pass itself
+        hist = np.zeros(HIST_BINS, np.int64)
         bits = f.view(np.uint32)
-        ss, sm, mx, zeros = 0.0, 0.0, 0.0, 0
+        ss, sm, mx, zeros, nonfinite = 0.0, 0.0, 0.0, 0, 0
         for i in range(f.size):
-            e = (bits[i] >> 23) & 0xFF
-            counts[e] += 1
-            if e != 255:
-                v = np.float64(f[i])
-                ss += v * v
-                sm += v
-                a = abs(v)
-                if a > mx:
-                    mx = a
-                if e == 0 and v == 0.0:
-                    zeros += 1
-        return counts, ss, sm, mx, zeros
+            e = np.int64((bits[i] >> 23) & 0xFF)
+            if e == 255:
+                nonfinite += 1
+                continue
+            v = np.float64(f[i])
+            ss += v * v
+            sm += v
+            a = abs(v)
+            if a > mx:
+                mx = a
+            if e == 0 and v == 0.0:
+                zeros += 1
+                continue
+            b = min(max(e - 127 - HIST_LO, 0), HIST_BINS - 1)
+            hist[b] += 1
+        return hist, nonfinite, ss, sm, mx, zeros
 else:
-    _moments_numba = None
+    _summary_numba = None
 
 
 def summarize(x, use_numba: bool = True) -> dict:
@@ -69,15 +85,10 @@ def summarize(x, use_numba: bool = True) -> dict:
     a = np.asarray(x)
     out = {"shape": list(a.shape), "dtype": a.dtype.name, "size": int(a.size)}
     f = np.ascontiguousarray(a, dtype=np.float32).reshape(-1)
-    moments = _moments_numba if use_numba and _moments_numba is not None else _moments_numpy
-    counts, ss, sm, mx, zeros = moments(f)
-    nonfinite = int(counts[255])
-    lo = 127 + HIST_LO  # the biased exponent of bin 0
-    hist = counts[lo:lo + HIST_BINS].astype(np.int64)
-    hist[0] += counts[:lo].sum() - zeros  # below the bins: subnormals and tiny values
-    hist[-1] += counts[lo + HIST_BINS:255].sum()
+    pass_ = _summary_numba if use_numba and _summary_numba is not None else _summary_numpy
+    hist, nonfinite, ss, sm, mx, zeros = pass_(f)
     n = f.size - nonfinite
-    out.update(l2=float(np.sqrt(ss)), max_abs=float(mx), mean=float(sm / n) if n else 0.0, nonfinite=nonfinite,
+    out.update(l2=float(np.sqrt(ss)), max_abs=float(mx), mean=float(sm / n) if n else 0.0, nonfinite=int(nonfinite),
                zeros=int(zeros), hist=hist.tolist())
     return out
 

@@ -117,7 +117,7 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
         attn_softcap=float(get(f"{arch}.attn_logit_softcapping", 0.0) or 0.0),
         final_softcap=float(get(f"{arch}.final_logit_softcapping", 0.0) or 0.0),
         attn_bias="blk.0.attn_q.bias" in names,
-        rope_freq_factors=tuple(_rope_freqs(names.get("rope_freqs.weight"))),
+        rope_freq_factors=tuple(_rope_freqs(path, names.get("rope_freqs.weight"))),
         n_experts=n_experts,
         n_experts_used=int(get(f"{arch}.expert_used_count", 0) or 0),
         expert_ffn=int(get(f"{arch}.expert_feed_forward_length", 0) or 0),
@@ -128,24 +128,66 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     )
 
 
+# float32 values per row block: a tensor is dequantized block by block into one preallocated array (16 MiB a block)
+_BLOCK_VALUES = 1 << 22
+
+
+def _read_into(f, buf: np.ndarray, offset: int) -> int:
+    """Fill uint8 `buf` from `offset` of the unbuffered file `f`; returns the bytes read (short only at the end)."""
+    view, got = memoryview(buf).cast("B"), 0
+    f.seek(offset)
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
+def read_tensor(path: Path, t: gguf.ReaderTensor) -> np.ndarray:
+    """float32[rows, cols] of tensor `t` (rows: the product of its outer dims), the values of
+    `gguf.quants.dequantize(t.data, t.tensor_type)` bit for bit.
+
+    Its bytes are read from the file a row block at a time (not through the reader's memory map, whose pages would
+    stay resident) and each block dequantized into one preallocated array: the transient is one float32 copy plus a
+    block. Row blocks give the same bits as the whole tensor, since ggml dequantizes each row's blocks on their own.
+    """
+    stored = t.data  # a view of the reader's map: only its dtype and shape are used, no page of it is touched
+    row_items = int(stored.shape[-1]) if stored.ndim else 1
+    rows = max(1, int(stored.size) // max(row_items, 1))
+    cols = int(t.n_elements) // rows
+    row_bytes = row_items * stored.dtype.itemsize
+    out = np.empty((rows, cols), np.float32)
+    step = max(1, _BLOCK_VALUES // max(cols, 1))
+    with open(path, "rb", buffering=0) as f:
+        for r0 in range(0, rows, step):
+            n = min(step, rows - r0)
+            buf = np.empty(n * row_bytes, np.uint8)
+            if _read_into(f, buf, t.data_offset + r0 * row_bytes) != buf.size:
+                raise ModelFormatError(f"{path} is truncated: tensor {t.name} ends past the end of the file; "
+                                       "copy or download it again")
+            try:
+                block = gguf.quants.dequantize(buf.view(stored.dtype).reshape(n, row_items), t.tensor_type)
+            except NotImplementedError as e:
+                raise UnsupportedModelError(f"tensor {t.name}: ggml type {t.tensor_type.name} cannot be "
+                                            "dequantized by the installed gguf package; upgrade gguf") from e
+            out[r0:r0 + n] = block.reshape(n, cols)
+    return out
+
+
 def _dequantizer(get_reader, name: str, shape: tuple, transform=None):
     def load() -> np.ndarray:
-        t = get_reader().tensor(name)
-        try:
-            arr = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
-        except NotImplementedError as e:
-            raise UnsupportedModelError(f"tensor {t.name}: ggml type {t.tensor_type.name} cannot be "
-                                        "dequantized by the installed gguf package; upgrade gguf") from e
-        arr = arr.reshape(shape).astype(np.float32, copy=False)
+        r = get_reader()
+        arr = read_tensor(r.path, r.tensor(name)).reshape(shape)
         return transform(arr) if transform else arr
     return load
 
 
-def _rope_freqs(t) -> np.ndarray:
+def _rope_freqs(path: Path, t) -> np.ndarray:
     """Llama 3's RoPE frequency divisors, stored by llama.cpp's converter as the tensor rope_freqs.weight."""
     if t is None:
         return np.zeros(0)
-    return gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(-1).astype(np.float64)
+    return read_tensor(path, t).reshape(-1).astype(np.float64)
 
 
 def _fused(cfg: ModelConfig, name: str, shapes: dict) -> list[tuple[str, int, int]] | None:

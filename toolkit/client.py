@@ -91,7 +91,7 @@ class RunResult:
     wall_s: float = 0.0
     schedule: object = None  # the Schedule a chunked prefill was laid out by (its predicted times)
     step_counters: list = field(default_factory=list)  # a decode loop's counters, one dict per step
-    numerics: object = None  # a NumericsReport when the run captured per-op numerics (edgeprobe.numerics)
+    numerics: object = None  # per-op numerics (edgeprobe.numerics): a NumericsReport, a DecodeNumerics for a session
     numerics_raw: tuple | None = None  # (the reply's "numerics" map, its full tensors): what the report compares
 
     @property

@@ -126,6 +126,9 @@ class Capture:
             raise CaptureError("bad_request", f"numerics full names {missing[:3]} which are not ops of the plan")
         self.full = frozenset(full)
         self.ops |= self.full
+        if fault and fault.get("op") not in self.ops:  # a fault that would never land reads as a clean run
+            where = "is not an op of the plan" if fault.get("op") not in set(names) else "is not among the ops captured"
+            raise CaptureError("bad_request", f"numerics fault op {str(fault.get('op'))[:60]!r} {where}")
         self.limit = int(limit_bytes)
         self.fault = fault or None
         self.summaries: list = []

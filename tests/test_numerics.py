@@ -220,6 +220,11 @@ def test_a_decode_loop_s_captures_carry_their_step_and_a_fault_lands_in_its_step
     reply, frames = cap.reply()
     assert reply["version"] == 2 and reply["full"] == ["a"] * 3 and reply["full_steps"] == [0, 1, 2]
     assert [f[0] for f in frames] == [1, 2, 1]
+    # a fault that could never land is refused, naming it
+    with pytest.raises(CaptureError, match=r"fault op 'b\.sum' is not an op of the plan"):
+        Capture(["a", "b"], None, fault={"op": "b.sum"})
+    with pytest.raises(CaptureError, match=r"fault op 'b' is not among the ops captured"):
+        Capture(["a", "b"], "a", fault={"op": "b"})
     # outside a loop a stepped fault does nothing, one without a step lands every time
     assert Capture(["a"], None, fault={"op": "a", "codes": 127, "step": 0}).take("a", x)[0] == 1
     assert "full_steps" not in Capture(["a"], None, full=["a"]).reply()[0]

@@ -326,3 +326,22 @@ def test_decode_capture_refuses_a_pattern_naming_nothing_and_an_agent_without_it
     with pytest.raises(NumericsError, match=r"the agent \(version 0\.\d+\.\d+, numerics capture 1\) does not capture "
                                             r"numerics inside decode steps \(capture 2 does\); update the agent"):
         decode_numerics(agent, qm, tokens8, ops="lm_head")
+
+
+def test_a_shadow_scheme_s_decode_step_is_compared_at_the_host_s_ops_and_names_a_fault_there(dev, smollm, tokens8):
+    """w8a8c-shadow's decode step keeps each linear whole on the cpu lane (its prefill splits them at "<linear>.sum")
+    and adds device-only shadow ops (blk.{i}.shadow_norm), captured but with no host op to compare with."""
+    from edgeprobe.numerics import decode_numerics, op_names, plan_op_names
+    from edgeprobe.prepare import prepared
+
+    qm = prepared(smollm, "w8a8c-shadow", progress=False)
+    names = plan_op_names(prefill_plan(qm.manifest, 1, session=True))
+    assert "blk.1.shadow_norm" in names and "blk.1.attn_q" in names and "blk.1.attn_q.sum" not in names
+    dn = decode_numerics(dev, qm, tokens8, steps=2, ops="blk.1.*", fault={"op": "blk.1.attn_q", "index": 3,
+                                                                           "step": 1}).numerics
+    assert [r["op"] for r in dn.steps[0].ops] == [n for n in op_names(smollm.config, 1, True) if n.startswith("blk.1.")]
+    assert all(r["device_vs_sim"]["max_abs"] == 0 for r in dn.steps[0].ops)
+    assert (dn.first_divergent["op"], dn.first_divergent["step"]) == ("blk.1.attn_q", 1)
+    # a fault at an op the step does not have is refused, not silently never applied
+    with pytest.raises(DeviceError, match=r"fault op 'blk\.1\.attn_q\.sum' is not an op of the plan"):
+        decode_numerics(dev, qm, tokens8, steps=1, ops="blk.1.*", fault={"op": "blk.1.attn_q.sum", "step": 0})

@@ -1,14 +1,16 @@
 """The one thread policy: how many cores a host pass (eval, calibration, profiles) or an agent lane's lone op may use.
 
-A multi-threaded BLAS or numba kernel splits its work evenly and waits for its slowest thread: beside one CPU-bound
-process a 2-thread pass on 2 cores kept 0.68x of its quiet one-thread speed, beside a 2-thread BLAS job 0.1-0.2x.
-So the policy counts the cores other processes keep busy (/proc/stat's busy time on this process's cores minus this
-process's own CPU time, over the last ~0.25 s) and uses the rest: all cores on a quiet machine, one beside a hog.
-Host passes enter `host_pass()` (and `tick()` per window); the agent's lanes ask `POLICY.threads()` for an op that
-computes alone (edgeprobe_agent.threads.Cores), while overlapping lanes keep one core each.
+A kernel whose threads spin while they wait (OpenBLAS's own threading, numba's OpenMP teams) splits its work evenly
+and waits for its slowest thread: beside one CPU-bound process a 2-thread pass on 2 cores kept 0.68x of its quiet
+one-thread speed, beside a 2-thread BLAS job 0.1-0.2x. So the policy counts the cores other processes keep busy
+(/proc/stat's busy time on this process's cores minus this process's own CPU time, over the last ~0.25 s) and gives
+such kernels the rest: all cores on a quiet machine, one beside a hog. Host passes enter `host_pass()` (and `tick()`
+per window); the agent's lanes ask `POLICY.threads()` for an op that computes alone
+(edgeprobe_agent.threads.Cores), while overlapping lanes keep one core each.
 
-Inside a host pass BLAS runs one thread a call and the host's GEMMs (`matmul_wt`) spread fixed column blocks over
-the chosen threads, so a pass's bits do not depend on the count, nor on the machine's load.
+Inside a host pass BLAS runs one thread a call, and the host's GEMMs (`matmul_wt`) and row splits spread fixed
+blocks over a pool whose threads block rather than spin, on every core: beside a busy core each still adds its fair
+share of time. The blocks depend on the shapes alone, so a pass's bits do not depend on the count or the load.
 EDGEPROBE_THREADS=N fixes the count at N (no measuring); unset or `auto`, it is measured.
 """
 from __future__ import annotations
@@ -113,7 +115,7 @@ class ThreadPolicy:
         self.fixed = fixed if fixed is not None else (int(word) if word.isdigit() and int(word) > 0 else None)
         self.last = None            # the count of the last decision (the bench prints it)
         self.chosen: dict = {}      # count -> decisions made with it
-        self.width = 1              # threads matmul_wt spreads over: the running host pass's count, else 1
+        self.width = 1              # threads the pool spreads blocks over: every core (or fixed) in a host pass, else 1
         self._others = 0.0
         self._sample = None
         self._measuring = threading.Lock()
@@ -159,13 +161,16 @@ class ThreadPolicy:
         return k
 
     def tick(self, fresh: bool = False) -> int | None:
-        """Inside host_pass: decide again (cheap: a measurement at most every INTERVAL_S) and set matmul_wt's
-        width and this thread's numba count to it. Call it per window or layer. Returns the count; outside a pass
-        it sets nothing (nothing would set it back) and returns None."""
+        """Inside host_pass: decide again (cheap: a measurement at most every INTERVAL_S) and set this thread's numba
+        count to it (its teams spin while they wait); the pool (matmul_wt, splits) takes every core, or the fixed
+        count. Call it per window or layer. Returns the count; outside a pass it sets nothing (nothing would set it
+        back) and returns None."""
         if not self._depth:
             return None
         k = self.threads(fresh=fresh)
-        self.width = k
+        # the pool's threads block, never spin: beside a busy core every core still adds its fair share of time
+        # (bench/threads.py: two threads beside a hog or a 2-thread BLAS job kept 0.8-1.0x, one thread 0.6-0.85x)
+        self.width = self.fixed or self.cores
         numba = sys.modules.get("numba")  # not imported for it: a pass that runs no numba kernel pays nothing
         if numba is not None:
             n = min(k, numba.config.NUMBA_NUM_THREADS)

@@ -63,13 +63,14 @@ def test_a_host_pass_sets_blas_and_numba_then_gives_them_back():
         numba.set_num_threads(2)
         assert p.tick() is None and _blas() == 2 and p.width == 1  # outside a pass nothing is set
         with p.host_pass() as q:
-            # beside a busy core: one thread; BLAS runs one thread a call in every pass (matmul_wt spreads the blocks)
-            assert q is p and (_blas(), p.width, numba.get_num_threads()) == (1, 1, 1)
+            # beside a busy core: numba's spinning teams get one thread, BLAS one a call in every pass, and the
+            # pool's blocking threads every core
+            assert q is p and (_blas(), p.width, numba.get_num_threads()) == (1, 2, 1)
             busy["others"] = 0.0
             assert p.tick() == 2 and (_blas(), p.width, numba.get_num_threads()) == (1, 2, 2)  # the neighbour left
             busy["others"] = 1.0
             with p.host_pass():  # nested: decides again, gives back nothing of the outer's
-                assert (_blas(), p.width, numba.get_num_threads()) == (1, 1, 1)
+                assert (_blas(), p.width, numba.get_num_threads()) == (1, 2, 1)
             assert _blas() == 1 and numba.get_num_threads() == 2
         assert (_blas(), p.width, numba.get_num_threads()) == (2, 1, 2)
         with pytest.raises(RuntimeError):
@@ -103,7 +104,7 @@ def test_agent_lanes_and_host_passes_take_their_counts_from_the_same_policy(monk
             with T.host_pass():
                 seen[others] = ({e["threads"] for e in events}, *_counts())
         # a lone lane's op and a host pass: the same count, recorded in each trace event
-        assert seen == {1.0: ({1}, 1, 1, 1), 0.0: ({2}, 1, 2, 2)}
+        assert seen == {1.0: ({1}, 1, T.CORES, 1), 0.0: ({2}, 1, T.CORES, 2)}
         assert c.enter() == 2 and c.enter() == 1  # lanes that overlap keep one core each
         c.leave()
         c.leave()
@@ -137,7 +138,7 @@ def test_eval_and_profile_passes_run_inside_the_policy(monkeypatch):
         monkeypatch.setattr(experts, "_RoutingRecorder", lambda m: SimpleNamespace(
             hooks=lambda: {}, take=lambda: (np.zeros((4, 1, 1), np.int16), np.zeros((4, 1, 1), np.float32))))
         trace = experts.record_routing(model, np.arange(8), window=4, progress=False)
-        assert trace.tokens == 8 and counts == [(1, 1, 1)] * 8 and _counts() == (2, 1, 2)
+        assert trace.tokens == 8 and counts == [(1, T.CORES, 1)] * 8 and _counts() == (2, 1, 2)
 
 
 def test_unset_or_auto_the_policy_measures_and_a_number_fixes_it(monkeypatch):
@@ -231,7 +232,7 @@ def test_decode_loops_and_in_process_plans_run_inside_the_policy(monkeypatch):
         assert [o.shape for o in out] == [(1, 8), (2, 8), (2, 8)] and len(counts) == 6
         outs, _, _ = local.run_plan(plan, get=None, inputs={"x": np.ones((2, 2), np.float32)})
         np.testing.assert_array_equal(outs["c0"], np.full((2, 2), 2, np.float32))
-        assert counts == [(1, 1, 1)] * 7 and _counts() == (2, 1, 2)  # given back after each
+        assert counts == [(1, T.CORES, 1)] * 7 and _counts() == (2, 1, 2)  # given back after each
 
 
 def test_only_the_outermost_pass_takes_a_fresh_measurement(monkeypatch):
@@ -270,3 +271,21 @@ def test_a_forked_child_spreads_on_its_own_pool():
         os.waitpid(pid, 0)
     assert done[0] == pid, "the forked child's split never finished"
     assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_window_nll_split_over_threads_is_the_one_pass_formula(monkeypatch):
+    """Eval's NLL over a window's [T, vocab] logits, in row blocks over the pool: the bits of the whole-array formula
+    (logsumexp in float64 minus the target's logit) at every width."""
+    from edgeprobe.evaluate import window_nll
+
+    rng = np.random.default_rng(5)
+    logits = (rng.standard_normal((200, 3000)) * 4).astype(np.float32)
+    ids = rng.integers(0, 3000, 200)
+    z = logits[:-1]
+    m = z.max(axis=-1, keepdims=True)
+    lse = np.log(np.exp(z - m).sum(axis=-1, dtype=np.float64)) + m[:, 0]
+    want = lse - z[np.arange(199), ids[1:]].astype(np.float64)
+    for width in (1, 2, 3):
+        monkeypatch.setattr(T.POLICY, "width", width)
+        got = window_nll(logits, ids)
+        assert got.dtype == np.float64 and np.array_equal(got, want)

@@ -177,7 +177,8 @@ class NumericsReport:
         return fig
 
     def write(self, out_dir) -> dict:
-        """numerics.json and numerics.html (the figure, plotly.js inlined: it draws offline) -> their paths."""
+        """numerics.json and numerics.html (the figure, plotly.js inlined: it draws offline) -> their paths. Any
+        report with to_json() and figure() (DecodeNumerics too) writes itself through here."""
         d = Path(out_dir)
         d.mkdir(parents=True, exist_ok=True)
         paths = {"json": str(d / "numerics.json"), "html": str(d / "numerics.html")}
@@ -387,12 +388,7 @@ class DecodeNumerics:
 
     def write(self, out_dir) -> dict:
         """numerics.json and numerics.html (the figure, plotly.js inlined) -> their paths."""
-        d = Path(out_dir)
-        d.mkdir(parents=True, exist_ok=True)
-        paths = {"json": str(d / "numerics.json"), "html": str(d / "numerics.html")}
-        Path(paths["json"]).write_text(json.dumps(self.to_json(), indent=1))
-        self.figure().write_html(paths["html"], include_plotlyjs=True)
-        return paths
+        return NumericsReport.write(self, out_dir)
 
 
 _SESSIONS = iter(range(1 << 62))  # each decode_numerics call opens its own session on the agent

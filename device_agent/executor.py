@@ -21,7 +21,7 @@ from errno import EMFILE
 from edgeprobe_kernels.numerics import CaptureError
 
 from .ops import GATHERS_ROWS, OPS, OpError, RunnerCache, bytes_in, check_fused, flops, runs_beside
-from .protocol import AgentError
+from .protocol import AgentError, leaf_names
 from .store import now_us
 from .threads import CORES_IN_USE
 
@@ -247,15 +247,7 @@ def run_ops(plan: Plan, names, inputs: dict, ctx: Context, results: dict, unread
 def capture_names(plan: Plan) -> list:
     """The op names a numerics capture picks from, in plan order: a plan op's, or a fused op's sub-ops' in its place
     (a decode step's one op `step` -> embed, blk.0.attn_norm, ..., lm_head: the template's names, as the host's)."""
-    def leaves(op):
-        for sub in op["attrs"]["ops"]:
-            yield from leaves(sub) if sub["kind"] == "fused" else (sub["name"],)
-
-    out = []
-    for n in plan.order:
-        op = plan.ops[n]
-        out += list(leaves(op)) if op["kind"] == "fused" else [n]
-    return out
+    return leaf_names(plan.ops[n] for n in plan.order)
 
 
 def _capture(capture, name: str, out, fixed: dict):

@@ -102,6 +102,15 @@ class ProtocolError(AgentError):
     """A message that does not follow the protocol."""
 
 
+def leaf_names(ops) -> list:
+    """The names of a plan's op dicts (in the order given) with each fused op's sub-ops, at any depth, in its place:
+    the names a run's numerics capture may pick (capture version 2; the host reads them from the plan it sends)."""
+    out = []
+    for op in ops:
+        out += leaf_names(op["attrs"]["ops"]) if op["kind"] == "fused" else [op["name"]]
+    return out
+
+
 def pack(header: dict, arrays=()) -> list:
     """header + arrays -> frames; arrays go raw (zero-copy where contiguous), described in header["frames"]."""
     arrays = [np.ascontiguousarray(a) for a in arrays]

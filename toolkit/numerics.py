@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from edgeprobe_agent.protocol import leaf_names
 from edgeprobe_kernels.names import layer_of
 from edgeprobe_kernels.numerics import HIST_BINS, HIST_LO, MAX_FULL_BYTES, select, summarize
 
@@ -75,11 +76,7 @@ def plan_op_names(plan: dict) -> list:
     """The op names an agent's capture picks from in an agent plan, in plan order: a fused op's sub-ops in its place
     (a decode step's one op `step` -> embed, blk.0.attn_norm, ..., lm_head), as edgeprobe_agent.executor's
     capture_names."""
-    def leaves(op):
-        for sub in op["attrs"]["ops"]:
-            yield from leaves(sub) if sub["kind"] == "fused" else (sub["name"],)
-
-    return [n for op in plan["ops"] for n in (leaves(op) if op["kind"] == "fused" else (op["name"],))]
+    return leaf_names(plan["ops"])
 
 
 def host_numerics(model, tokens, ops=None, full=(), linear=None, head=None,

@@ -114,11 +114,6 @@ class LazyWeights(Mapping[str, np.ndarray]):
         for name in names:
             self._mem.pop(name, None)
 
-    def release_layer(self, i: int) -> None:
-        """release every held tensor of layer i (`blk.{i}.*`)."""
-        prefix = f"blk.{i}."
-        self.release([n for n in self._mem if n.startswith(prefix)])
-
     def materialize(self) -> "LazyWeights":
         """Dequantize (or map) every tensor now, e.g. before timing a forward pass."""
         for name in self._loaders:

@@ -192,6 +192,16 @@ def check_fits(cfg: ModelConfig, window: int, what: str = "pass", logits: bool =
     return {"layer_bytes": lb, "activation_bytes": ab, "limit": limit, "limit_source": source}
 
 
+def fused_rows(cfg: ModelConfig, blk: str, what: str) -> list[tuple[str, int, int]]:
+    """Phi-3's fused projections of layer `blk` ("blk.{i}") -> [(GGUF name, first row, rows)]: "qkv" holds Q, K and
+    V's rows in that order, "gate_up" gate's then up's (Hugging Face's qkv_proj / gate_up_proj, llama.cpp's attn_qkv /
+    ffn_up)."""
+    if what == "qkv":
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        return [(f"{blk}.attn_q.weight", 0, q), (f"{blk}.attn_k.weight", q, kv), (f"{blk}.attn_v.weight", q + kv, kv)]
+    return [(f"{blk}.ffn_gate.weight", 0, cfg.ffn), (f"{blk}.ffn_up.weight", cfg.ffn, cfg.ffn)]
+
+
 def check_ffn_shapes(cfg: ModelConfig, shapes: dict, path) -> None:
     """Router and expert tensors must agree with each other and the config (GGUF names, [out, in])."""
     if not cfg.n_experts:

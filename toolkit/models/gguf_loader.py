@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .config import ModelConfig, check_ffn_shapes
+from .config import ModelConfig, check_ffn_shapes, fused_rows
 from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, default_cache_dir, file_sha256
@@ -196,11 +196,10 @@ def _fused(cfg: ModelConfig, name: str, shapes: dict) -> list[tuple[str, int, in
     if cfg.arch != "phi3":
         return None
     blk = name.rpartition(".")[0].rpartition(".")[0]  # blk.{i}
-    q, kv, f = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn
     if name.endswith(".attn_qkv.weight"):
-        return [(f"{blk}.attn_q.weight", 0, q), (f"{blk}.attn_k.weight", q, kv), (f"{blk}.attn_v.weight", q + kv, kv)]
-    if name.endswith(".ffn_up.weight") and f"{blk}.ffn_gate.weight" not in shapes and shapes[name][0] == 2 * f:
-        return [(f"{blk}.ffn_gate.weight", 0, f), (f"{blk}.ffn_up.weight", f, f)]
+        return fused_rows(cfg, blk, "qkv")
+    if name.endswith(".ffn_up.weight") and f"{blk}.ffn_gate.weight" not in shapes and shapes[name][0] == 2 * cfg.ffn:
+        return fused_rows(cfg, blk, "gate_up")
     return None
 
 

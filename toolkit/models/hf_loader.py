@@ -17,7 +17,7 @@ import numpy as np
 from safetensors import safe_open
 
 from ..errors import ModelFormatError, UnsupportedModelError
-from .config import ModelConfig, check_ffn_shapes
+from .config import ModelConfig, check_ffn_shapes, fused_rows
 from .model import Model
 from .tokenizer import Tokenizer
 from .weights import LazyWeights, file_sha256
@@ -101,14 +101,8 @@ def fused_parts(hf_name: str, cfg: ModelConfig) -> list[tuple[str, int, int]] | 
     parts = hf_name.split(".", 3)
     if len(parts) != 4 or parts[:2] != ["model", "layers"]:
         return None
-    i, rest = parts[2], parts[3]
-    if rest == "self_attn.qkv_proj.weight":
-        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-        return [(f"blk.{i}.attn_q.weight", 0, q), (f"blk.{i}.attn_k.weight", q, kv),
-                (f"blk.{i}.attn_v.weight", q + kv, kv)]
-    if rest == "mlp.gate_up_proj.weight":
-        return [(f"blk.{i}.ffn_gate.weight", 0, cfg.ffn), (f"blk.{i}.ffn_up.weight", cfg.ffn, cfg.ffn)]
-    return None
+    what = {"self_attn.qkv_proj.weight": "qkv", "mlp.gate_up_proj.weight": "gate_up"}.get(parts[3])
+    return fused_rows(cfg, f"blk.{parts[2]}", what) if what else None
 
 
 def _plus_one(w: np.ndarray) -> np.ndarray:

@@ -38,8 +38,11 @@ $(ARM64)/bin/python3:
 	bash scripts/arm64_python.sh $(ARM64)
 
 # lint first: a style or pyflakes finding fails in seconds, before the 20-minute suite
+# prepared models of other source versions are never read again (their key holds the code's hash) and take ~1 GB
+# each: pruned first, so that editing the quantizer or kernels between runs does not fill the disk
 test: setup-test $(ARM64)/bin/python3
 	$(BIN)/ruff check .
+	$(BIN)/edgeprobe cache prune
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=30 tests
 
 # the notebooks' .ipynb from their jupytext sources (notebooks/*.py) after an edit outside JupyterLab

@@ -1,4 +1,5 @@
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -7,6 +8,15 @@ import pytest
 # Nothing in the suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def module_dir(tmp_path_factory, request):
+    """A folder for one test module's agent stores and runs, removed when the module ends: kept to the end of the
+    session, a suite's stores and prepared models would hold ~8 GB of disk at once."""
+    d = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

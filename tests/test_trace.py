@@ -39,11 +39,11 @@ def _tiny_llm():
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory):
+def agent(module_dir):
     """A local agent and the tiny model."""
     from edgeprobe.device import Device
 
-    with Device.local(store=tmp_path_factory.mktemp("store")) as dev:
+    with Device.local(store=module_dir / "store") as dev:
         yield dev, _tiny_llm()
 
 

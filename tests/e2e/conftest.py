@@ -47,11 +47,11 @@ def tiny():
 
 
 @pytest.fixture(scope="module")
-def dev(tmp_path_factory):
+def dev(module_dir):
     """A local agent of this test module, on its own store."""
     from edgeprobe.device import Device
 
-    d = Device.local(store=tmp_path_factory.mktemp("store"))
+    d = Device.local(store=module_dir / "store")
     yield d
     d.close()
 

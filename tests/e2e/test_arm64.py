@@ -37,9 +37,9 @@ def _user() -> str:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def store(module_dir):
     """One agent store for this module's CLI runs (the arm64 agent's and the numba reference agent's, in turn)."""
-    return tmp_path_factory.mktemp("arm64-store")
+    return module_dir / "arm64-store"
 
 
 def _cli(args, store, timeout=900) -> dict:

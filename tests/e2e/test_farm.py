@@ -21,9 +21,9 @@ def _user() -> str:
 
 
 @pytest.fixture(scope="module")
-def three(sshd, tmp_path_factory, free_port):
+def three(sshd, module_dir, free_port):
     """A farm of three kinds of device: local, ssh (this host's sshd), arm64 (qemu), opened at once."""
-    base = tmp_path_factory.mktemp("farm")
+    base = module_dir
     makers = {
         "local": lambda: Device.local(store=base / "local"),
         "ssh": lambda: Device.ssh("127.0.0.1", _user(), sshd["key"], port=sshd["port"], python=sys.executable,

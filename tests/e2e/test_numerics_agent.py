@@ -38,8 +38,8 @@ def tokens8(heldout_ids):
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory):
-    d = Device.local(store=tmp_path_factory.mktemp("numerics-store"))
+def agent(module_dir):
+    d = Device.local(store=module_dir / "numerics-store")
     yield d
     d.close()
 
@@ -146,15 +146,15 @@ def plan_ops(qm, tokens8):
 
 
 @pytest.fixture(scope="module")
-def arm64_agent(tmp_path_factory):
-    d = Device.local(store=tmp_path_factory.mktemp("arm64-numerics"), arch="arm64")
+def arm64_agent(module_dir):
+    d = Device.local(store=module_dir / "arm64-numerics", arch="arm64")
     yield d
     d.close()
 
 
 @pytest.fixture(scope="module")
-def hvx_agent(tmp_path_factory, hvx_toolchain):
-    d = Device.local(store=tmp_path_factory.mktemp("hvx-numerics"), npu_backend="hvx", lanes=["cpu", "npu"])
+def hvx_agent(module_dir, hvx_toolchain):
+    d = Device.local(store=module_dir / "hvx-numerics", npu_backend="hvx", lanes=["cpu", "npu"])
     yield d
     d.close()
 

@@ -11,8 +11,8 @@ from edgeprobe import Device
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    base = tmp_path_factory.mktemp("run_cli")
+def env(module_dir):
+    base = module_dir
     (base / "short.txt").write_text("def f(x): return x + 1\n")  # 11 tokens
     e = {**os.environ, "TMPDIR": str(base), "EDGEPROBE_PREPARED_CACHE": str(base / "prepared"),
          "EDGEPROBE_AGENT_STORE": str(base / "store")}

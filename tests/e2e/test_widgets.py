@@ -9,11 +9,11 @@ from edgeprobe.widgets import TimelineExplorer
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(module_dir):
     model = models.load("smollm2-135m")
     prompt = model.tokenizer.encode(read_corpus("heldout"))[:32]
     calib = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), tokens=128, window=128)
-    with Device.local(store=tmp_path_factory.mktemp("store")) as dev:
+    with Device.local(store=module_dir / "store") as dev:
         yield dev, model, prompt, calib
 
 

@@ -251,7 +251,8 @@ def print_table(rows: list[dict]) -> None:
               f"{r['bound_tok_s']:7.1f} {r['ratio']:6.0%} {r['blas_gflops']:9.1f} {r['disk_mb_s']:9.0f}")
     print("params: in the file (embedding included); bound = BLAS FLOP/s / (2 x params of the layers run); tok/s "
           "counts both forward passes (calibration, then the layer-major outlier pass); extra disk: what "
-          "EDGEPROBE_CACHE grew by (float32 .npy weight cache and metadata)")
+          "EDGEPROBE_CACHE grew by (config and tokenizer; float32 .npy only for a model under "
+          "$EDGEPROBE_NPY_CACHE_MAX_MB)")
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from ..errors import ModelFormatError, UnsupportedModelError
 from .config import ModelConfig, check_ffn_shapes, fused_rows
 from .model import Model
 from .tokenizer import Tokenizer
-from .weights import LazyWeights, default_cache_dir, file_sha256
+from .weights import LazyWeights, default_cache_dir, file_sha256, npy_cache_limit
 
 SUPPORTED_ARCHS = ("llama", "gemma2", "gemma3", "phi3", "qwen2", "qwen3", "qwen3moe")
 # llama.cpp runs these with NEOX RoPE: Q/K rows stay in the halves layout
@@ -264,8 +265,11 @@ def _check_tensors(cfg: ModelConfig, reader: gguf.GGUFReader, path: Path) -> Non
 def load_gguf(path: Path, cache_dir: Path | None | bool = True, name: str = "") -> Model:
     """Load a GGUF file. `cache_dir=True` uses the default cache, None/False disables caching.
 
-    The cache (`<cache>/weights/<sha256[:24]>/`) holds the config, the tokenizer and each tensor as
-    float32 .npy; a second load of the same file reads those and never parses the GGUF again.
+    The cache (`<cache>/weights/<sha256[:24]>/`) holds the config and the tokenizer, so a second load of the same
+    file never parses the GGUF again, and, for a model whose float32 weights fit `npy_cache_limit()` (2 GB: the
+    built-in models), each tensor as float32 .npy, mapped instead of dequantized again. A larger model's weights stay
+    in the checkpoint's quantized blocks and are dequantized when a pass reads them (issue 43, item 1): the cache
+    then grows by its metadata only.
     """
     path = Path(path)
     if not is_gguf(path):
@@ -305,8 +309,12 @@ def load_gguf(path: Path, cache_dir: Path | None | bool = True, name: str = "") 
                                                                         rope))
     tf = _rope_transforms(cfg, shapes)
     loaders = {n: f or _dequantizer(get_reader, n, tuple(shapes[n]), tf.get(n)) for n, f in loaders.items()}
-    return Model(config=cfg, tokenizer=tok, weights=LazyWeights(loaders, cache_dir), source=str(path),
-                 sha256=sha, name=name or cfg.name, meta={"format": "gguf", "tensor_types": types})
+    float_bytes = 4 * sum(math.prod(s) for s in shapes.values())
+    npy_dir = cache_dir if float_bytes <= npy_cache_limit() else None
+    return Model(config=cfg, tokenizer=tok, weights=LazyWeights(loaders, npy_dir), source=str(path),
+                 sha256=sha, name=name or cfg.name,
+                 meta={"format": "gguf", "tensor_types": types, "float32_bytes": float_bytes,
+                       "npy_cache": str(npy_dir) if npy_dir else None})
 
 
 _META = "meta.json"

@@ -1,10 +1,13 @@
-"""Lazily dequantized float32 weights with an on-disk cache keyed by the checkpoint's sha256."""
+"""Lazily dequantized float32 weights: an optional on-disk float32 cache keyed by the checkpoint's sha256 (small
+models), else dequantized from the checkpoint on access and held in memory up to a byte budget (issue 43, item 1)."""
 from __future__ import annotations
 
 import hashlib
 import os
 import tempfile
+import threading
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Iterator, Mapping
 
@@ -19,6 +22,39 @@ def default_cache_dir() -> Path:
     return Path(base) / "edgeprobe"
 
 
+def _env_mb(var: str, default: int) -> int:
+    """$var in MB as bytes, else `default` bytes."""
+    raw = os.environ.get(var, "").strip()
+    if not raw:
+        return default
+    try:
+        mb = int(raw)
+    except ValueError:
+        mb = -1
+    if mb < 0:
+        from ..errors import EdgeprobeError
+
+        raise EdgeprobeError(f"${var}={raw!r} is not a size in MB; give a whole number of megabytes (0 or more)")
+    return mb << 20
+
+
+def npy_cache_limit() -> int:
+    """Bytes of float32 weights up to which a checkpoint gets the float32 .npy cache: $EDGEPROBE_NPY_CACHE_MAX_MB,
+    default 2048 (the built-in models, 0.5 and 1.1 GB, map it instead of dequantizing again each process; a 1-8B
+    model would write 5-32 GB, 4x its checkpoint, so it is dequantized from the checkpoint instead)."""
+    return _env_mb("EDGEPROBE_NPY_CACHE_MAX_MB", 2048 << 20)
+
+
+def default_hold_bytes() -> int:
+    """Bytes of dequantized tensors a model keeps in memory (not mapped from a cache) before it drops the least
+    recently used: $EDGEPROBE_WEIGHTS_HOLD_MB, default a quarter of this machine's RAM."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        ram = 8 << 30
+    return _env_mb("EDGEPROBE_WEIGHTS_HOLD_MB", ram // 4)
+
+
 def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -28,35 +64,65 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
 
 
 class LazyWeights(Mapping[str, np.ndarray]):
-    """name -> float32 array, dequantized on first access and cached as .npy (memory-mapped).
+    """name -> float32 array, dequantized on first access.
 
-    `loaders[name]()` produces the float32 tensor (e.g. through `gguf.quants.dequantize`); its result
-    is written to `cache_dir/name.npy` so the next process maps it instead of dequantizing again.
-    With `cache_dir=None`, or when the cache cannot be written (read-only, disk full), tensors are
-    kept in memory only and a warning says so once.
+    `loaders[name]()` produces the float32 tensor (e.g. through `gguf.quants.dequantize`). With a `cache_dir`, its
+    result is written to `cache_dir/name.npy` so the next process maps it instead of dequantizing again. With
+    `cache_dir=None`, or when the cache cannot be written (read-only, disk full: a warning says so once), tensors are
+    kept in memory only, at most `hold_bytes` of them (default `default_hold_bytes()`): past that the least recently
+    used are dropped, and dequantized again on their next access (a warning says so once: a window-major pass over
+    such a model dequantizes every layer per window; a layer-major pass reads each layer once).
 
     Every tensor returned is held (mapped or in memory) until `release` drops it: a layer-major pass releases each
     layer once done with it, so its peak memory is one layer's weights, not the model's (issue 43, item 2).
+    Safe to read from several threads: the holding is under a lock, the dequantization outside it.
     """
 
-    def __init__(self, loaders: dict[str, Callable[[], np.ndarray]], cache_dir: Path | None):
+    def __init__(self, loaders: dict[str, Callable[[], np.ndarray]], cache_dir: Path | None,
+                 hold_bytes: int | None = None):
         self._loaders = loaders
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
-        self._mem: dict[str, np.ndarray] = {}
+        self._mem: OrderedDict[str, np.ndarray] = OrderedDict()  # least recently used first
+        self._held = 0   # bytes of _mem that live in memory (a memory map is the page cache's to drop)
+        self.hold_bytes = default_hold_bytes() if hold_bytes is None else int(hold_bytes)
+        self._lock = threading.Lock()
         self._warned = False
+        self._warned_evict = False
 
     def __getitem__(self, name: str) -> np.ndarray:
-        arr = self._mem.get(name)
-        if arr is not None:
-            return arr
+        with self._lock:
+            arr = self._mem.get(name)
+            if arr is not None:
+                self._mem.move_to_end(name)
+                return arr
         if name not in self._loaders:
             raise KeyError(f"no tensor named {name!r} in this model")
         arr = self._from_cache(name)
         if arr is None:
             arr = np.ascontiguousarray(self._loaders[name](), dtype=np.float32)
             self._to_cache(name, arr)
-        self._mem[name] = arr
+        with self._lock:
+            if name in self._mem:  # another thread loaded it meanwhile: one copy held
+                return self._mem[name]
+            self._mem[name] = arr
+            self._held += _in_memory(arr)
+            self._evict(keep=name)
         return arr
+
+    def _evict(self, keep: str) -> None:
+        """Drop the least recently used in-memory tensors (never `keep`) until the held bytes fit hold_bytes."""
+        if self._held <= self.hold_bytes:
+            return
+        for other in [n for n, a in self._mem.items() if n != keep and _in_memory(a)]:
+            if self._held <= self.hold_bytes:
+                break
+            self._held -= _in_memory(self._mem.pop(other))
+            if not self._warned_evict:
+                self._warned_evict = True
+                warnings.warn(f"edgeprobe: this model's dequantized weights exceed the {self.hold_bytes >> 20} MB held "
+                              "in memory; the least recently used are dropped and dequantized again when next read "
+                              "(a window-major pass re-reads every layer per window: profile with --order layer, or "
+                              "raise $EDGEPROBE_WEIGHTS_HOLD_MB)", RuntimeWarning, stacklevel=3)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._loaders)
@@ -105,17 +171,35 @@ class LazyWeights(Mapping[str, np.ndarray]):
 
     def resident(self) -> frozenset[str]:
         """The names of the tensors held now (mapped from the cache or in memory)."""
-        return frozenset(self._mem)
+        with self._lock:
+            return frozenset(self._mem)
 
     def release(self, names) -> None:
         """Stop holding these tensors (names not held are ignored): a mapped one is unmapped and an in-memory one
         freed once nothing else refers to it, so its pages leave the RSS. The next access maps the cache again, or
         dequantizes again where there is no cache."""
-        for name in names:
-            self._mem.pop(name, None)
+        with self._lock:
+            for name in names:
+                arr = self._mem.pop(name, None)
+                if arr is not None:
+                    self._held -= _in_memory(arr)
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors held in memory now (memory-mapped ones from the cache not counted)."""
+        return self._held
 
     def materialize(self) -> "LazyWeights":
         """Dequantize (or map) every tensor now, e.g. before timing a forward pass."""
         for name in self._loaders:
             self[name]
         return self
+
+
+def _in_memory(arr: np.ndarray) -> int:
+    """Bytes `arr` holds in anonymous memory: 0 for a memory map of the .npy cache (or a view of one)."""
+    base = arr
+    while isinstance(base, np.ndarray):
+        if isinstance(base, np.memmap):
+            return 0
+        base = base.base
+    return arr.nbytes

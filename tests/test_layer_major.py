@@ -1,10 +1,14 @@
-"""Layer-major profiling (every window through layer i, then layer i + 1) equals the window-major pass bit for bit:
-the same ops run on the same inputs, and outlier statistics are maxima and integer counts (order-free)."""
+"""Layer-major profiling and perplexity (every window through layer i, then layer i + 1) equal the window-major pass
+bit for bit: the same ops run on the same inputs, outlier statistics are maxima and integer counts (order-free) and
+the windows' NLL sums are added in the same order."""
+import json
+
 import numpy as np
 import pytest
 
 from edgeprobe import models
 from edgeprobe.corpus import read_corpus
+from edgeprobe.evaluate import perplexity
 from edgeprobe.forward import hook_names
 from edgeprobe.profile import OutlierStats, run
 from edgeprobe.profile.base import Profile
@@ -140,3 +144,35 @@ def test_the_outliers_job_and_cli_take_the_order(smollm, capsys, monkeypatch):
     assert main(["profile", "outliers", "--order", "layer", "--ray", "local", "--out", "unused"]) == 2
     out = capsys.readouterr()
     assert out.out == "" and out.err.count("\n") == 1 and "--order layer runs in one process" in out.err
+
+
+@pytest.mark.parametrize("which", ["smollm", "tiny_moe", "gemma"])
+def test_layer_major_perplexity_is_the_same_number(which, request):
+    """Gemma adds BOS to each window and soft-caps nothing at 270M; tiny-moe routes; SmolLM2 is plain: each the
+    same float64 NLL, not merely close. A quantized simulation's linear passes through too (SmolLM2, w8a8)."""
+    model = request.getfixturevalue(which)
+    ids = model.tokenizer.encode(read_corpus("heldout")[:2000])
+    kw = dict(window=40, max_windows=3, progress=False)
+    win, lay = perplexity(model, ids, **kw), perplexity(model, ids, order="layer", **kw)
+    assert lay.windows == win.windows == 3 and lay.tokens_scored == win.tokens_scored
+    assert lay.nll == win.nll and lay.perplexity == win.perplexity and np.isfinite(win.nll)
+    if which != "smollm":
+        return
+    from edgeprobe.quant import calibration_profile, quantize
+
+    calib = calibration_profile(model, model.tokenizer.encode(read_corpus("train")), tokens=128, window=64)
+    qm = quantize(model, "w8a8", calib)
+    q_win = perplexity(qm.model, ids, linear=qm.linear, **kw)
+    q_lay = perplexity(qm.model, ids, linear=qm.linear, order="layer", **kw)
+    assert q_lay.nll == q_win.nll != win.nll
+
+
+def test_eval_cli_takes_the_order(capsys):
+    from edgeprobe.cli import main
+
+    args = ["eval", "--window", "32", "--max-windows", "2", "--json", "--no-progress"]
+    assert main(args) == 0 and main([*args, "--order", "layer"]) == 0
+    win, lay = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[-2:])
+    assert (win["order"], lay["order"]) == ("window", "layer") and win["nll"] == lay["nll"]
+    with pytest.raises(ValueError, match="order must be 'window' or 'layer'"):
+        perplexity(models.load("smollm2-135m"), np.arange(100), window=32, order="tokens")

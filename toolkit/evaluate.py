@@ -11,7 +11,7 @@ from edgeprobe_kernels.sampling import log_softmax  # noqa: F401  (re-exported: 
 from edgeprobe_kernels.threads import host_pass, run_blocks
 
 from .errors import TextError, WindowError
-from .forward import Hooks, LinearFn, forward
+from .forward import Hooks, LinearFn, forward, forward_layers
 from .models import Model
 from .models.config import check_fits
 
@@ -52,7 +52,7 @@ def window_nll(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear: LinearFn | None = None,
-               max_windows: int | None = None, progress: bool = True) -> EvalResult:
+               max_windows: int | None = None, progress: bool = True, order: str = "window") -> EvalResult:
     """Perplexity of `ids` (int[tokens]) in non-overlapping windows of `window` tokens.
 
     Each window starts from an empty cache and scores its positions 1..window-1; a last window
@@ -62,7 +62,11 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
     leading BOS in `ids` (from encode) is dropped first. A model whose one layer, a window's activations and
     logits exceed the memory limit is refused first (models.config.check_fits). Threads: the cores other
     processes leave free, decided again per window (edgeprobe_kernels.threads).
+    order="layer" runs every window through layer i before layer i+1 (forward.forward_layers): each layer's weights
+    read once, the windows' hidden states held between layers; the same NLL bits, summed in the same window order.
     """
+    if order not in ("window", "layer"):
+        raise ValueError(f"order must be 'window' or 'layer', got {order!r}")
     if not isinstance(window, (int, np.integer)) or window < 2:
         raise WindowError(f"window must be an integer >= 2 (it scores positions 1..window-1), got {window!r}")
     if window > model.config.context_length:
@@ -84,14 +88,26 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
                         f"pass a longer text or a smaller --window (at most {len(ids)})")
     if max_windows is not None:
         n = min(n, int(max_windows))
+    chunks = [ids[w * step:(w + 1) * step] for w in range(n)]
+    if bos is not None:
+        chunks = [np.concatenate([[bos], c]).astype(ids.dtype) for c in chunks]
     total, t0 = 0.0, time.perf_counter()
-    with host_pass() as threads:
-        for w in tqdm(range(n), desc="perplexity", unit="win", disable=not progress, leave=False):
-            threads.tick()
-            chunk = ids[w * step:(w + 1) * step]
-            if bos is not None:
-                chunk = np.concatenate([[bos], chunk]).astype(ids.dtype)
-            total += float(window_nll(forward(model, chunk, hooks=hooks, linear=linear), chunk).sum())
+    if order == "layer":
+        check_fits(model.config, window, what="layer-major perplexity pass", logits=True, name=model.name,
+                   windows_held=n)
+        nll = []  # each window's sum as its logits come, in window order: the window-major total's additions
+
+        def scored(w, logits):
+            nll.append(float(window_nll(logits, chunks[w]).sum()))
+        with tqdm(desc="perplexity", unit="win", disable=not progress, leave=False) as bar:
+            forward_layers(model, chunks, scored, hooks=hooks, linear=linear, logits="all", bar=bar)
+        for x in nll:
+            total += x
+    else:
+        with host_pass() as threads:
+            for chunk in tqdm(chunks, desc="perplexity", unit="win", disable=not progress, leave=False):
+                threads.tick()
+                total += float(window_nll(forward(model, chunk, hooks=hooks, linear=linear), chunk).sum())
     secs = time.perf_counter() - t0
     scored = n * (window - 1)
     nll = total / scored

@@ -33,10 +33,10 @@ from edgeprobe_kernels.names import (
     FFN_LINEARS,
     ROUTERS,  # noqa: F401  (re-exported: router linears stay float)
 )
-from edgeprobe_kernels.threads import matmul_wt
+from edgeprobe_kernels.threads import host_pass, matmul_wt
 
 from .errors import TokenRangeError
-from .graph.local import HostRaised, float_plan, run_float
+from .graph.local import HostContext, HostRaised, float_plan, run_float, run_float_part
 from .models import Model, ModelConfig
 
 HookFn = Callable[[str, np.ndarray], Union[np.ndarray, None]]
@@ -317,3 +317,76 @@ def forward(model: Model, tokens, cache: KVCache | None = None, hooks: Hooks = N
         cache.length = start + T
     out = out.reshape(B, -1) if logits == "last" else out.reshape(B, T, -1)
     return out[0] if single else out
+
+
+# ---- layer-major (issue 43, item 2): the float plan cut at layer boundaries, each window's live outputs kept between
+# layers, so each layer's weights are read once a pass; the same ops on the same inputs, so the same bits
+
+
+def _releaser(weights, plan, segments: list[list[str]]):
+    """-> release(s), called once every window has run segment s: drops from `weights` the tensors this pass loaded
+    that no later segment reads (layer i's blk.{i}.* after layer i; others after the last op naming them), so the
+    pass holds one layer's weights at a time. Tensors held before the pass (a materialized model, a small model
+    after an earlier pass) stay held; weights without LazyWeights.release (a plain dict) are left alone."""
+    if not hasattr(weights, "release"):
+        return lambda s: None
+    held_before = weights.resident()
+    layer_of_seg = [plan.ops[seg[0]].get("layer", -1) for seg in segments]
+    last_read: dict[str, int] = {}
+    for s, seg in enumerate(segments):
+        for name in seg:
+            for r in plan.ops[name].get("inputs", []):
+                if "blob" in r:
+                    last_read[r["blob"]] = s
+
+    def done(name: str, s: int) -> bool:
+        if name.startswith("blk."):  # host ops (linears, experts) read a layer's tensors inside its segment only
+            return layer_of_seg[s] >= 0 and N.layer_of(name) <= layer_of_seg[s]
+        return last_read.get(name, -1) <= s
+
+    def release(s: int) -> None:
+        weights.release([n for n in weights.resident() - held_before if done(n, s)])
+    return release
+
+
+def forward_layers(model: Model, chunks: list, done: Callable[[int, np.ndarray], None], hooks: Hooks = None,
+                   linear: LinearFn | None = None, logits: str = "none", head=None, bar=None) -> None:
+    """forward(model, chunk, hooks=, linear=, logits=, head=) for every window of `chunks` (int[T] each, one T, each
+    from an empty cache), run layer-major: every window through layer i, then layer i+1, so each layer's weights
+    are read once (and released after it when `model.weights` is a LazyWeights). done(w, out) receives window w's
+    output, the bits forward() returns, as soon as its last op ran, windows in order; its array is dropped then.
+    Hooks fire layer by layer, every window in turn. `bar` (a tqdm or None) advances once per layer per window."""
+    if logits not in ("all", "none"):
+        raise ValueError(f"logits must be 'all' or 'none' layer-major, got {logits!r}")
+    T = len(chunks[0])
+    if any(len(c) != T for c in chunks):
+        raise ValueError("layer-major windows must have one length")
+    plan = float_plan(model.config, T, 1, False, logits, HOST_OPS if hooks is not None else HOST_OPS_UNHOOKED)
+    (lane, names), = [(lane, names) for lane, names in plan.lane_order.items() if names]
+    segments: list[list[str]] = []
+    for name in names:  # program order is layer-major already (template: chunk, layer, stage)
+        layer = plan.ops[name].get("layer", -1)
+        if segments and plan.ops[segments[-1][-1]].get("layer", -1) == layer:
+            segments[-1].append(name)
+        else:
+            segments.append([name])
+    release = _releaser(model.weights, plan, segments)
+    ctx = HostContext(get=model.weights.__getitem__, lane=lane,
+                      host=_Host(model, hooks, linear or float_linear(model), head or model.head))
+    tokens = [_as_batch(c, model.config.vocab_size)[0].reshape(-1) for c in chunks]
+    results: list[dict] = [{} for _ in chunks]
+    unread = [dict(plan.readers) for _ in chunks]
+    out = plan.outputs[0]
+    if bar is not None:
+        bar.reset(total=len(segments) * len(chunks))
+    with host_pass() as threads:
+        for s, seg in enumerate(segments):
+            for w in range(len(chunks)):
+                threads.tick()
+                run_float_part(plan, seg, tokens[w], ctx, results[w], unread[w])
+                if s == len(segments) - 1:
+                    done(w, results[w].pop(out).reshape(T, -1))
+                    results[w].clear()
+                if bar is not None:
+                    bar.update(1)
+            release(s)

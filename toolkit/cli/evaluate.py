@@ -21,8 +21,9 @@ def cmd_eval(args) -> int:
         qm = prepared_model(model, args.scheme, not args.no_progress, say=say_for(args))
         run_model, linear = qm.model, qm.linear
     res = perplexity(run_model, ids, window=args.window, max_windows=args.max_windows, linear=linear,
-                     progress=not args.no_progress)
-    out = {"model": args.model, "scheme": args.scheme, "text": args.text or "corpus:heldout", **res.to_dict()}
+                     progress=not args.no_progress, order=args.order)
+    out = {"model": args.model, "scheme": args.scheme, "text": args.text or "corpus:heldout", "order": args.order,
+           **res.to_dict()}
     if args.json:
         print(json.dumps(out))
     else:

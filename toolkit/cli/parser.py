@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--window", type=int, default=512, help="window length in tokens (default 512)")
     e.add_argument("--max-windows", type=int, default=None, help="evaluate at most this many windows")
     e.add_argument("--scheme", default="float", help="quantization scheme to simulate (default float)")
+    e.add_argument("--order", choices=("window", "layer"), default="window",
+                   help="window: each window through every layer; layer: every window through layer i, then layer "
+                        "i+1, each layer's weights read once (for a model larger than memory; the same perplexity, "
+                        "bit for bit)")
     e.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(fn=cmd_eval)

@@ -6,12 +6,10 @@ from collections import defaultdict
 import numpy as np
 from tqdm.auto import tqdm
 
-from edgeprobe_kernels.names import layer_of
 from edgeprobe_kernels.threads import host_pass
 
 from ..errors import TextError, WindowError
-from ..forward import HOST_OPS, _as_batch, _Host, float_linear, forward
-from ..graph.local import HostContext, float_plan, run_float_part
+from ..forward import forward, forward_layers
 from ..models import Model
 from ..models.config import check_fits
 from .base import Profile
@@ -75,41 +73,11 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
     return profiles if len(profiles) != 1 else profiles[0]
 
 
-# ---- layer-major (issue 43, item 2): the float plan cut at layer boundaries, each window's live outputs kept between
-# layers, so each layer's weights are read once a pass; the same ops on the same inputs, so hooks see the same arrays
-
-
 def _per_window_state_free(p: Profile) -> bool:
     """Profiles that keep nothing between begin_window and end_window (their hooks see one window at a time in
     either order): those that do not override the two."""
     t = type(p)
     return t.begin_window is Profile.begin_window and t.end_window is Profile.end_window
-
-
-def _releaser(weights, plan, segments: list[list[str]]):
-    """-> release(s), called once every window has run segment s: drops from `weights` the tensors this pass loaded
-    that no later segment reads (layer i's blk.{i}.* after layer i; others after the last op naming them), so the
-    pass holds one layer's weights at a time. Tensors held before the pass (a materialized model, a small model
-    after an earlier pass) stay held; weights without LazyWeights.release (a plain dict) are left alone."""
-    if not hasattr(weights, "release"):
-        return lambda s: None
-    held_before = weights.resident()
-    layer_of_seg = [plan.ops[seg[0]].get("layer", -1) for seg in segments]
-    last_read: dict[str, int] = {}
-    for s, seg in enumerate(segments):
-        for name in seg:
-            for r in plan.ops[name].get("inputs", []):
-                if "blob" in r:
-                    last_read[r["blob"]] = s
-
-    def done(name: str, s: int) -> bool:
-        if name.startswith("blk."):  # host ops (linears, experts) read a layer's tensors inside its segment only
-            return layer_of_seg[s] >= 0 and layer_of(name) <= layer_of_seg[s]
-        return last_read.get(name, -1) <= s
-
-    def release(s: int) -> None:
-        weights.release([n for n in weights.resident() - held_before if done(n, s)])
-    return release
 
 
 def run_layers(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None = None,
@@ -126,32 +94,11 @@ def run_layers(model: Model, ids, *profiles, window: int = 512, max_tokens: int 
     chunks = windows(ids, window, max_tokens)
     check_fits(model.config, window, what=f"layer-major {desc} pass", name=model.name, windows_held=len(chunks))
     hooks = combine_hooks(p.hooks(model) for p in profiles)
-    plan = float_plan(model.config, window, 1, False, "none", HOST_OPS)
-    (lane, names), = [(lane, names) for lane, names in plan.lane_order.items() if names]
-    segments: list[list[str]] = []
-    for name in names:  # program order is layer-major already (template: chunk, layer, stage)
-        layer = plan.ops[name].get("layer", -1)
-        if segments and plan.ops[segments[-1][-1]].get("layer", -1) == layer:
-            segments[-1].append(name)
-        else:
-            segments.append([name])
-    release = _releaser(model.weights, plan, segments)
-    ctx = HostContext(get=model.weights.__getitem__, lane=lane,
-                      host=_Host(model, hooks, float_linear(model), model.head))
-    tokens = [_as_batch(c, model.config.vocab_size)[0].reshape(-1) for c in chunks]
-    results: list[dict] = [{} for _ in chunks]
-    unread = [dict(plan.readers) for _ in chunks]
     for p in profiles:
         for c in chunks:
             p.begin_window(c)
-    bar = tqdm(total=len(segments) * len(chunks), desc=desc, unit="win", disable=not progress, leave=False)
-    with host_pass() as threads, bar:
-        for s, seg in enumerate(segments):
-            for w in range(len(chunks)):
-                threads.tick()
-                run_float_part(plan, seg, tokens[w], ctx, results[w], unread[w])
-                bar.update(1)
-            release(s)
+    with tqdm(desc=desc, unit="win", disable=not progress, leave=False) as bar:
+        forward_layers(model, chunks, lambda w, out: None, hooks=hooks, bar=bar)
     for p in profiles:
         for c in chunks:
             p.end_window(len(c))

@@ -127,8 +127,7 @@ def test_layer_major_refuses_per_window_profiles(smollm):
         run(smollm, np.zeros(128, np.int64), window=64, order="tokens", progress=False)
 
 
-def test_the_outliers_job_and_cli_take_the_order(smollm, capsys, monkeypatch):
-    from edgeprobe.cli import main
+def test_the_outliers_job_and_its_runners_take_the_order(smollm, monkeypatch):
     from edgeprobe.profile import jobs
     from edgeprobe.profile.jobs import profile_outliers
 
@@ -140,10 +139,12 @@ def test_the_outliers_job_and_cli_take_the_order(smollm, capsys, monkeypatch):
     _equal(profile_outliers(smollm, ids, **kw), profile_outliers(smollm, ids, order="layer", **kw))
     # layer-major: its calibration too (a window-major one would hold every layer's weights)
     assert orders == [("outliers", "window"), ("calibrate", "layer"), ("outliers", "layer")]
-    # Ray's shards are window-major: refused in one line before any cluster starts or model loads
-    assert main(["profile", "outliers", "--order", "layer", "--ray", "local", "--out", "unused"]) == 2
-    out = capsys.readouterr()
-    assert out.out == "" and out.err.count("\n") == 1 and "--order layer runs in one process" in out.err
+    # a runner (RayRunner's place) is asked for both passes in that order; the CLI's layer-major profile on a real
+    # Ray cluster: tests/e2e/test_ray_profile.py
+    asked = []
+    runner = lambda *a, **k: asked.append((k.get("desc"), k.get("order"))) or real(*a, **k)  # noqa: E731
+    _equal(profile_outliers(smollm, ids, runner=runner, order="layer", **kw), profile_outliers(smollm, ids, **kw))
+    assert asked == [("calibrate", "layer"), ("outliers", "layer")]
 
 
 @pytest.mark.parametrize("which", ["smollm", "tiny_moe", "gemma"])

@@ -85,8 +85,10 @@ def test_cli_profile_on_ray_equals_the_single_process_run(ray_cluster, tmp_path)
     base = ["profile", "outliers", "--tokens", str(4 * W), "--window", str(W), "--json"]
     one = _cli(base + ["--out", str(tmp_path / "one"), "--no-progress"], env)
     assert one.returncode == 0, one.stderr[-3000:]
-    # through Ray Client (ray://), as from a laptop outside the cluster; the in-process tests join its GCS address
-    on_ray = _cli(base + ["--out", str(tmp_path / "ray"), "--ray", ray_cluster["client"], "--shards", "4"], env)
+    # through Ray Client (ray://), as from a laptop outside the cluster; the in-process tests join its GCS address.
+    # Each shard layer-major: the same statistics as the one window-major process (layer-major = window-major)
+    on_ray = _cli(base + ["--out", str(tmp_path / "ray"), "--ray", ray_cluster["client"], "--shards", "4",
+                          "--order", "layer"], env)
     assert on_ray.returncode == 0, on_ray.stderr[-3000:]
     a = json.loads((tmp_path / "one" / "summary.json").read_text())
     b = json.loads((tmp_path / "ray" / "summary.json").read_text())

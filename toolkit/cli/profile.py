@@ -17,10 +17,6 @@ def cmd_profile(args) -> int:
         print("edgeprobe: error: --shards splits the corpus over a Ray cluster; add --ray local (or --ray ADDRESS)",
               file=sys.stderr)
         return 2
-    if getattr(args, "order", "window") == "layer" and args.ray is not None:
-        print("edgeprobe: error: --order layer runs in one process (Ray shards are window-major); drop --ray or "
-              "--order layer", file=sys.stderr)
-        return 2
     progress = not args.no_progress
     runner = None
     try:

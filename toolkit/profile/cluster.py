@@ -74,13 +74,15 @@ def _worker_model(ref: str, sha256: str) -> tuple[Model, float]:
     return model, time.perf_counter() - t0
 
 
-def profile_shard(ref: str, sha256: str, kind: str, empty: bytes, ids: np.ndarray, window: int, index: int) -> dict:
-    """One Ray task: stream ids (int32[windows * window]) into the empty profile (its .npz bytes) -> its bytes and
-    where and how long it ran. Runs on a worker; imports only what a worker with edgeprobe installed has."""
+def profile_shard(ref: str, sha256: str, kind: str, empty: bytes, ids: np.ndarray, window: int, index: int,
+                  order: str = "window") -> dict:
+    """One Ray task: stream ids (int32[windows * window]) into the empty profile (its .npz bytes), in runner.run's
+    `order`, -> its bytes and where and how long it ran. Runs on a worker; imports only what a worker with edgeprobe
+    installed has."""
     started, t0 = time.time(), time.perf_counter()
     model, load_s = _worker_model(ref, sha256)
     st = _kinds()[kind].load(empty)
-    run(model, ids, st, window=window, progress=False)
+    run(model, ids, st, window=window, progress=False, order=order)
     return {"profile": st.to_bytes(), "index": index, "pid": os.getpid(), "host": socket.gethostname(),
             "started": started, "load_s": load_s, "seconds": time.perf_counter() - t0}
 
@@ -378,11 +380,14 @@ class RayRunner:
         self.close()
 
     def __call__(self, model: Model, ids, profile: Profile, window: int = 512, max_tokens: int | None = None,
-                 progress: bool = True, desc: str = "profile") -> Profile:
+                 progress: bool = True, desc: str = "profile", order: str = "window") -> Profile:
         """Stream `ids` (int[tokens]) into `profile` on the cluster, shard by shard: as runner.run(...) does, the
-        profile gains the windows (in place) and is returned; every shard starts from its empty() twin."""
+        profile gains the windows (in place) and is returned; every shard starts from its empty() twin. order:
+        runner.run's, per shard ("layer": a worker reads each layer's weights once for its windows)."""
         from tqdm.auto import tqdm
 
+        if order not in ("window", "layer"):
+            raise ValueError(f"order must be 'window' or 'layer', got {order!r}")
         ray = self._ray
         chunks = windows(ids, window, max_tokens)
         n = len(chunks)
@@ -404,7 +409,7 @@ class RayRunner:
                 while nxt < k and len(pending) + len(results) < 2 * cpus + 1:  # bounded memory on the driver
                     lo, hi = bounds[nxt]
                     pending[task.remote(ref, model.sha256, profile.KIND, empty_ref, ids[lo * window:hi * window],
-                                        window, nxt)] = nxt
+                                        window, nxt, order)] = nxt
                     nxt += 1
                 ready, _ = ray.wait(list(pending), num_returns=1)
                 i = pending.pop(ready[0])

@@ -21,16 +21,17 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
                      calib_tokens: int = 8192, progress: bool = True, runner=None,
                      order: str = "window") -> OutlierStats:
     """Calibrate per-tensor clips on the first `calib_tokens`, then stream `tokens` into OutlierStats (order:
-    runner.run's, "window" or "layer"; a Ray runner is window-major)."""
+    runner.run's, "window" or "layer"; a Ray runner runs each shard's windows in that order)."""
     windows(ids, window, tokens)  # validates before any work
     # layer-major: the calibration too, else it holds every layer's weights (its histograms are counts: same bits)
-    calib = runner if runner is not None or order == "window" else functools.partial(run, order=order)
+    calib = runner if order == "window" else functools.partial(runner or run, order=order)
     at = calibrate_clips_at(model, ids, {percentile, CHANNEL_CLIP_PERCENTILE}, window,
                             min(calib_tokens, tokens or len(ids)), progress, runner=calib)
     st = OutlierStats.for_model(model, at[float(percentile)], percentile,
                                 clips_at={p: c for p, c in at.items() if p != float(percentile)})
     if runner is not None:
-        return runner(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers")
+        return runner(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers",
+                      order=order)
     return run(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers", order=order)
 
 

@@ -119,9 +119,41 @@ def test_layer_major_holds_one_layer_of_a_lazily_loaded_model(which, name, reque
     assert lazy.weights.resident() == frozenset(lazy.weights)
 
 
+class _PerWindowOnly(Recorded):
+    """Keeps state between begin_window and end_window without at_window: a layer-major pass would mix windows."""
+
+    def begin_window(self, ids):
+        super().begin_window(ids)
+
+
+@pytest.mark.parametrize("which", ["smollm", "gemma", "tiny_moe"])
+def test_per_window_profiles_layer_major_equal_window_major(which, request):
+    """Sparsity keeps each window's resident neurons, co-activation each window's routing across layers: both switch
+    windows in at_window, so the layer-major profile is the window-major one, bit for bit (float64 error sums
+    included: each layer's windows are added in the same order)."""
+    from edgeprobe.profile.experts import CoActivationStats
+    from edgeprobe.profile.sparsity import calibrate_thresholds
+
+    model = request.getfixturevalue(which)
+    ids = model.tokenizer.encode(read_corpus("train")[:1500])
+    kw = dict(window=48, max_tokens=3 * 48, progress=False)
+    if model.config.n_experts:
+        new = lambda: CoActivationStats.for_model(model)  # noqa: E731
+    else:
+        taus = calibrate_thresholds(model, ids, 0.01, tokens=48)
+        new = lambda: SparsityStats.for_model(model, taus, 0.01, act_fn=model.config.act_fn)  # noqa: E731
+    win, lay = run(model, ids, new(), **kw), run(model, ids, new(), order="layer", **kw)
+    _equal(win, lay)
+    assert win.windows == 3 and (win.summary() == lay.summary())
+    if model.config.n_experts:
+        assert int(win.a["freq"].sum()) == 3 * 48 * model.config.n_layers * model.config.n_experts_used
+    else:
+        assert all(int(st["fire"].sum()) > 0 for st in win.arrays.values())
+
+
 def test_layer_major_refuses_per_window_profiles(smollm):
-    st = SparsityStats.__new__(SparsityStats)
-    with pytest.raises(ValueError, match="per-window state"):
+    st = _PerWindowOnly(model_name=smollm.name, model_sha256=smollm.sha256, params={})
+    with pytest.raises(ValueError, match="_PerWindowOnly keeps per-window state .* without at_window"):
         run(smollm, np.zeros(128, np.int64), st, window=64, order="layer", progress=False)
     with pytest.raises(ValueError, match="order must be"):
         run(smollm, np.zeros(128, np.int64), window=64, order="tokens", progress=False)

@@ -350,12 +350,14 @@ def _releaser(weights, plan, segments: list[list[str]]):
 
 
 def forward_layers(model: Model, chunks: list, done: Callable[[int, np.ndarray], None], hooks: Hooks = None,
-                   linear: LinearFn | None = None, logits: str = "none", head=None, bar=None) -> None:
+                   linear: LinearFn | None = None, logits: str = "none", head=None, bar=None,
+                   at_window: Callable[[int], object] | None = None) -> None:
     """forward(model, chunk, hooks=, linear=, logits=, head=) for every window of `chunks` (int[T] each, one T, each
     from an empty cache), run layer-major: every window through layer i, then layer i+1, so each layer's weights
     are read once (and released after it when `model.weights` is a LazyWeights). done(w, out) receives window w's
     output, the bits forward() returns, as soon as its last op ran, windows in order; its array is dropped then.
-    Hooks fire layer by layer, every window in turn. `bar` (a tqdm or None) advances once per layer per window."""
+    Hooks fire layer by layer, every window in turn, at_window(w) called before window w's ops of each layer. `bar`
+    (a tqdm or None) advances once per layer per window."""
     if logits not in ("all", "none"):
         raise ValueError(f"logits must be 'all' or 'none' layer-major, got {logits!r}")
     T = len(chunks[0])
@@ -383,6 +385,8 @@ def forward_layers(model: Model, chunks: list, done: Callable[[int, np.ndarray],
         for s, seg in enumerate(segments):
             for w in range(len(chunks)):
                 threads.tick()
+                if at_window is not None:
+                    at_window(w)
                 run_float_part(plan, seg, tokens[w], ctx, results[w], unread[w])
                 if s == len(segments) - 1:
                     done(w, results[w].pop(out).reshape(T, -1))

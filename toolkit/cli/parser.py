@@ -109,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "single-process run's, shards.json says where each shard ran")
         pk.add_argument("--shards", type=int, default=None,
                         help="--ray: shards per pass (default 4 per CPU of the cluster, at most one per window)")
+        pk.add_argument("--order", choices=("window", "layer"), default="window",
+                        help="window: each window through every layer; layer: every window through layer i, then "
+                             "layer i+1, each layer's weights read once per pass (the same statistics, bit for bit; "
+                             "with --ray, each shard's windows)")
         pk.set_defaults(fn=cmd_profile, what=what, percentile=99.99, prune_rate=0.85, coverage=0.8, eps=0.01, bits=4.0,
                         rank=32, no_predictor=False, heldout=None, heldout_tokens=8192, bit_widths=False)
         if what == "outliers":
@@ -116,10 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
             pk.add_argument("--prune-rate", type=float, default=0.85,
                             help="fraction of layers whose outliers are pruned")
             pk.add_argument("--coverage", type=float, default=0.8, help="hot-channel coverage")
-            pk.add_argument("--order", choices=("window", "layer"), default="window",
-                            help="window: each window through every layer; layer: every window through layer i, "
-                                 "then layer i+1, each layer's weights read once per pass (the same statistics, "
-                                 "bit for bit)")
         elif what == "sparsity":
             pk.add_argument("--eps", type=float, default=0.01, help="allowed relative FFN output error")
             pk.add_argument("--bits", type=float, default=4.0, help="weight bits for flash traffic")

@@ -59,7 +59,7 @@ def _profile_job(args, model, ids, progress: bool, runner) -> tuple[dict, str]:
         window = args.window or min(256, model.config.context_length)
         summary = jobs.run_experts_job(model, ids, held, args.out, tokens=args.tokens or 32768, window=window,
                                        heldout_tokens=args.heldout_tokens, bit_widths=args.bit_widths,
-                                       progress=progress, runner=runner)
+                                       progress=progress, runner=runner, order=args.order)
         pl, hr = summary["path_power_law"], summary["predictor_hit_rate"]
         k = model.config.n_experts_used
         headline = (f"experts: top 20% of {pl['paths_observed']} paths cover "
@@ -79,7 +79,8 @@ def _profile_job(args, model, ids, progress: bool, runner) -> tuple[dict, str]:
     else:
         summary = jobs.run_sparsity_job(model, ids, args.out, tokens=args.tokens or 16384, window=args.window or 512,
                                         eps=args.eps, bits=args.bits, rank=args.rank,
-                                        predictor=not args.no_predictor, progress=progress, runner=runner)
+                                        predictor=not args.no_predictor, progress=progress, runner=runner,
+                                        order=args.order)
         headline = (f"sparsity: {100 * summary['inactive_fraction_mean']:.1f}% of FFN neurons inactive at "
                     f"eps {100 * args.eps:g}% (achieved {100 * summary['achieved_error_mean']:.2f}%); "
                     f"80% of firings from {summary['hot_neurons_pct_for_80pct_mean']:.0f}% of neurons")

@@ -45,6 +45,12 @@ class Profile:
         self.tokens += n_tokens
         self.windows += 1
 
+    def at_window(self, w: int) -> None:
+        """A layer-major pass (runner.run_layers) calls begin_window for every window first, then this before window
+        w's ops of each layer (w counts this pass's windows from 0), then end_window for each window in order. A
+        profile that keeps state between begin_window and end_window switches to window w's here; the default
+        keeps none. Window-major passes never call it."""
+
     def _check_model(self, model: Model) -> None:
         if model.sha256 != self.model_sha256:
             raise StatsMismatchError(f"this {self.KIND} profile belongs to model {self.model_name} "

@@ -180,10 +180,20 @@ class CoActivationStats(Profile):
     # ---- streaming ------------------------------------------------------------------------------
     def hooks(self, model: Model) -> dict:
         self._check_model(model)
-        self._rec = _RoutingRecorder(model)
+        self._rec, self._slots = _RoutingRecorder(model), []
         return self._rec.hooks()
 
+    def begin_window(self, ids) -> None:
+        super().begin_window(ids)
+        L = self.L  # the window's routing, filled in place by the recorder's hooks while it is the current slot
+        self._slots.append(([None] * L, [None] * L, np.zeros(L)))
+        self.at_window(len(self._slots) - 1)
+
+    def at_window(self, w: int) -> None:
+        self._rec._exp, self._rec._w, self._rec._ent = self._slots[w]
+
     def end_window(self, n_tokens: int) -> None:
+        self._rec._exp, self._rec._w, self._rec._ent = self._slots.pop(0)  # windows end in the order they began
         ex, _ = self._rec.take()
         self.a["entropy"] += self._rec._ent
         self._rec._ent = np.zeros(self.L)

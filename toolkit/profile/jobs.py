@@ -36,12 +36,14 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
 
 
 def profile_sparsity(model: Model, ids, tokens: int | None = 16384, window: int = 512, eps: float = 0.01,
-                     progress: bool = True, runner=None) -> SparsityStats:
-    """Calibrate per-layer thresholds on the first window (here), then stream `tokens` into SparsityStats."""
+                     progress: bool = True, runner=None, order: str = "window") -> SparsityStats:
+    """Calibrate per-layer thresholds on the first window (here), then stream `tokens` into SparsityStats (order:
+    runner.run's, "window" or "layer")."""
     windows(ids, window, tokens)
     taus = calibrate_thresholds(model, ids, eps, tokens=window)
     st = SparsityStats.for_model(model, taus, eps, act_fn=model.config.act_fn)
-    return (runner or run)(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="sparsity")
+    return (runner or run)(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="sparsity",
+                           order=order)
 
 
 def write_outputs(stats, out_dir, summary: dict, kinds) -> Path:
@@ -71,8 +73,8 @@ def run_outliers_job(model: Model, ids, out_dir, tokens=32768, window=512, perce
 
 
 def run_sparsity_job(model: Model, ids, out_dir, tokens=16384, window=512, eps=0.01, bits=4.0, rank=32,
-                     predictor=True, progress=True, runner=None) -> dict:
-    st = profile_sparsity(model, ids, tokens, window, eps, progress=progress, runner=runner)
+                     predictor=True, progress=True, runner=None, order="window") -> dict:
+    st = profile_sparsity(model, ids, tokens, window, eps, progress=progress, runner=runner, order=order)
     summary = st.summary(bits)
     if predictor:
         # train on the profiled tokens' first windows, test on the window after them
@@ -89,7 +91,8 @@ def run_sparsity_job(model: Model, ids, out_dir, tokens=16384, window=512, eps=0
 
 def run_experts_job(model: Model, ids, heldout_ids, out_dir, tokens=32768, window=256, heldout_tokens=8192,
                     capacities=None, preload_n=None, cache_bits=4, bit_widths=False, bits_windows=4,
-                    tolerances=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5), progress=True, runner=None) -> dict:
+                    tolerances=(0.01, 0.02, 0.05, 0.1, 0.2, 0.5), progress=True, runner=None,
+                    order="window") -> dict:
     """EdgeMoE's measurements on one MoE model: co-activation profile of `tokens` of `ids` (through `runner`),
     preload predictor hit rates and expert-buffer policies on `heldout_tokens` of `heldout_ids`, and, with
     `bit_widths`, the per-expert INT2 sensitivity and width selections (on the first windows of `ids`)."""
@@ -103,7 +106,7 @@ def run_experts_job(model: Model, ids, heldout_ids, out_dir, tokens=32768, windo
     windows(heldout_ids, window, heldout_tokens)
     c = model.config
     st = (runner or run)(model, ids, CoActivationStats.for_model(model), window=window, max_tokens=tokens,
-                         progress=progress, desc="co-activation")
+                         progress=progress, desc="co-activation", order=order)
     held = record_routing(model, heldout_ids, window, heldout_tokens, progress=progress)
     summary = st.summary(held)
     total = c.n_layers * c.n_experts

@@ -73,11 +73,12 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
     return profiles if len(profiles) != 1 else profiles[0]
 
 
-def _per_window_state_free(p: Profile) -> bool:
-    """Profiles that keep nothing between begin_window and end_window (their hooks see one window at a time in
-    either order): those that do not override the two."""
+def _layer_major_ready(p: Profile) -> bool:
+    """Profiles a layer-major pass can feed: those that keep nothing between begin_window and end_window, and those
+    that keep it per window and switch in at_window (sparsity's resident neurons, co-activation's routing)."""
     t = type(p)
-    return t.begin_window is Profile.begin_window and t.end_window is Profile.end_window
+    free = t.begin_window is Profile.begin_window and t.end_window is Profile.end_window
+    return free or t.at_window is not Profile.at_window
 
 
 def run_layers(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None = None,
@@ -85,12 +86,13 @@ def run_layers(model: Model, ids, *profiles, window: int = 512, max_tokens: int 
     """runner.run's pass in layer-major order: `ids` (int[tokens]) cut into windows of `window` tokens, each from an
     empty cache, no LM head; hooks fire layer by layer, every window in turn. Returns the profiles.
 
-    Only profiles without per-window state (outliers, calibration histograms) can be fed this way: a profile that
-    overrides begin_window / end_window (sparsity, experts) expects one window's hooks between the two."""
-    bad = [type(p).__name__ for p in profiles if not _per_window_state_free(p)]
+    Every window begins first, then the hooks fire (each profile's at_window(w) before window w's ops of a layer),
+    then every window ends in order: a profile keeping per-window state must switch to window w's in at_window
+    (Profile.at_window); one that overrides begin_window / end_window without it is refused."""
+    bad = [type(p).__name__ for p in profiles if not _layer_major_ready(p)]
     if bad:
-        raise ValueError(f"{', '.join(bad)} keeps per-window state (begin_window / end_window); profile it with "
-                         "order='window'")
+        raise ValueError(f"{', '.join(bad)} keeps per-window state (begin_window / end_window) without at_window; "
+                         "profile it with order='window'")
     chunks = windows(ids, window, max_tokens)
     check_fits(model.config, window, what=f"layer-major {desc} pass", name=model.name, windows_held=len(chunks))
     hooks = combine_hooks(p.hooks(model) for p in profiles)
@@ -98,7 +100,8 @@ def run_layers(model: Model, ids, *profiles, window: int = 512, max_tokens: int 
         for c in chunks:
             p.begin_window(c)
     with tqdm(desc=desc, unit="win", disable=not progress, leave=False) as bar:
-        forward_layers(model, chunks, lambda w, out: None, hooks=hooks, bar=bar)
+        forward_layers(model, chunks, lambda w, out: None, hooks=hooks, bar=bar,
+                       at_window=lambda w: [p.at_window(w) for p in profiles])
     for p in profiles:
         for c in chunks:
             p.end_window(len(c))

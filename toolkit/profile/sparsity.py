@@ -101,7 +101,7 @@ class SparsityStats(Profile):
     def hooks(self, model: Model) -> dict:
         self._check_model(model)
         K, stride, taus = self.params["max_window"], self.params["error_stride"], self.params["thresholds"]
-        self._carry = {}
+        self._carry, self._carries = {}, []
 
         def observe(name, a):
             i = N.layer_of(name)
@@ -125,6 +125,14 @@ class SparsityStats(Profile):
     def begin_window(self, ids):
         super().begin_window(ids)
         self._carry = {}  # each window is a new sequence: nothing resident
+        self._carries.append(self._carry)  # a layer-major pass begins every window first: window w's is [w]
+
+    def at_window(self, w: int) -> None:
+        self._carry = self._carries[w]
+
+    def end_window(self, n_tokens: int) -> None:
+        super().end_window(n_tokens)
+        self._carries = []  # every window's hooks have run (either order)
 
     # ---- derived ---------------------------------------------------------------------------------
     def _layer(self, i: int) -> dict:

@@ -250,6 +250,20 @@ def test_cli_profile_outliers(tmp_path):
     assert "plotly" in html.lower() and "<script" in html and 'src="http' not in html  # self-contained
 
 
+def test_outliers_of_an_moe_model_profile_its_three_points(tmp_path):
+    """An MoE layer has no ffn_act (each expert's down projection has its own input): the profile, its summary and
+    its figures cover attn_in, attn_out and ffn_in, where a dense model's had a KeyError on the missing point."""
+    r = _cli("profile", "outliers", "--model", "tiny-moe", "--tokens", "256", "--window", "128", "--out",
+             str(tmp_path), "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    st = OutlierStats.load(tmp_path / "outliers.npz")
+    assert st.points == ("attn_in", "attn_out", "ffn_in") and st.tokens == 256
+    assert {n.split(".", 2)[2] for n in st.names} == set(st.points) and set(st.arrays) == set(st.names)
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert np.isfinite(summary["fig10_outlier_channels_per_window_mean"]) and summary["tokens"] == 256
+    assert all((tmp_path / f"outliers_{k}.html").stat().st_size > 0 for k in ("channels",))
+
+
 def test_cli_profile_sparsity(tmp_path):
     r = _cli("profile", "sparsity", "--tokens", "128", "--window", "64", "--out", str(tmp_path), "--json",
              "--no-progress", "--rank", "4")

@@ -16,7 +16,7 @@ SPARSITY_KINDS = ("inactive", "frequency", "window")
 
 def outlier_figure(st, kind: str = "channels"):
     go = plotly_go()
-    points = st.POINTS  # from the stats, not outliers.py: that module draws with this one
+    points = st.points  # from the stats, not outliers.py (that module draws with this one); an MoE has no ffn_act
 
     if kind not in OUTLIER_KINDS:
         raise ValueError(f"unknown outlier figure {kind!r}; choose one of {OUTLIER_KINDS}")

@@ -17,7 +17,7 @@ from typing import ClassVar
 import numpy as np
 
 from edgeprobe_kernels.activation_stats import N_RATIO_BINS, RATIO_EDGES, log2_bin_edges, log2_histogram, outlier_update
-from edgeprobe_kernels.names import LINEAR_HOOKS, layer_of
+from edgeprobe_kernels.names import FFN_ACT_HOOK, LINEAR_HOOKS, layer_of
 
 from ..models import Model
 from .base import Profile
@@ -32,7 +32,11 @@ CHANNEL_CLIP_PERCENTILE = 99.1
 
 
 def tensor_names(model: Model) -> list[str]:
-    return [f"blk.{i}.{p}" for i in range(model.config.n_layers) for p in TENSOR_POINTS]
+    """The linears' input points profiled, layer by layer; an MoE layer has no ffn_act (each expert has its own
+    down projection's input, inside moe_ffn), so its FFN is profiled at ffn_in, the router's and experts' input."""
+    moe = bool(model.config.n_experts)
+    return [f"blk.{i}.{p}" for i in range(model.config.n_layers) for p in TENSOR_POINTS
+            if not (moe and p == FFN_ACT_HOOK)]
 
 
 def _percentile_from_hist(hist: np.ndarray, q: float) -> float:
@@ -161,15 +165,21 @@ class OutlierStats(Profile):
     def _layers(self) -> int:
         return 1 + max(layer_of(n) for n in self.names)
 
+    @property
+    def points(self) -> tuple:
+        """The POINTS this profile holds: all four for a dense model, no ffn_act for an MoE one (tensor_names)."""
+        held = {n.split(".", 2)[2] for n in self.names}
+        return tuple(p for p in self.POINTS if p in held)
+
     def channels_per_layer(self) -> dict[str, np.ndarray]:
         """Fig. 10: outlier channels per layer, float64[layers] for each point.
 
         Keys: "{point}_per_token" (mean channels with |x| > clip per token), "{point}_per_window"
         (mean distinct channels with an outlier per window = one inference), and "{point}_pct_window"
-        (the same as % of the tensor's channels); "pct_window" averages the four points.
+        (the same as % of the tensor's channels); "pct_window" averages the points (four; three in an MoE).
         """
         L, out = self._layers(), {}
-        for p in TENSOR_POINTS:
+        for p in self.points:
             tok, win, pct = np.zeros(L), np.zeros(L), np.zeros(L)
             for i in range(L):
                 st = self.arrays.get(f"blk.{i}.{p}")
@@ -181,7 +191,7 @@ class OutlierStats(Profile):
                 win[i] = st["win_channels"][0] / max(self.windows, 1)
                 pct[i] = 100.0 * win[i] / C
             out[f"{p}_per_token"], out[f"{p}_per_window"], out[f"{p}_pct_window"] = tok, win, pct
-        out["pct_window"] = np.mean([out[f"{p}_pct_window"] for p in TENSOR_POINTS], axis=0)
+        out["pct_window"] = np.mean([out[f"{p}_pct_window"] for p in self.points], axis=0)
         return out
 
     # ---- derived: Fig. 11 ----------------------------------------------------------------------
@@ -263,10 +273,10 @@ class OutlierStats(Profile):
             "kind": self.KIND, "model": self.model_name, "tokens": self.tokens, "windows": self.windows,
             "percentile": self.params["percentile"],
             "outlier_fraction_of_values": total / values if values else 0.0,
-            "fig10_outlier_channels_per_window_mean": float(np.mean([cpl[f"{p}_per_window"] for p in TENSOR_POINTS])),
+            "fig10_outlier_channels_per_window_mean": float(np.mean([cpl[f"{p}_per_window"] for p in self.points])),
             "fig10_outlier_channels_pct_mean": float(cpl["pct_window"].mean()),
             "fig10_outlier_channels_pct_max_layer": float(cpl["pct_window"].max()),
-            "fig10_outlier_channels_per_token_mean": float(np.mean([cpl[f"{p}_per_token"] for p in TENSOR_POINTS])),
+            "fig10_outlier_channels_per_token_mean": float(np.mean([cpl[f"{p}_per_token"] for p in self.points])),
             "fig11_pct_channels_for_80pct_outliers": self.share_channels(0.8),
             "fig11_pct_channels_for_80pct_outliers_llm_int8": _share_pct(self.channel_share(fixed=True), 0.8),
             "hot_channels_coverage": coverage, "hot_channels": n_hot, "hot_channels_pct": 100.0 * n_hot / max(n_all, 1),

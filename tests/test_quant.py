@@ -154,6 +154,32 @@ def test_save_load_round_trip_and_damage(smollm, quantized, ids, tmp_path):
         QuantizedModel.load(tmp_path)
 
 
+def test_quantize_into_a_folder_writes_as_it_goes_and_holds_no_model(smollm, profile, quantized, ids, tmp_path):
+    """quantize(out=): every blob on disk as it is made, none held; each float tensor the model loaded for it
+    released again (issue 43: an 8B model's blobs are ~9 GB); the same model as the in-memory quantization."""
+    from edgeprobe import models
+
+    lazy = models.load("smollm2-135m")  # its own LazyWeights: nothing held yet
+    assert lazy.sha256 == smollm.sha256 and not lazy.weights.resident()
+    qm = quantize(lazy, "w8a8-shadow", profile, out=tmp_path / "q")
+    mem = quantized["w8a8-shadow"]
+    assert not qm.store.arrays and not lazy.weights.resident()
+    assert json.dumps(qm.manifest, sort_keys=True) == json.dumps(mem.manifest, sort_keys=True)
+    assert {p.name for p in (tmp_path / "q" / "blobs").iterdir()} == set(mem.store.meta)
+    for sha in mem.store.meta:
+        got = qm.store.get(sha)
+        assert got.dtype == mem.store.get(sha).dtype and np.array_equal(got, mem.store.get(sha)), sha
+        assert not got.flags.writeable
+    np.testing.assert_array_equal(QuantizedModel.load(tmp_path / "q").forward(ids[:16]), mem.forward(ids[:16]))
+    # sealed (prepare.prepared, once its entry is published): later blobs stay in memory, the folder is left alone
+    qm.store.seal(tmp_path / "q" / "blobs")
+    extra = qm.store.put(np.arange(7, dtype=np.float32), "extra")
+    assert np.array_equal(qm.store.get(extra), np.arange(7)) and not (tmp_path / "q" / "blobs" / extra).exists()
+    (tmp_path / "q" / "blobs" / next(iter(mem.store.meta))).unlink()
+    with pytest.raises(ManifestError, match="cannot be read from .*; quantize again"):
+        qm.store.get(next(iter(mem.store.meta)))
+
+
 def test_padding_recorded_for_shapes_that_do_not_tile(independent_linear):
     from types import SimpleNamespace
 

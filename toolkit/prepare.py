@@ -143,11 +143,17 @@ def prepared(model, scheme: str, progress: bool = False, say=None, prune_rate: f
         study = ExpertBitsStudy(model, model.tokenizer.encode(read_corpus("train")),
                                 window=min(256, model.config.context_length), max_windows=4, progress=progress)
         expert_bits = study.select(tolerance).bits
-    qm = quantize(model, scheme, profile, prune_rate=prune_rate, coverage=coverage, expert_bits=expert_bits)
     tmp = folder.with_name(f".{folder.name}.{time.time_ns()}.tmp")
-    qm.manifest["prepared"] = {"code_version": code_version(), "settings": settings}  # read by cache_entries
-    qm.save(tmp)
+    try:  # blobs written into the temporary entry as they are made: memory holds one tensor, not the model
+        qm = quantize(model, scheme, profile, prune_rate=prune_rate, coverage=coverage, expert_bits=expert_bits,
+                      out=tmp)
+        qm.manifest["prepared"] = {"code_version": code_version(), "settings": settings}  # read by cache_entries
+        qm.save(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # an interrupted or failed quantization leaves no half entry
+        raise
     _publish(tmp, folder)
+    qm.store.seal(folder / "blobs")  # read back from the published entry (the same bytes if another run won)
     say(f"prepared {scheme} in {time.perf_counter() - t0:.1f} s (quantization {time.perf_counter() - t1:.1f} s, "
         f"{qm.nbytes()['total'] / 1e6:.0f} MB), cached in {folder}")
     return qm

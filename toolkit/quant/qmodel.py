@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from edgeprobe_kernels.linear_records import scheme_of
+from edgeprobe_kernels.names import layer_of
 from edgeprobe_kernels.q8_0 import QK, matmul_q8_0, quantize_q8_0
 
 from .. import __version__
@@ -132,7 +133,8 @@ def check_scheme(scheme: str) -> None:
 
 
 def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, coverage: float = 0.8,
-             alpha: float = 0.5, int8_threshold: float = 6.0, expert_bits: dict | None = None) -> QuantizedModel:
+             alpha: float = 0.5, int8_threshold: float = 6.0, expert_bits: dict | None = None,
+             out: Path | str | None = None) -> QuantizedModel:
     """model -> QuantizedModel under `scheme` (see schemes.SCHEMES).
 
     profile: an OutlierStats of this model (activation clips, hot channels, layer importance, per-channel
@@ -141,6 +143,9 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
     expert_bits: for moe-mixed, {expert linear name ("blk.0.ffn_up_exps.3"): 2 | 4 | 8}, e.g.
     `select_expert_bits(...).bits`; experts not named stay at INT4.
     MoE routers (ffn_gate_inp) stay float in every scheme: they are tiny and pick discrete experts.
+    out: a folder to write the quantized model into as it is made (QuantizedModel.save's layout, the manifest last):
+    each blob goes to disk when made and is held as a memory map, and each float tensor the model had not loaded
+    before is released once quantized, so memory holds about one tensor, not the model (issue 43, item 4).
     """
     check_scheme(scheme)
     c = model.config
@@ -179,18 +184,31 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
                 p = input_point(n)
                 w_max[p] = np.maximum(w_max.get(p, 0), col)
             ctx["w_max"] = w_max
-    store = BlobStore()
+    store = BlobStore(Path(out) / "blobs" if out is not None else None)
     build = SCHEMES[scheme][0]
-    linears = {n: (build_float if is_router(n) else build)(
-        n, np.asarray(model.linear_weight(n), np.float32), ctx, store) for n in names}
+    release = _releaser(model.weights)
+    linears, layer = {}, set()
+    for i, n in enumerate(names):
+        linears[n] = (build_float if is_router(n) else build)(n, np.asarray(model.linear_weight(n), np.float32), ctx,
+                                                               store)
+        layer.add(linear_tensor(n))
+        if i + 1 == len(names) or layer_of(names[i + 1]) != layer_of(n):  # experts interleave: a layer at a time
+            for t in layer:
+                release(t)
+            layer = set()
     linear_weights = {linear_tensor(n) for n in names}
-    tensors = {n: store.put(np.asarray(model.weights[n], np.float32), "float")
-               for n in model.weights if n not in linear_weights}
+    tensors = {}
+    for n in model.weights:
+        if n not in linear_weights:
+            tensors[n] = store.put(np.asarray(model.weights[n], np.float32), "float")
+            if n != "token_embd.weight" or "output.weight" in model.weights:  # a tied embedding is the head, next
+                release(n)
     head = None
     # the LM head as llama.cpp runs a Q8_0 output (kernels/q8_0.py); EdgeMoE's bit-width study (moe-mixed) measured
     # its losses with the float head, and its scheme computes what the study measured
     if scheme not in ("float", "moe-mixed") and c.hidden % QK == 0:
         codes, scales = quantize_q8_0(np.asarray(model.output_weight, np.float32))
+        release("output.weight" if "output.weight" in model.weights else "token_embd.weight")
         head = record("q8_0", {"codes": store.put(codes, "head"), "scales": store.put(scales, "head")})
     tok = (store.put(np.frombuffer(json.dumps(model.tokenizer.to_json()).encode(), np.uint8), "tokenizer")
            if model.tokenizer is not None else None)  # a toy model built in code has no tokenizer
@@ -206,7 +224,18 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
     qm = QuantizedModel(scheme=scheme, manifest=manifest, store=store)
     qm._tokenizer = model.tokenizer if tok else None  # what the tokenizer blob holds
     manifest["bytes"] = qm.nbytes()
+    if out is not None:
+        qm.save(out)
     return qm
+
+
+def _releaser(weights):
+    """release(name): drop a float tensor the quantizer loaded, unless the model held it before (a materialized
+    model, a small model's earlier pass); weights without LazyWeights.release (a plain dict) are left alone."""
+    if not hasattr(weights, "release"):
+        return lambda name: None
+    held_before = weights.resident()
+    return lambda name: None if name in held_before else weights.release([name])
 
 
 def calibration_profile(model: Model, ids, tokens: int = 4096, window: int = 512, percentile: float = 99.99,

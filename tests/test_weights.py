@@ -62,6 +62,19 @@ def test_mapped_tensors_do_not_count_against_the_budget(tmp_path):
     assert all(isinstance(w[n], np.memmap) for n in w)
 
 
+def test_a_stack_part_is_read_alone_held_under_its_own_name_and_released_with_the_stack():
+    stack = np.arange(3 * 4 * 2, dtype=np.float32).reshape(3, 4, 2)
+    whole_loads, part_loads = [], []
+    w = LazyWeights({"s": lambda: whole_loads.append(1) or stack}, None,
+                    parts={"s": lambda i: part_loads.append(i) or stack[i]})
+    assert np.array_equal(w.part("s", 2), stack[2]) and np.array_equal(w.part("s", 2), stack[2])
+    assert part_loads == [2] and not whole_loads and w.resident() == {"s#2"} and w.held_bytes() == stack[2].nbytes
+    w.release(["s"])
+    assert not w.resident() and w.held_bytes() == 0
+    w["s"]  # noqa: B018 - the whole stack held: a part is its slice, nothing read again
+    assert np.array_equal(w.part("s", 1), stack[1]) and part_loads == [2] and w.resident() == {"s"}
+
+
 def test_threads_reading_at_once_keep_the_books_straight():
     loaders, _ = _counted(8, size=MB // 4)
     w = LazyWeights(loaders, None, hold_bytes=MB)  # four of eight fit

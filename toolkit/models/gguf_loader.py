@@ -145,9 +145,10 @@ def _read_into(f, buf: np.ndarray, offset: int) -> int:
     return got
 
 
-def read_tensor(path: Path, t: gguf.ReaderTensor) -> np.ndarray:
+def read_tensor(path: Path, t: gguf.ReaderTensor, row_range: tuple[int, int] | None = None) -> np.ndarray:
     """float32[rows, cols] of tensor `t` (rows: the product of its outer dims), the values of
-    `gguf.quants.dequantize(t.data, t.tensor_type)` bit for bit.
+    `gguf.quants.dequantize(t.data, t.tensor_type)` bit for bit; with row_range=(first, count), those rows only
+    (an MoE expert's slice of a stacked [E, out, in] tensor: its out rows from first = e * out).
 
     Its bytes are read from the file a row block at a time (not through the reader's memory map, whose pages would
     stay resident) and each block dequantized into one preallocated array: the transient is one float32 copy plus a
@@ -158,13 +159,14 @@ def read_tensor(path: Path, t: gguf.ReaderTensor) -> np.ndarray:
     rows = max(1, int(stored.size) // max(row_items, 1))
     cols = int(t.n_elements) // rows
     row_bytes = row_items * stored.dtype.itemsize
+    first, rows = (0, rows) if row_range is None else row_range
     out = np.empty((rows, cols), np.float32)
     step = max(1, _BLOCK_VALUES // max(cols, 1))
     with open(path, "rb", buffering=0) as f:
         for r0 in range(0, rows, step):
             n = min(step, rows - r0)
             buf = np.empty(n * row_bytes, np.uint8)
-            if _read_into(f, buf, t.data_offset + r0 * row_bytes) != buf.size:
+            if _read_into(f, buf, t.data_offset + (first + r0) * row_bytes) != buf.size:
                 raise ModelFormatError(f"{path} is truncated: tensor {t.name} ends past the end of the file; "
                                        "copy or download it again")
             try:
@@ -174,6 +176,19 @@ def read_tensor(path: Path, t: gguf.ReaderTensor) -> np.ndarray:
                                             "dequantized by the installed gguf package; upgrade gguf") from e
             out[r0:r0 + n] = block.reshape(n, cols)
     return out
+
+
+def _expert_dequantizer(get_reader, name: str, shape: tuple):
+    """load(e) -> float32[out, in]: expert e's rows of a stacked [E, out, in] tensor, read alone (EdgeMoE loads
+    one expert at a time; a Mixtral-8x7B stack is 1.9 GB of float32, an expert 235 MB)."""
+    E, out, cols = shape
+
+    def load(e: int) -> np.ndarray:
+        if not 0 <= e < E:
+            raise IndexError(f"{name} has {E} experts, not {e}")
+        r = get_reader()
+        return read_tensor(r.path, r.tensor(name), (e * out, out)).reshape(out, cols)
+    return load
 
 
 def _dequantizer(get_reader, name: str, shape: tuple, transform=None):
@@ -311,7 +326,9 @@ def load_gguf(path: Path, cache_dir: Path | None | bool = True, name: str = "") 
     loaders = {n: f or _dequantizer(get_reader, n, tuple(shapes[n]), tf.get(n)) for n, f in loaders.items()}
     float_bytes = 4 * sum(math.prod(s) for s in shapes.values())
     npy_dir = cache_dir if float_bytes <= npy_cache_limit() else None
-    return Model(config=cfg, tokenizer=tok, weights=LazyWeights(loaders, npy_dir), source=str(path),
+    parts = {n: _expert_dequantizer(get_reader, n, tuple(s)) for n, s in shapes.items()
+             if n.endswith("_exps.weight") and len(s) == 3}
+    return Model(config=cfg, tokenizer=tok, weights=LazyWeights(loaders, npy_dir, parts=parts), source=str(path),
                  sha256=sha, name=name or cfg.name,
                  meta={"format": "gguf", "tensor_types": types, "float32_bytes": float_bytes,
                        "npy_cache": str(npy_dir) if npy_dir else None})

@@ -39,7 +39,8 @@ class Model:
             return w
         base, _, e = name.rpartition(".")
         if e.isdigit() and base + ".weight" in self.weights:
-            return self.weights[base + ".weight"][int(e)]
+            part = getattr(self.weights, "part", None)  # LazyWeights reads one expert alone; a dict is sliced
+            return part(base + ".weight", int(e)) if part else self.weights[base + ".weight"][int(e)]
         raise KeyError(f"no linear named {name!r} in this model")
 
     @property

@@ -79,8 +79,9 @@ class LazyWeights(Mapping[str, np.ndarray]):
     """
 
     def __init__(self, loaders: dict[str, Callable[[], np.ndarray]], cache_dir: Path | None,
-                 hold_bytes: int | None = None):
+                 hold_bytes: int | None = None, parts: dict[str, Callable[[int], np.ndarray]] | None = None):
         self._loaders = loaders
+        self._parts = parts or {}  # name -> load(i): slice i of a stacked tensor read alone (an MoE expert)
         self._cache_dir = Path(cache_dir) if cache_dir is not None else None
         self._mem: OrderedDict[str, np.ndarray] = OrderedDict()  # least recently used first
         self._held = 0   # bytes of _mem that live in memory (a memory map is the page cache's to drop)
@@ -90,23 +91,45 @@ class LazyWeights(Mapping[str, np.ndarray]):
         self._warned_evict = False
 
     def __getitem__(self, name: str) -> np.ndarray:
-        with self._lock:
-            arr = self._mem.get(name)
-            if arr is not None:
-                self._mem.move_to_end(name)
-                return arr
+        arr = self._held_now(name)
+        if arr is not None:
+            return arr
         if name not in self._loaders:
             raise KeyError(f"no tensor named {name!r} in this model")
         arr = self._from_cache(name)
         if arr is None:
             arr = np.ascontiguousarray(self._loaders[name](), dtype=np.float32)
             self._to_cache(name, arr)
+        return self._hold(name, arr)
+
+    def part(self, name: str, i: int) -> np.ndarray:
+        """Slice i of the stacked tensor `name` (an MoE expert: [E, out, in] -> float32[out, in]). Read alone where
+        the loader can and the model has no .npy cache (a large model: one expert, not the stack of E), and held
+        as "name#i" (released with `name`); else self[name][i]."""
+        key = f"{name}#{int(i)}"
+        arr = self._held_now(key)
+        if arr is not None:
+            return arr
         with self._lock:
-            if name in self._mem:  # another thread loaded it meanwhile: one copy held
-                return self._mem[name]
-            self._mem[name] = arr
+            whole = self._mem.get(name)
+        if whole is not None or self._cache_dir is not None or name not in self._parts:
+            return self[name][i]
+        return self._hold(key, np.ascontiguousarray(self._parts[name](int(i)), dtype=np.float32))
+
+    def _held_now(self, key: str) -> np.ndarray | None:
+        with self._lock:
+            arr = self._mem.get(key)
+            if arr is not None:
+                self._mem.move_to_end(key)
+            return arr
+
+    def _hold(self, key: str, arr: np.ndarray) -> np.ndarray:
+        with self._lock:
+            if key in self._mem:  # another thread loaded it meanwhile: one copy held
+                return self._mem[key]
+            self._mem[key] = arr
             self._held += _in_memory(arr)
-            self._evict(keep=name)
+            self._evict(keep=key)
         return arr
 
     def _evict(self, keep: str) -> None:
@@ -170,7 +193,7 @@ class LazyWeights(Mapping[str, np.ndarray]):
             self._cache_dir = None
 
     def resident(self) -> frozenset[str]:
-        """The names of the tensors held now (mapped from the cache or in memory)."""
+        """The names of the tensors held now (mapped from the cache or in memory); a part as "name#i"."""
         with self._lock:
             return frozenset(self._mem)
 
@@ -179,10 +202,9 @@ class LazyWeights(Mapping[str, np.ndarray]):
         freed once nothing else refers to it, so its pages leave the RSS. The next access maps the cache again, or
         dequantizes again where there is no cache."""
         with self._lock:
-            for name in names:
-                arr = self._mem.pop(name, None)
-                if arr is not None:
-                    self._held -= _in_memory(arr)
+            names = set(names)
+            for key in [k for k in self._mem if k in names or k.split("#", 1)[0] in names]:  # a stack's parts too
+                self._held -= _in_memory(self._mem.pop(key))
 
     def held_bytes(self) -> int:
         """Bytes of the tensors held in memory now (memory-mapped ones from the cache not counted)."""

@@ -1,16 +1,17 @@
 """Scale measured, not guessed (issue 43, item 4): outlier profiles of generated checkpoints at real model shapes.
 
-For each model shape: a GGUF checkpoint with that shape's exact tensors (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B;
-`--layers N` keeps the first N blocks) and random weights (normal x 0.02, norms 1.0) quantized to Q8_0 or Q4_0 by
-the `gguf` package, written into a temporary directory (never kept). A fresh process loads it with edgeprobe's
-loader and profiles outliers layer-major on `--tokens` tokens of the built-in corpus (its calibration pass too, as
-`profile outliers --order layer` runs it), with EDGEPROBE_CACHE pointed at a
-temporary folder. Reported: peak RSS of that process (its own VmHWM), disk the cache grew by, forward tokens/s (the
-calibration pass and the outlier pass both count), and a roofline measured in the same run: BLAS float32 GFLOP/s on a
-512-token window through the FFN's up projection, and the checkpoint's read rate from disk (page cache dropped).
-bound tok/s = BLAS FLOP/s / (2 x parameters of the layers run); the embedding lookup and LM head cost no FLOPs here.
+For each model shape: a GGUF checkpoint with that shape's exact tensors (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B,
+Mixtral-8x7B; `--layers N` keeps the first N blocks) and random weights (normal x 0.02, norms 1.0) quantized to Q8_0
+or Q4_0 by the `gguf` package, written into a temporary directory (never kept). A fresh process loads it with
+edgeprobe's loader and profiles outliers layer-major on `--tokens` tokens of the built-in corpus (its calibration pass
+too, as `profile outliers --order layer` runs it), with EDGEPROBE_CACHE pointed at a temporary folder. Reported: peak
+RSS of that process (its own VmHWM), disk the cache grew by, forward tokens/s (the calibration pass and the outlier
+pass both count), and a roofline measured in the same run: BLAS float32 GFLOP/s on a 512-token window through the
+FFN's up projection, and the checkpoint's read rate from disk (page cache dropped). bound tok/s = BLAS FLOP/s / (2 x
+parameters of the layers run; a MoE's routed experts only); the embedding lookup and LM head cost no FLOPs here.
 
-The vocabulary is SmolLM2's BPE padded with unused pieces to the shape's vocab size, so the corpus tokenizes.
+The vocabulary is SmolLM2's BPE padded with unused pieces to the shape's vocab size (cut to its first pieces and the
+merges among them for a smaller one, Mixtral's 32000), so the corpus tokenizes.
 
     .venv/bin/python bench/scale.py [--models llama-3.2-1b,qwen2.5-3b,llama-3.1-8b] [--layers N] [--tokens 4096]
                                     [--qtype q8_0|q4_0]
@@ -52,17 +53,26 @@ class Shape:
     context: int
     rope_factor: float = 0.0  # Llama 3's "llama3" RoPE scaling factor (0: none)
     attn_bias: bool = False
+    experts: int = 0       # Mixtral: stacked experts of `ffn` each, a router, `experts_used` routed per token
+    experts_used: int = 0
 
-    def layer_params(self) -> int:
+    def layer_params(self, active: bool = False) -> int:
+        """Parameters of one block; with active=True those a token computes with (its routed experts only)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         bias = q + 2 * kv if self.attn_bias else 0
-        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.ffn + 2 * self.hidden + bias
+        ffn = 3 * self.hidden * self.ffn
+        if self.experts:
+            ffn = ffn * (self.experts_used if active else self.experts) + self.hidden * self.experts
+        return self.hidden * (q + 2 * kv) + q * self.hidden + ffn + 2 * self.hidden + bias
 
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 16, 2048, 8192, 32, 8, 64, 128256, True, 500000.0, 1e-5, 131072, 32.0),
     "qwen2.5-3b": Shape("qwen2", 36, 2048, 11008, 16, 2, 128, 151936, True, 1000000.0, 1e-6, 32768, attn_bias=True),
     "llama-3.1-8b": Shape("llama", 32, 4096, 14336, 32, 8, 128, 128256, False, 500000.0, 1e-5, 131072, 8.0),
+    # Mixtral-8x7B-v0.1's config.json: 8 experts of 14336, 2 routed, vocab 32000, no RoPE scaling
+    "mixtral-8x7b": Shape("llama", 32, 4096, 14336, 32, 8, 128, 32000, False, 1000000.0, 1e-5, 32768,
+                          experts=8, experts_used=2),
 }
 QTYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0}
 
@@ -81,12 +91,27 @@ t2 = time.perf_counter()
 finite = all(np.isfinite(a).all() for d in st.arrays.values() for a in d.values() if a.dtype.kind == "f")
 # ru_maxrss keeps the parent's peak across fork and exec (the checkpoint writer's): VmHWM is this process's own
 ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-try:
-    hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024
-except OSError:
-    hwm = ru
-print(json.dumps({"tokens": st.tokens, "corpus_tokens": len(ids), "load_s": t1 - t0, "profile_s": t2 - t1,
-                  "finite": bool(finite), "maxrss_mb": hwm, "ru_maxrss_mb": ru}))
+def vm(key):
+    try:
+        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(key + ":")) / 1024
+    except (OSError, StopIteration):
+        return float("nan")
+hwm = vm("VmHWM")
+hwm = ru if hwm != hwm else hwm
+out = {"tokens": st.tokens, "corpus_tokens": len(ids), "load_s": t1 - t0, "profile_s": t2 - t1,
+       "finite": bool(finite), "maxrss_mb": hwm, "ru_maxrss_mb": ru}
+if len(sys.argv) > 3:  # then quantize with that profile into a folder, as prepare.prepared does
+    from pathlib import Path
+    from edgeprobe.quant import quantize
+    scheme, folder = sys.argv[3], Path(sys.argv[4])
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here: the quantization's own peak
+    base = vm("VmRSS")
+    t3 = time.perf_counter()
+    qm = quantize(m, scheme, st, out=folder)
+    out.update(quant_scheme=scheme, quant_s=time.perf_counter() - t3, quant_rss_mb=vm("VmHWM"),
+               quant_rss_before_mb=base, quant_bytes=qm.nbytes(), quant_disk=sum(
+                   p.stat().st_size for p in folder.rglob("*") if p.is_file()))
+print(json.dumps(out))
 """
 
 
@@ -120,9 +145,15 @@ def tensors(s: Shape, layers: int) -> dict[str, tuple[tuple[int, ...], bool]]:
         if s.attn_bias:
             out.update({b + "attn_q.bias": ((q,), False), b + "attn_k.bias": ((kv,), False),
                         b + "attn_v.bias": ((kv,), False)})
-        out.update({b + "attn_output.weight": ((h, q), True), b + "ffn_norm.weight": ((h,), False),
-                    b + "ffn_gate.weight": ((s.ffn, h), True), b + "ffn_up.weight": ((s.ffn, h), True),
-                    b + "ffn_down.weight": ((h, s.ffn), True)})
+        out.update({b + "attn_output.weight": ((h, q), True), b + "ffn_norm.weight": ((h,), False)})
+        if s.experts:  # llama.cpp's stacked experts [E, out, in]; its router stays float32 here
+            E = s.experts
+            out.update({b + "ffn_gate_inp.weight": ((E, h), False), b + "ffn_gate_exps.weight": ((E, s.ffn, h), True),
+                        b + "ffn_up_exps.weight": ((E, s.ffn, h), True),
+                        b + "ffn_down_exps.weight": ((E, h, s.ffn), True)})
+        else:
+            out.update({b + "ffn_gate.weight": ((s.ffn, h), True), b + "ffn_up.weight": ((s.ffn, h), True),
+                        b + "ffn_down.weight": ((h, s.ffn), True)})
     out["output_norm.weight"] = ((h,), False)
     if not s.tied:
         out["output.weight"] = ((s.vocab, h), True)
@@ -130,13 +161,18 @@ def tensors(s: Shape, layers: int) -> dict[str, tuple[tuple[int, ...], bool]]:
 
 
 def _vocab(n: int) -> tuple[list[str], list[str], list[int], str]:
-    """SmolLM2's BPE pieces and merges, padded to `n` pieces that no merge produces (so they never appear)."""
+    """SmolLM2's BPE pieces and merges, padded to `n` pieces that no merge produces (so they never appear), or cut to
+    its first `n` pieces."""
     from edgeprobe import models
     from edgeprobe.models.gguf_writer import _pre_tokenizer_name
     from edgeprobe.models.gguf_writer import _vocab as bpe_vocab
 
     tok = models.load("smollm2-135m").tokenizer
     tokens, merges, types = bpe_vocab(tok)
+    if n < len(tokens):  # a smaller vocabulary (Mixtral's 32000): the first n pieces and the merges among them
+        tokens, types = tokens[:n], types[:n]
+        kept = set(tokens)
+        merges = [m for m in merges if (ab := m.split(" "))[0] in kept and ab[1] in kept and "".join(ab) in kept]
     pad = n - len(tokens)
     return tokens + [f"<|unused_{i}|>" for i in range(pad)], merges, types + [1] * pad, _pre_tokenizer_name(tok)
 
@@ -151,6 +187,9 @@ def write_checkpoint(s: Shape, layers: int, qtype, path: Path, seed: int = 0) ->
     add_llama_keys(w, context=s.context, hidden=s.hidden, n_layers=layers, ffn=s.ffn, heads=s.heads,
                    kv_heads=s.kv_heads, head_dim=s.head_dim, rope_theta=s.rope_theta, rms_eps=s.rms_eps,
                    vocab=s.vocab)
+    if s.experts:
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.experts_used)
     w.add_file_type({"Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype.name])
     add_bpe_tokenizer(w, *_vocab(s.vocab))
     specs = tensors(s, layers)
@@ -204,7 +243,7 @@ def du(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
-def measure(name: str, layers: int, tokens: int, qtype) -> dict:
+def measure(name: str, layers: int, tokens: int, qtype, quantize: str | None = None) -> dict:
     s = SHAPES[name]
     with tempfile.TemporaryDirectory(prefix="edgeprobe-scale-") as tmp:
         ckpt, cache = Path(tmp) / f"{name}-{layers}l-{qtype.name.lower()}.gguf", Path(tmp) / "cache"
@@ -214,21 +253,22 @@ def measure(name: str, layers: int, tokens: int, qtype) -> dict:
         read = disk_read_mb_s(ckpt)
         gflops = blas_gflops(s)
         env = {**os.environ, "EDGEPROBE_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
-        r = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), str(tokens)], env=env,
+        extra_args = [quantize, str(Path(tmp) / "quantized")] if quantize else []
+        r = subprocess.run([sys.executable, "-c", CHILD, str(ckpt), str(tokens), *extra_args], env=env,
                            stdout=subprocess.PIPE, text=True)
         if r.returncode != 0:
             raise SystemExit(f"bench/scale.py: profiling {name} failed (exit {r.returncode}); its error is above")
         child = json.loads(r.stdout.strip().splitlines()[-1])
         npy = list(cache.rglob("*.npy"))
         extra, npy_bytes = du(cache), sum(p.stat().st_size for p in npy)
-    params_run = layers * s.layer_params()
+    params_run = layers * s.layer_params(active=True)  # the FLOPs: a MoE token runs its routed experts only
     # the calibration pass reads min(8192, tokens) tokens (profile_outliers' calib_tokens), then the outlier pass
     fwd_tokens = child["tokens"] + min(8192, child["tokens"])
     tok_s = fwd_tokens / child["profile_s"]
     bound = gflops * 1e9 / (2 * params_run)
     return {"model": name, "qtype": qtype.name, "hidden": s.hidden, "ffn": s.ffn, "vocab": s.vocab,
             "layers": layers, "depth": s.layers, "params_run": params_run,
-            "params_file": params_run + s.vocab * s.hidden * (1 if s.tied else 2), "ckpt_bytes": size,
+            "params_file": layers * s.layer_params() + s.vocab * s.hidden * (1 if s.tied else 2), "ckpt_bytes": size,
             "extra_bytes": extra, "npy_files": len(npy), "npy_bytes": npy_bytes, "write_s": write_s,
             "disk_mb_s": read, "blas_gflops": gflops, "tok_s": tok_s, "bound_tok_s": bound, "ratio": tok_s / bound,
             "calib_order": "layer",
@@ -249,10 +289,20 @@ def print_table(rows: list[dict]) -> None:
               f"{r['params_file'] / 1e9:6.2f}B {_mb(r['ckpt_bytes']):>9s} {_mb(r['extra_bytes']):>10s} "
               f"{r['extra_bytes'] / r['ckpt_bytes']:7.0%} {r['maxrss_mb']:6.0f} MB {r['tok_s']:7.1f} "
               f"{r['bound_tok_s']:7.1f} {r['ratio']:6.0%} {r['blas_gflops']:9.1f} {r['disk_mb_s']:9.0f}")
-    print("params: in the file (embedding included); bound = BLAS FLOP/s / (2 x params of the layers run); tok/s "
+    print("params: in the file (embedding included); bound = BLAS FLOP/s / (2 x params of the layers run, a MoE's "
+          "routed experts only); tok/s "
           "counts both forward passes (calibration, then the layer-major outlier pass); extra disk: what "
           "EDGEPROBE_CACHE grew by (config and tokenizer; float32 .npy only for a model under "
           "$EDGEPROBE_NPY_CACHE_MAX_MB)")
+    quantized = [r for r in rows if r.get("quant_scheme")]
+    if quantized:
+        print(f"{'model':<13s} {'layers':>7s} {'scheme':<12s} {'written':>9s} {'of ckpt':>7s} {'float blobs':>11s} "
+              f"{'RSS before':>10s} {'peak RSS':>9s} {'seconds':>8s}")
+        for r in quantized:
+            b = r["quant_bytes"]
+            print(f"{r['model']:<13s} {r['layers']:>3d}/{r['depth']:<3d} {r['quant_scheme']:<12s} "
+                  f"{_mb(r['quant_disk']):>9s} {r['quant_disk'] / r['ckpt_bytes']:7.0%} {_mb(b['float_tensors']):>11s} "
+                  f"{r['quant_rss_before_mb']:7.0f} MB {r['quant_rss_mb']:6.0f} MB {r['quant_s']:8.1f}")
 
 
 def main() -> None:
@@ -262,6 +312,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, help="blocks to keep (default: each model's real depth)")
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--qtype", default="q8_0", choices=sorted(QTYPES))
+    ap.add_argument("--quantize", metavar="SCHEME", help="then quantize each model with its profile into a "
+                    "folder (e.g. w8a8-shadow): the quantizer's peak RSS, seconds and bytes written")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args()
     names = [n.strip() for n in args.models.split(",") if n.strip()]
@@ -280,7 +332,7 @@ def main() -> None:
         if SHAPES[n].arch not in SUPPORTED_ARCHS:
             print(f"{n}: architecture {SHAPES[n].arch} not supported yet by edgeprobe's GGUF loader; skipped")
             continue
-        rows.append(measure(n, args.layers or SHAPES[n].layers, args.tokens, QTYPES[args.qtype]))
+        rows.append(measure(n, args.layers or SHAPES[n].layers, args.tokens, QTYPES[args.qtype], args.quantize))
         print(json.dumps(rows[-1]), file=sys.stderr)
     print_table(rows)
     if args.json:

@@ -237,6 +237,11 @@ def column_blocks(n: int) -> tuple[tuple[int, int], ...]:
 
 _POOL = None
 _POOL_LOCK = threading.Lock()
+_WORKER = threading.local()  # .busy in the pool's own threads
+
+
+def _mark_worker():
+    _WORKER.busy = True
 
 
 def _forget_pool():
@@ -253,14 +258,17 @@ def _pool():
     with _POOL_LOCK:
         if _POOL is None:
             from concurrent.futures import ThreadPoolExecutor
-            _POOL = ThreadPoolExecutor(max_workers=max(1, CORES - 1), thread_name_prefix="edgeprobe-gemm")
+            _POOL = ThreadPoolExecutor(max_workers=max(1, CORES - 1), thread_name_prefix="edgeprobe-gemm",
+                                       initializer=_mark_worker)
         return _POOL
 
 
 def spread(fn, parts: list) -> None:
     """fn(part) for every part: the calling thread runs the first, the pool's threads the others (numpy's ufuncs and
-    BLAS release the GIL); returns once all are done, raising the first part's error."""
-    if len(parts) < 2:
+    BLAS release the GIL); returns once all are done, raising the first part's error. Called from one of the pool's
+    threads (a weight read inside a spread block), it runs every part there: waiting on the pool from inside it could
+    leave no thread to run what it waits for."""
+    if len(parts) < 2 or getattr(_WORKER, "busy", False):
         for part in parts:
             fn(part)
         return

@@ -134,6 +134,34 @@ def test_a_tensor_larger_than_one_block_is_read_in_several(tmp_path, monkeypatch
     assert _same_bits(got["big.weight"], ref["big.weight"]) and _same_bits(got["small.weight"], ref["small.weight"])
 
 
+def test_row_blocks_shared_over_threads_and_an_expert_alone_give_the_same_bits(tmp_path, monkeypatch):
+    """Inside a host pass read_tensor's row blocks run on the pass's threads (pread, no shared file position): the
+    blocks are the same, so are the bits; a row range (an MoE expert's rows) is those rows of the whole."""
+    import threading
+
+    from edgeprobe_kernels import threads as T
+
+    rows, cols = 1100, 4096
+    path = tmp_path / "big.gguf"
+    _write(path, {"big.weight": ((rows, cols), Q.Q8_0)}, seed=2)
+    ref = _reference(path)["big.weight"]
+    seen, real, lock = set(), gguf.quants.dequantize, threading.Lock()
+
+    def tracked(data, qtype):
+        with lock:
+            seen.add(threading.current_thread().name)
+        return real(data, qtype)
+    monkeypatch.setattr(gguf.quants, "dequantize", tracked)
+    monkeypatch.setattr(gguf_loader, "_BLOCK_VALUES", 100 * cols)  # 11 blocks
+    monkeypatch.setenv("EDGEPROBE_THREADS", "2")
+    t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "big.weight")
+    with T.host_pass():
+        whole = gguf_loader.read_tensor(path, t)
+        part = gguf_loader.read_tensor(path, t, (300, 550))
+    assert _same_bits(whole, ref) and _same_bits(part, np.ascontiguousarray(ref[300:850]))
+    assert len(seen) == 2  # the calling thread and one of the pool's
+
+
 def test_a_file_truncated_after_it_was_opened_names_the_tensor(tmp_path):
     """Truncated before loading is test_models.py's; here the file shrinks once the loader has checked it."""
     path = tmp_path / "tiny.gguf"

@@ -289,3 +289,25 @@ def test_window_nll_split_over_threads_is_the_one_pass_formula(monkeypatch):
         monkeypatch.setattr(T.POLICY, "width", width)
         got = window_nll(logits, ids)
         assert got.dtype == np.float64 and np.array_equal(got, want)
+
+
+def test_a_spread_inside_a_pool_thread_runs_there_instead_of_waiting_on_the_pool(monkeypatch):
+    """A weight read inside a spread block (read_tensor shares its row blocks) spreads again: from one of the pool's
+    threads it must not wait on the pool (one thread on two cores: it would wait on itself forever)."""
+    import threading
+
+    monkeypatch.setenv("EDGEPROBE_THREADS", "2")
+    out = np.zeros((4, 4))
+
+    def outer(a, b):
+        for i in range(a, b):
+            T.run_blocks(lambda c, d: out[i, c:d].__iadd__(i + 1), [(0, 2), (2, 4)])
+
+    def work():
+        with T.host_pass():
+            T.run_blocks(outer, [(0, 2), (2, 4)])
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    t.join(60)
+    assert not t.is_alive(), "nested spread deadlocked"
+    assert np.array_equal(out, np.repeat(np.arange(1, 5.0)[:, None], 4, axis=1))

@@ -13,6 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from edgeprobe_kernels.threads import run_blocks
+
 from ..errors import ModelFormatError, UnsupportedModelError
 from .config import ModelConfig, check_ffn_shapes, fused_rows
 from .model import Model
@@ -133,12 +135,12 @@ def config_from_gguf(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
 _BLOCK_VALUES = 1 << 22
 
 
-def _read_into(f, buf: np.ndarray, offset: int) -> int:
-    """Fill uint8 `buf` from `offset` of the unbuffered file `f`; returns the bytes read (short only at the end)."""
+def _read_into(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Fill uint8 `buf` from `offset` of file descriptor `fd` (pread: no shared position, so threads may read one
+    file at once); returns the bytes read (short only at the end)."""
     view, got = memoryview(buf).cast("B"), 0
-    f.seek(offset)
     while got < len(view):
-        n = f.readinto(view[got:])
+        n = os.preadv(fd, [view[got:]], offset + got)
         if not n:
             break
         got += n
@@ -152,7 +154,9 @@ def read_tensor(path: Path, t: gguf.ReaderTensor, row_range: tuple[int, int] | N
 
     Its bytes are read from the file a row block at a time (not through the reader's memory map, whose pages would
     stay resident) and each block dequantized into one preallocated array: the transient is one float32 copy plus a
-    block. Row blocks give the same bits as the whole tensor, since ggml dequantizes each row's blocks on their own.
+    block a thread. Row blocks give the same bits as the whole tensor, since ggml dequantizes each row's blocks on
+    their own; inside a host pass the blocks are shared over its threads (gguf's numpy dequantization releases the
+    GIL: 190 M values/s a core for Q8_0, a third of an 8B outlier profile's time on 512 tokens).
     """
     stored = t.data  # a view of the reader's map: only its dtype and shape are used, no page of it is touched
     row_items = int(stored.shape[-1]) if stored.ndim else 1
@@ -162,19 +166,24 @@ def read_tensor(path: Path, t: gguf.ReaderTensor, row_range: tuple[int, int] | N
     first, rows = (0, rows) if row_range is None else row_range
     out = np.empty((rows, cols), np.float32)
     step = max(1, _BLOCK_VALUES // max(cols, 1))
-    with open(path, "rb", buffering=0) as f:
-        for r0 in range(0, rows, step):
-            n = min(step, rows - r0)
-            buf = np.empty(n * row_bytes, np.uint8)
-            if _read_into(f, buf, t.data_offset + (first + r0) * row_bytes) != buf.size:
-                raise ModelFormatError(f"{path} is truncated: tensor {t.name} ends past the end of the file; "
-                                       "copy or download it again")
-            try:
-                block = gguf.quants.dequantize(buf.view(stored.dtype).reshape(n, row_items), t.tensor_type)
-            except NotImplementedError as e:
-                raise UnsupportedModelError(f"tensor {t.name}: ggml type {t.tensor_type.name} cannot be "
-                                            "dequantized by the installed gguf package; upgrade gguf") from e
-            out[r0:r0 + n] = block.reshape(n, cols)
+    fd = os.open(path, os.O_RDONLY)
+
+    def rows_block(r0: int, r1: int) -> None:
+        n = r1 - r0
+        buf = np.empty(n * row_bytes, np.uint8)
+        if _read_into(fd, buf, t.data_offset + (first + r0) * row_bytes) != buf.size:
+            raise ModelFormatError(f"{path} is truncated: tensor {t.name} ends past the end of the file; "
+                                   "copy or download it again")
+        try:
+            block = gguf.quants.dequantize(buf.view(stored.dtype).reshape(n, row_items), t.tensor_type)
+        except NotImplementedError as e:
+            raise UnsupportedModelError(f"tensor {t.name}: ggml type {t.tensor_type.name} cannot be "
+                                        "dequantized by the installed gguf package; upgrade gguf") from e
+        out[r0:r1] = block.reshape(n, cols)
+    try:
+        run_blocks(rows_block, [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)])
+    finally:
+        os.close(fd)
     return out
 
 

@@ -232,3 +232,22 @@ def test_gemma2_plans_carry_its_score_scale_and_soft_caps_to_the_agent(tmp_path)
         op["attrs"].pop("softcap", None)
     outs, _, _ = run_plan(plan, qm.store.get, {"tokens": ids})
     assert np.abs(outs["lm_head"][0] - ref).max() > 1e-2
+
+
+def test_an_untied_head_is_quantized_once(tmp_path):
+    """Mistral's lm_head is its own matrix: a scheme with a Q8_0 head keeps that head only, not also its float copy
+    (2.1 GB of an 8B model's blobs), and the agent's plan runs without it."""
+    from edgeprobe.graph.local import run_plan
+    from edgeprobe.plan import prefill_plan
+    from edgeprobe.quant import quantize
+
+    _build("mistral", tmp_path)
+    m = models.load(tmp_path, cache_dir=None)
+    assert "output.weight" in m.weights
+    qm = quantize(m, "q4_0")
+    assert qm.manifest["head"] and "output.weight" not in qm.manifest["tensors"]
+    assert "output.weight" in quantize(m, "float").manifest["tensors"]  # no Q8_0 head: the float one stays
+    ids = np.random.default_rng(3).integers(0, VOCAB, TOKENS).astype(np.int32)
+    outs, _, _ = run_plan(prefill_plan(qm.manifest, len(ids)), qm.store.get, {"tokens": ids})
+    host = qm.forward(ids, logits="last")
+    assert np.abs(outs["lm_head"][0] - host).max() < 1e-4 * max(1.0, float(np.abs(host).max()))

@@ -197,16 +197,18 @@ def quantize(model: Model, scheme: str, profile=None, prune_rate: float = 0.85, 
                 release(t)
             layer = set()
     linear_weights = {linear_tensor(n) for n in names}
-    tensors = {}
-    for n in model.weights:
-        if n not in linear_weights:
-            tensors[n] = store.put(np.asarray(model.weights[n], np.float32), "float")
-            if n != "token_embd.weight" or "output.weight" in model.weights:  # a tied embedding is the head, next
-                release(n)
-    head = None
     # the LM head as llama.cpp runs a Q8_0 output (kernels/q8_0.py); EdgeMoE's bit-width study (moe-mixed) measured
     # its losses with the float head, and its scheme computes what the study measured
-    if scheme not in ("float", "moe-mixed") and c.hidden % QK == 0:
+    q8_head = scheme not in ("float", "moe-mixed") and c.hidden % QK == 0
+    tensors = {}
+    for n in model.weights:
+        if n in linear_weights or (q8_head and n == "output.weight"):  # an untied head runs as Q8_0 only: its float
+            continue                                                    # copy would be 2.1 GB of an 8B model's blobs
+        tensors[n] = store.put(np.asarray(model.weights[n], np.float32), "float")
+        if n != "token_embd.weight" or "output.weight" in model.weights:  # a tied embedding is the head, next
+            release(n)
+    head = None
+    if q8_head:
         codes, scales = quantize_q8_0(np.asarray(model.output_weight, np.float32))
         release("output.weight" if "output.weight" in model.weights else "token_embd.weight")
         head = record("q8_0", {"codes": store.put(codes, "head"), "scales": store.put(scales, "head")})

@@ -68,3 +68,129 @@ def gemm_f16w_seq(x: np.ndarray, wt: np.ndarray) -> np.ndarray:
     y = np.empty((x.shape[0], wt.shape[1]), np.float32)
     _gemm_f16w_seq_nb(xh, np.ascontiguousarray(wt, np.float32), y)
     return y
+
+
+# ---- the same GEMM from 4-bit codes: decode reads 4.5 bits a weight, not a float32 copy ----------------------
+GEMV_M = 4  # up to this many rows (decode, a few candidates) the GEMV reads the codes; more rows dequantize first
+GEMV_CHUNK = 1024  # most columns per task: its accumulators and scales stay in L1
+D_MAX = 4096.0  # scales up to this |d|: (q - 8) d stays below 65504, no FP16 overflow, and _round_f16 is exact
+
+
+def q4_rows_exact(d16: np.ndarray) -> bool:
+    """True when every FP16 scale (uint16 bits) is finite with |d| <= D_MAX: then the codes kernels below give
+    the bits of dequantize_tiles_t. Quantized real weights always are; other blocks take the float32 path."""
+    d = np.asarray(d16, np.uint16).view(np.float16).astype(np.float32)
+    return bool(np.all(np.isfinite(d)) and np.all(np.abs(d) <= D_MAX))
+
+
+if numba is not None:
+    from .lut import _bits_f32, _f32_bits
+
+    @numba.njit(inline="always")
+    def _round_f16(v):
+        # v = (q - 8) d is exact in float32 (4 x 11 bits): round it to FP16 (nearest even) on its bits. A normal
+        # FP16 result keeps 10 fraction bits; a subnormal one (d subnormal) is a multiple of 2^-24 below 2^-14,
+        # which already has at most 10 significant bits, so the same add-and-mask leaves it as it is.
+        b = _f32_bits(v)
+        b = (b + np.uint32(0x0FFF) + ((b >> np.uint32(13)) & np.uint32(1))) & np.uint32(0xFFFFE000)
+        return _bits_f32(np.uint32(b))
+
+    @numba.njit(nogil=True, cache=True)
+    def _gemv_q4_cols(xh, codes, d16, f16_of, y, n0, n1):
+        # y[:, n0:n1] (n0 a multiple of 16); xh float32[M, 2 Kh] (FP16 values, zero past K), codes uint8[Kh, Np],
+        # d16 uint16[Kh, Np/16]
+        M = y.shape[0]
+        Kh = codes.shape[0]
+        w = n1 - n0
+        wp = (w + 15) // 16 * 16  # whole groups: Np is a multiple of 32
+        acc = np.zeros((xh.shape[0], wp), np.float32)
+        dcol = np.empty(wp, np.float32)
+        g0 = n0 // 16
+        for r in range(Kh):
+            for g in range(wp // 16):
+                dv = f16_of[d16[r, g0 + g]]
+                for j in range(16):
+                    dcol[16 * g + j] = dv
+            row = codes[r, n0:n0 + wp]
+            if M == 1:  # one pass: both rows of the pair dequantized and added, k = 2r then 2r + 1
+                xa, xb = xh[0, 2 * r], xh[0, 2 * r + 1]
+                a = acc[0]
+                for j in range(wp):
+                    c = np.int32(row[j])
+                    d = dcol[j]
+                    va = _round_f16(np.float32(np.int32((c & 15) - 8)) * d)
+                    vb = _round_f16(np.float32(np.int32((c >> 4) - 8)) * d)
+                    a[j] += xa * va
+                    a[j] += xb * vb
+            else:  # blocks of 4 rows (zero rows past M add nothing): dequantized once per block, in registers
+                for m0 in range(0, M, 4):
+                    xa0, xb0 = xh[m0, 2 * r], xh[m0, 2 * r + 1]
+                    xa1, xb1 = xh[m0 + 1, 2 * r], xh[m0 + 1, 2 * r + 1]
+                    xa2, xb2 = xh[m0 + 2, 2 * r], xh[m0 + 2, 2 * r + 1]
+                    xa3, xb3 = xh[m0 + 3, 2 * r], xh[m0 + 3, 2 * r + 1]
+                    a0, a1, a2, a3 = acc[m0], acc[m0 + 1], acc[m0 + 2], acc[m0 + 3]
+                    for j in range(wp):
+                        c = np.int32(row[j])
+                        d = dcol[j]
+                        va = _round_f16(np.float32(np.int32((c & 15) - 8)) * d)
+                        vb = _round_f16(np.float32(np.int32((c >> 4) - 8)) * d)
+                        a0[j] += xa0 * va
+                        a0[j] += xb0 * vb
+                        a1[j] += xa1 * va
+                        a1[j] += xb1 * vb
+                        a2[j] += xa2 * va
+                        a2[j] += xb2 * vb
+                        a3[j] += xa3 * va
+                        a3[j] += xb3 * vb
+        for m in range(M):
+            y[m, n0:n1] = acc[m, :w]
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def _gemv_q4_nb(xh, codes, d16, f16_of, y, chunk):
+        N = y.shape[1]
+        for t in numba.prange((N + chunk - 1) // chunk):
+            _gemv_q4_cols(xh, codes, d16, f16_of, y, t * chunk, min(N, (t + 1) * chunk))
+
+    @numba.njit(parallel=True, nogil=True, cache=True)
+    def _q4_rows_t_nb(codes, d16, f16_of, out):
+        # out float32[K, N]: the k-major FP16 values, two rows per byte row of codes
+        K, N = out.shape
+        for r in numba.prange((K + 1) // 2):
+            for n in range(N):
+                c = np.int32(codes[r, n])
+                d = f16_of[d16[r, n >> 4]]
+                out[2 * r, n] = _round_f16(np.float32(np.int32((c & 15) - 8)) * d)
+                if 2 * r + 1 < K:
+                    out[2 * r + 1, n] = _round_f16(np.float32(np.int32((c >> 4) - 8)) * d)
+
+
+def q4_rows_t(codes: np.ndarray, d16: np.ndarray, N: int, K: int) -> np.ndarray:
+    """(codes, d16) of kernels/tiles.py tiles_q4_rows -> W^T float32[K, N] holding FP16 values: the bits of
+    dequantize_tiles_t when q4_rows_exact(d16)."""
+    from .lut import _f16_values
+
+    out = np.empty((K, N), np.float32)
+    _q4_rows_t_nb(codes, d16, _f16_values(), out)
+    return out
+
+
+def gemv_q4_seq(x: np.ndarray, codes: np.ndarray, d16: np.ndarray, N: int, K: int) -> np.ndarray:
+    """x float32[M, K] times the q4_0-tile weight in its row layout (tiles_q4_rows: codes uint8[Kp/2, Np], d16
+    uint16[Kp/2, Np/16]) -> float32[M, N]: the bits of gemm_f16w_seq(x, dequantize_tiles_t(blocks, N, K)) when
+    q4_rows_exact(d16). Each weight is dequantized on the fly to FP16 as vlut16 does, w = fp16((q - 8) d), and
+    every y[m, n] sums x[m, k] w[k, n] over k in order; it reads 0.5625 bytes a weight instead of 4."""
+    if x.ndim != 2 or x.shape[1] != K or codes.shape[0] * 2 < K or codes.shape[1] < N:
+        raise ValueError(f"gemv_q4_seq needs x[M, {K}] and codes of a [{N}, {K}] weight, got {x.shape}, "
+                         f"{codes.shape}")
+    from .lut import _f16_values
+
+    Kh = codes.shape[0]
+    M = x.shape[0]
+    xh = np.zeros((M if M == 1 else -(-M // 4) * 4, 2 * Kh), np.float32)  # zeros past K and M: add nothing
+    xh[:M, :K] = x.astype(np.float16)
+    y = np.empty((x.shape[0], N), np.float32)
+    tasks = max(1, numba.get_num_threads())
+    most = max(16, min(GEMV_CHUNK, 4096 // xh.shape[0]) // 16 * 16)  # accumulators: 16 KiB at most
+    chunk = min(most, -(-(-(-N // tasks)) // 16) * 16)  # one task per thread, whole groups
+    _gemv_q4_nb(xh, codes, d16, _f16_values(), y, chunk)
+    return y

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import int8_gemm
+from . import f16_gemm, int8_gemm
 from .f16_gemm import gemm_f16w_seq
 from .int8_gemm import (
     GEMV_M,
@@ -26,7 +26,7 @@ from .intn import dequantize_channels
 from .lut import lut16_dequant
 from .shadow import extract_outliers, shadow_delta_onepass, shadow_gemm
 from .threads import matmul_wt
-from .tiles import dequantize_tiles_t
+from .tiles import dequantize_tiles_t, tiles_q4_rows
 
 W8A8_SCHEMES = {"w8a8", "w8a8-shadow", "w8a8c-shadow"}  # an int8 GEMM with a per-tensor activation scale
 SHADOW_SCHEMES = {"w8a8-shadow", "w8a8c-shadow"}        # plus mllm-NPU's float shadow GEMM of the outliers
@@ -160,10 +160,21 @@ def run_q4_0_tile(rec, get, counters):
 
 def run_q4_0_tile_seq(rec, get, counters):
     """q4_0-tile as the npu lane computes it: float32 sums over k in order (kernels/f16_gemm.py), the same
-    bits as the hvx backend's DSP kernel; 1.5-4x slower than BLAS, so host simulations keep run_q4_0_tile."""
+    bits as the hvx backend's DSP kernel; 1.5-4x slower than BLAS, so host simulations keep run_q4_0_tile.
+    The runner keeps the codes and scales in row order (tiles_q4_rows, 4.5 bits a weight): up to GEMV_M rows
+    (decode) read them directly; more rows (prefill) dequantize them to the k-major float32 weight per call."""
     N, K = rec["shape"]
-    wt = dequantize_tiles_t(get(rec["blocks"]), N, K)  # k-major, f16 values
-    return lambda x, counters=counters: gemm_f16w_seq(x, wt)
+    blocks = get(rec["blocks"])
+    codes, d16 = tiles_q4_rows(blocks, N, K)
+    if f16_gemm.numba is None or not f16_gemm.q4_rows_exact(d16):  # scales beyond FP16 range: the float32 copy
+        wt = dequantize_tiles_t(blocks, N, K)  # k-major, f16 values
+        return lambda x, counters=counters: gemm_f16w_seq(x, wt)
+
+    def linear(x, counters=counters):
+        if x.shape[0] <= f16_gemm.GEMV_M:
+            return f16_gemm.gemv_q4_seq(x, codes, d16, N, K)
+        return gemm_f16w_seq(x, f16_gemm.q4_rows_t(codes, d16, N, K))
+    return linear
 
 
 def run_moe_mixed(rec, get, counters):

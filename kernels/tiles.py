@@ -123,3 +123,19 @@ def dequantize_tiles_t(blocks: np.ndarray, N: int, K: int) -> np.ndarray:
     out = np.empty((K, N), np.float32)
     _tiles_kmajor_nb(np.ascontiguousarray(blocks, np.uint8), KT, K, N, _f16_values(), out)
     return out
+
+
+def tiles_q4_rows(blocks: np.ndarray, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    """Super-blocks uint8[S, 144] -> the npu lane's GEMV layout (kernels/f16_gemm.py gemv_q4_seq), the same codes
+    and scales in row order: codes uint8[Kp/2, Np], byte [r, n] = code of W^T[2r, n] | code of W^T[2r+1, n] << 4;
+    d16 uint16[Kp/2, Np/16], the FP16 scale bits of the group holding W^T[2r:2r+2, 16c:16c+16]. A tile's group is
+    16 columns of one row pair (2 x 16 values), so every group is one cell here: 4.5 bits a weight, as the blocks."""
+    KT, NT = padded(K) // TILE, padded(N) // TILE
+    if blocks.ndim != 2 or blocks.shape != (KT * NT * 4, SUPER_BYTES):
+        raise ValueError(f"a [{N}, {K}] weight is {KT * NT * 4} super-blocks of {SUPER_BYTES} bytes, "
+                         f"got an array of shape {blocks.shape}")
+    q, d = unpack_superblocks(blocks)
+    q = q.reshape(NT, KT, TILE // 2, TILE, 2)  # stream order (r2, c, p) inside each column-major tile
+    codes = (q[..., 0] | (q[..., 1] << 4)).transpose(1, 2, 0, 3).reshape(KT * TILE // 2, NT * TILE)
+    d16 = d.view(np.uint16).reshape(NT, KT, TILE // 2, 2).transpose(1, 2, 0, 3).reshape(KT * TILE // 2, NT * 2)
+    return np.ascontiguousarray(codes), np.ascontiguousarray(d16)

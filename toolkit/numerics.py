@@ -19,7 +19,9 @@ L2 stays under 1e-4). Both default per scheme (`tolerances`).
 """
 from __future__ import annotations
 
+import fnmatch
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,14 +150,21 @@ class NumericsReport:
 
     def figure(self):
         """Divergence by depth: error per layer (x), one line per op kind, device vs simulation solid and scheme vs
-        float dashed, on a log axis (a plotly Figure: the report, notebooks and Chromium draw it)."""
+        float dashed, on a log axis (a plotly Figure: the report, notebooks and Chromium draw it). Where a kind has
+        several ops in a layer (a chunked prefill's chunks, a split linear's pieces), the layer's point is the largest,
+        and its hover names that op."""
         import plotly.graph_objects as go
 
         fig = go.Figure()
         kinds = list(dict.fromkeys(r["kind"] for r in self.ops))
         for dist, dash in (("device_vs_sim", "solid"), ("scheme_vs_float", "dash")):
             for k in kinds:
-                rows = [r for r in self.ops if r["kind"] == k and r.get(dist)]
+                worst: dict = {}
+                for r in self.ops:
+                    if r["kind"] == k and r.get(dist) and (r["layer"] not in worst or r[dist]["rel_l2"] >
+                                                            worst[r["layer"]][dist]["rel_l2"]):
+                        worst[r["layer"]] = r
+                rows = sorted(worst.values(), key=lambda r: r["layer"])
                 if not rows:
                     continue
                 fig.add_trace(go.Scatter(x=[r["layer"] for r in rows],
@@ -186,16 +195,23 @@ class NumericsReport:
 
 def compare(device: dict, sim: dict, float_: dict | None, n_layers: int, tolerance: float = DEFAULT_TOLERANCE,
             device_full: dict | None = None, sim_full: dict | None = None, float_full: dict | None = None,
-            order=None, max_tolerance: float | None = DEFAULT_MAX_TOLERANCE) -> NumericsReport:
+            order=None, max_tolerance: float | None = DEFAULT_MAX_TOLERANCE, views: dict | None = None,
+            chunked: bool = False) -> NumericsReport:
     """The report from three captures ({op: summary}, and {op: array} where kept): device against the scheme's
     simulation, and the simulation against float, op by op in `order` (default: the simulation's). max_tolerance
-    None: max_rel decides nothing."""
+    None: max_rel decides nothing. views: {op: _View} where an op is not the host's op of its name (a chunk's, a
+    split's piece): its layer and kind are its host op's, and its row says "host_op", "chunk" (chunked) and "part"."""
+    views = views or {}
     device_full, sim_full, float_full = device_full or {}, sim_full or {}, float_full or {}
     rows, first = [], None
     for name in order or list(sim):
         if name not in device or name not in sim:
             continue
-        r = {"op": name, "layer": op_layer(name, n_layers), "kind": op_kind(name), "shape": device[name]["shape"],
+        v = views.get(name)
+        host = v.host if v is not None else name
+        r = {"op": name, "layer": op_layer(host, n_layers), "kind": op_kind(host), "shape": device[name]["shape"],
+             **({"host_op": host} if host != name else {}), **({"chunk": v.chunk} if chunked and v else {}),
+             **({"part": {"rows": v.rows, "cols": v.cols}} if v is not None and (v.rows or v.cols) else {}),
              "nonfinite": device[name]["nonfinite"], "device": device[name], "sim": sim[name],
              "device_vs_sim": _distance(device[name], sim[name], device_full.get(name), sim_full.get(name))}
         if float_ is not None and name in float_:
@@ -205,27 +221,119 @@ def compare(device: dict, sim: dict, float_: dict | None, n_layers: int, toleran
         by = ("nonfinite" if r["nonfinite"] else "rel_l2" if d["rel_l2"] > tolerance else
               "max_rel" if max_tolerance is not None and d["max_rel"] > max_tolerance else None)
         if first is None and by:
-            first = {"op": name, "layer": r["layer"], "kind": r["kind"], **d, "by": by}
+            first = {"op": name, "layer": r["layer"], "kind": r["kind"], **d, "by": by,
+                     **({"chunk": r["chunk"]} if "chunk" in r else {})}
         rows.append(r)
     return NumericsReport(rows, tolerance, first, max_tolerance=max_tolerance)
 
 
-class _Picked:
-    """The ops a pattern picks from an agent plan's capture names, and how the host names them: a linear the plan
-    splits (w8a8-shadow's int8 part on the npu, its shadow on the cpu) is the host's one op at its join,
-    "<linear>.sum", which the host captures under the linear's name."""
+_CHUNKED = re.compile(r"c(\d+)\.(?:l(\d+)\.)?(.+)")   # a chunked prefill's op: c1.l3.attn_q, c1.embed
+_PIECE = re.compile(r"(.+)\.(npu\d+|npucat|gpu|cat)")   # a HeteroLLM split's piece or join (graph.template._split)
 
-    def __init__(self, names: list, ops, what: str = "the plan"):
-        self.names, self.ops = names, ops
-        self.picked = select(names, ops)
+
+@dataclass(frozen=True)
+class _View:
+    """Where a plan op's output sits in the host's capture: op `host` of chunk `chunk` (a chunked prefill's chunk;
+    0 otherwise), its rows and columns [a, b) (None: all; a HeteroLLM split's piece holds a block of the linear's
+    output)."""
+    host: str
+    chunk: int = 0
+    rows: tuple | None = None
+    cols: tuple | None = None
+
+    def take(self, x: np.ndarray) -> np.ndarray:
+        if self.rows is not None:
+            x = x[self.rows[0]:self.rows[1]]
+        return x if self.cols is None else x[:, self.cols[0]:self.cols[1]]
+
+
+def _leaf_ops(ops) -> list:
+    """A plan's op dicts with each fused op's sub-ops, at any depth, in its place (protocol.leaf_names' ops)."""
+    out = []
+    for op in ops:
+        out += _leaf_ops(op["attrs"]["ops"]) if op["kind"] == "fused" else [op]
+    return out
+
+
+def _views(leaves: list) -> dict:
+    """{plan op name: _View, or None where the host has no such value}. A chunked prefill's c{i}.l{l}.X is the host's
+    blk.{l}.X in chunk i; a linear's join "<linear>.sum" is the linear; its int8 and shadow terms have no host value;
+    a HeteroLLM piece (.npu{j}, .gpu, .npucat, .cat) is its block of the linear's output when the linear has no
+    shadow (with one, the pieces split its int8 term alone), and the piece no other piece of the linear reads (the
+    last join) is the whole linear."""
+    names = {o["name"] for o in leaves}
+    by = {o["name"]: o for o in leaves}
+    readers: dict = {}
+    for o in leaves:
+        for i in o.get("inputs", []):
+            if isinstance(i, dict) and "op" in i:
+                readers.setdefault(i["op"], []).append(o["name"])
+
+    def extent(op):
+        if op["kind"] == "concat":
+            parts = [extent(by[i["op"]]) for i in op["inputs"]]
+            rows = [r for r, _ in parts if r is not None]
+            cols = [c for _, c in parts if c is not None]
+            return ((min(r[0] for r in rows), max(r[1] for r in rows)) if rows else None,
+                    (min(c[0] for c in cols), max(c[1] for c in cols)) if cols else None)
+        a = op.get("attrs", {})
+        return (tuple(a["rows"]) if a.get("rows") else None, tuple(a["cols"]) if a.get("cols") else None)
+
+    out = {}
+    for op in leaves:
+        name = op["name"]
+        m = _CHUNKED.fullmatch(name)
+        base = (f"blk.{m[2]}.{m[3]}" if m[2] else m[3]) if m else name
+        rows = cols = None
+        piece = _PIECE.fullmatch(name)
+        if base.endswith(".sum"):
+            host = base[:-4]
+        elif base.endswith((".int8", ".shadow")):
+            host = None
+        elif piece:
+            host = None if piece[1] + ".sum" in names else _PIECE.fullmatch(base)[1]
+            last = not any((q := _PIECE.fullmatch(r)) and q[1] == piece[1] for r in readers.get(name, []))
+            rows, cols = (None, None) if last else extent(op)
+        else:
+            host = base
+        out[name] = None if host is None else _View(host, int(op.get("chunk") or 0), rows, cols)
+    return out
+
+
+class _Picked:
+    """The ops a pattern picks from an agent plan's capture names, and where the host holds each: see _views. A
+    pattern matches a plan op by its own name or by its host op's (so "blk.1.*" picks a chunked prefill's c0.l1.*,
+    c1.l1.*, ... and a split linear's join). The report names an op by its host op where the plan computes that
+    whole op once (a split linear's join "<linear>.sum" is the linear), else by its plan name."""
+
+    def __init__(self, plan: dict, ops, what: str = "the plan"):
+        self.leaves = _leaf_ops(plan["ops"])
+        self.names, self.ops = [o["name"] for o in self.leaves], ops
+        self.views = _views(self.leaves)
+        pats = None if ops is None else [p.strip() for p in str(ops).split(",") if p.strip()]
+        hit = lambda n: pats is None or any(fnmatch.fnmatchcase(x, p) for p in pats for x in
+                                            (n, self.views[n].host if self.views[n] else n))
+        self.picked = [n for n in self.names if hit(n)]
         if not self.picked:
-            raise NumericsError(f"--numerics-ops {ops!r} names no op of {what} (ops are named like {names[1]!r}, "
+            raise NumericsError(f"--numerics-ops {ops!r} names no op of {what} (ops are named like {self.names[1]!r}, "
                                 f"'blk.1.*', 'lm_head')")
-        self.joins = {n: n[:-4] for n in names if n.endswith(".sum") and n[:-4] not in names}
+        self.chunked = any(v is not None and v.chunk for v in self.views.values())
+        self.report, used = {}, set()
+        for n in reversed(self.names):  # the last op computing a host op whole takes its name
+            v = self.views[n]
+            whole = v is not None and not self.chunked and v.rows is None and v.cols is None and v.host != n
+            self.report[n] = v.host if whole and v.host not in used and v.host not in self.views else n
+            used.add(self.report[n])
+        self.joins = {n: r for n, r in self.report.items() if r != n}
         self.host_ops = ",".join(self.on_host(self.picked)) if self.joins else ops
+        self.shapes = {o["name"]: o.get("shape") for o in self.leaves}
 
     def on_host(self, ns) -> list:
-        return [self.joins.get(n, n) for n in ns]
+        return [self.report.get(n, n) for n in ns]
+
+    def sizes(self) -> dict:
+        """{report name: bytes of the op's float32 output} from the plan's shapes."""
+        return {self.report[n]: int(np.prod(s)) * 4 for n, s in self.shapes.items() if s}
 
     def check_full(self, full, sizes: dict, limit_bytes: int, times: int = 1) -> int:
         """The bytes a full capture of `full` (plan op names) takes `times` over; refused naming an unknown op, or the
@@ -240,11 +348,19 @@ class _Picked:
         return need
 
     def field(self, full, limit_bytes: int, fault: dict | None) -> dict:
-        """The run request's numerics field."""
-        out = {"ops": self.ops, "full": list(full), "full_limit_bytes": int(limit_bytes)}
+        """The run request's numerics field: the picked ops by name (the agent matches plan names only)."""
+        out = {"ops": None if self.ops is None else ",".join(self.picked), "full": list(full),
+               "full_limit_bytes": int(limit_bytes)}
         if fault:
             out["fault"] = fault
         return out
+
+    def order(self) -> list:
+        """The picked ops' report names, chunk by chunk, each chunk in plan order (a dependency order: a plan runs
+        an op after its inputs)."""
+        idx = {n: i for i, n in enumerate(self.names)}
+        key = lambda n: (self.views[n].chunk if self.views[n] else 0, idx[n])
+        return [self.report[n] for n in sorted(self.picked, key=key)]
 
 
 def _sizes(summaries: dict) -> dict:
@@ -287,38 +403,94 @@ def prefill_numerics(dev, qm, tokens, ops=None, full=None, float_model=None, tol
     Model for scheme_vs_float (None: not computed). tolerance, max_tolerance: None gives the scheme's
     (`tolerances`). fault: TEST ONLY, {"op", "index", "codes"} (see
     edgeprobe_kernels.numerics.Capture). Raises NumericsError before running for a pattern naming no op, a full
-    capture over the limit, and after it for an agent that does not capture."""
+    capture over the limit, and after it for an agent that does not capture. Any other plan (a chunked prefill, a
+    HeteroLLM split): plan_numerics."""
     from .plan import prefill_plan
 
     tokens = np.asarray(tokens, np.int32)
-    plan = prefill_plan(qm.manifest, len(tokens))
-    pick = _Picked([o["name"] for o in plan["ops"]], ops)
-    # the simulation first: its shapes size the full capture before the device spends anything
-    sim, sim_arrays = host_numerics(qm.model, tokens, pick.host_ops,
-                                    pick.on_host(pick.picked if full is None else full), linear=qm.linear,
-                                    limit_bytes=limit_bytes if full is None else None)
+    return plan_numerics(dev, qm, prefill_plan(qm.manifest, len(tokens)), tokens, ops, full, float_model, tolerance,
+                         limit_bytes, progress, fault, max_tolerance, key=("prefill", len(tokens), "cpu"),
+                         title=f"prefill {len(tokens)} tokens, {qm.scheme}, numerics captured")
+
+
+def plan_numerics(dev, qm, plan: dict, tokens, ops=None, full=None, float_model=None, tolerance: float | None = None,
+                  limit_bytes: int = MAX_FULL_BYTES, progress: bool = False, fault: dict | None = None,
+                  max_tolerance: float | None = None, key=None, title: str | None = None):
+    """prefill_numerics for any prefill plan of `qm` over `tokens` (int[T]): a layer-by-layer one, a chunked prefill
+    (mllm-NPU §3.2; each chunk's ops against the host's same chunk through a KV cache: report names c{i}.l{l}.X, each
+    row's "chunk" and "host_op"), a HeteroLLM split (§4.1; each piece against its block of the host's linear, rows'
+    "part" {rows, cols}, the last join under the linear's name). key: the plan's cache key on the device (None: put
+    it anew); title: the run's."""
+    tokens = np.asarray(tokens, np.int32)
+    pick = _Picked(plan, ops)
+    sizes = pick.sizes()
     if full is None:
-        full = pick.picked if sim_arrays is not None else []
-        sim_arrays = sim_arrays or {}
+        full = pick.picked if sum(sizes.get(pick.report[n], 0) for n in pick.picked) <= limit_bytes else []
     else:
-        pick.check_full(full, _sizes(sim), limit_bytes)
-    whole = set(pick.on_host(full))
-    sim_arrays = {n: a for n, a in sim_arrays.items() if n in whole}
-    plan_id = dev.plan_for(qm, ("prefill", len(tokens), "cpu"), lambda: plan, progress=progress)
-    res = dev.run(plan_id, {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, {qm.scheme}, numerics captured",
-                  numerics=pick.field(full, limit_bytes, fault))
+        pick.check_full(full, sizes, limit_bytes)
+    plan_id = dev.plan_for(qm, key, lambda: plan, progress=progress) if key is not None else dev.put_plan(plan)
+    kind = plan.get("meta", {}).get("kind", "prefill")
+    title = title or f"{kind} {len(tokens)} tokens, {qm.scheme}, numerics captured"
+    res = dev.run(plan_id, {"tokens": tokens}, title=title, numerics=pick.field(full, limit_bytes, fault))
     got, got_full = _device_capture(dev, res)
-    dev_sum = {pick.joins.get(s["op"], s["op"]): s for s in got["summaries"]}
+    dev_sum = {pick.report.get(s["op"], s["op"]): s for s in got["summaries"]}
     dev_full = dict(zip(pick.on_host(got["full"]), got_full))
-    flt, flt_arrays = host_numerics(float_model, tokens, pick.host_ops, pick.on_host(full)) \
-        if float_model is not None else (None, {})
-    report = _report(qm, pick, dev_sum, dev_full, sim, sim_arrays, flt, flt_arrays, tolerance, max_tolerance)
+    views = {n: pick.views[n] for n in pick.picked if pick.views[n] is not None}
+    meta = plan.get("meta", {})
+    step = int(meta["chunk"]) if meta.get("chunk") else len(tokens)
+    chunks = [(s, min(s + step, len(tokens))) for s in range(0, len(tokens), step)]
+    whole = set(full)
+    sim, sim_arrays = _host_views(qm.model, tokens, chunks, views, whole, linear=qm.linear)
+    flt, flt_arrays = _host_views(float_model, tokens, chunks, views, whole) if float_model is not None \
+        else (None, {})
+    rn = lambda d: {pick.report[n]: v for n, v in d.items()} if d is not None else None
+    tol, max_tol = tolerances(qm.scheme)
+    hosts = {pick.report[n]: v for n, v in views.items()}
+    report = compare(dev_sum, rn(sim), rn(flt), qm.model.config.n_layers, tol if tolerance is None else tolerance,
+                     dev_full, rn(sim_arrays), rn(flt_arrays), order=pick.order(),
+                     max_tolerance=max_tol if max_tolerance is None else max_tolerance, views=hosts,
+                     chunked=pick.chunked)
     report.meta = {"scheme": qm.scheme, "tokens": int(len(tokens)), "ops_captured": len(dev_sum),
                    "full_captured": len(dev_full), "full_bytes": int(got.get("full_bytes", 0)),
-                   "agent": dev.info.get("agent_version"), "fault": fault}
+                   "agent": dev.info.get("agent_version"), "fault": fault, "plan": meta.get("kind", "prefill"),
+                   **({"chunk": step, "chunks": len(chunks)} if pick.chunked else {})}
+    renamed = {r: n for n, r in pick.joins.items()}
+    for r in report.ops:  # a join reported under its linear's name says which op of the plan it is
+        if r["op"] in renamed:
+            r["device_op"] = renamed[r["op"]]
     report.device_full = dev_full
     res.numerics = report
     return res
+
+
+def _host_views(model, tokens, chunks: list, views: dict, full: set, linear=None) -> tuple[dict, dict]:
+    """The host's capture at plan ops' views (_View by plan op name): {op: summary}, {op: float32 array} for the ops in
+    `full`; a prefill of `tokens` (int[T]) in `chunks` [(start, end)] through one KV cache, as a chunked prefill runs
+    (one chunk: no cache, the layer-by-layer pass), with the caller's linear (a QuantizedModel's: the scheme's
+    simulation; None: float)."""
+    from .forward import KVCache, forward
+
+    at: dict = {}
+    for n, v in views.items():
+        at.setdefault(v.chunk, {}).setdefault(v.host, []).append(n)
+    summaries, arrays = {}, {}
+    cache = KVCache(model.config) if len(chunks) > 1 else None
+    for ci, (s, e) in enumerate(chunks):
+        want = at.get(ci, {})
+        if not want and cache is None:
+            continue
+        names = set(op_names(model.config, e - s, cache is not None))
+
+        def seen(host, x, want=want):
+            for n in want[host]:
+                y = views[n].take(x)
+                summaries[n] = summarize(y)
+                if n in full:
+                    arrays[n] = np.array(y, copy=True)
+
+        forward(model, np.asarray(tokens[s:e], np.int64), cache=cache, hooks={h: seen for h in want if h in names},
+                linear=linear, logits="last")
+    return summaries, arrays
 
 
 # ---- decode steps ------------------------------------------------------------------------------------------------
@@ -393,7 +565,8 @@ _SESSIONS = iter(range(1 << 62))  # each decode_numerics call opens its own sess
 
 def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None, full=None, float_model=None,
                     tolerance: float | None = None, limit_bytes: int = MAX_FULL_BYTES, progress: bool = False,
-                    fault: dict | None = None, max_tolerance: float | None = None, prefill: bool = True):
+                    fault: dict | None = None, max_tolerance: float | None = None, prefill: bool = True,
+                    loop: str = "agent"):
     """A decode session on `dev`: the prompt `tokens` (int[T]) prefilled, then `steps` decode steps, numerics captured
     at the ops `ops` picks (glob over a decode step's op names, the template's: embed, blk.{i}.attn_q, ..., lm_head;
     None: all) on every step (and on the prefill, unless prefill=False), and the host's captures through KV caches
@@ -402,7 +575,9 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
     decode loop (one run, each step fed the argmax of the last logits, the host following the tokens it fed). The
     host's references (the scheme's simulation; float_model's, if given) are fed the same tokens as the device.
     full, tolerance, max_tolerance, limit_bytes (for the whole session): as prefill_numerics. fault: TEST ONLY,
-    {"op", "index", "codes", "step"}: with "step" k, only decode step k; without, the prefill and every step."""
+    {"op", "index", "codes", "step"}: with "step" k, only decode step k; without, the prefill and every step.
+    loop (greedy, step_tokens None): "agent" (one run for every step) or "host" (one run a step, the host feeding the
+    argmax of the device's last logits, as `edgeprobe run --decode-loop host` decodes)."""
     from .forward import KVCache, forward
     from .plan import prefill_plan
     from .trace import Trace
@@ -411,6 +586,8 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     if steps < 1:
         raise ValueError(f"steps (decode steps) must be >= 1, got {steps}")
+    if loop not in ("agent", "host"):
+        raise ValueError(f"loop must be 'agent' or 'host', got {loop!r}")
     if step_tokens is not None:
         step_tokens = np.asarray(step_tokens, np.int32).reshape(-1)
         if len(step_tokens) != steps:
@@ -421,11 +598,11 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
     T = len(tokens)
     pre_plan = prefill_plan(qm.manifest, T, session=True)
     step_plan = prefill_plan(qm.manifest, 1, session=True)
-    step_pick = _Picked(plan_op_names(step_plan), ops, "a decode step")
+    step_pick = _Picked(step_plan, ops, "a decode step")
     pre_pick = None
     if prefill:
         try:
-            pre_pick = _Picked(plan_op_names(pre_plan), ops)
+            pre_pick = _Picked(pre_plan, ops)
         except NumericsError:
             pre_pick = None  # the pattern names decode-only ops: the steps alone
     # the references' sizes first, so a full capture over the limit is refused before the device spends anything:
@@ -466,7 +643,7 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
         pre_got = _device_capture(dev, r, "numerics inside decode steps", 2) if pre_field is not None else None
         step_id = dev.put_plan(step_plan)
         per_step = []  # (summaries, full names, full arrays) of each step
-        if step_tokens is None:  # the agent's greedy loop, one run; each summary and full tensor says its step
+        if step_tokens is None and loop == "agent":  # one run; each summary and full tensor says its step
             first = np.argmax(r.logits.reshape(1, -1), axis=-1).astype(np.int32)
             r = dev.run(step_id, {"tokens": first}, title=f"decode steps 0..{steps - 1}, numerics captured",
                         session=sess.name, advance=1, phase="decode", steps=steps, keep="all",
@@ -482,8 +659,10 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
             events += [{**e, "group": e["group"] if e["kind"] == "numerics" else f"step{e.get('step', steps - 1)}"}
                        for e in r.trace.events]
         else:
-            fed = step_tokens
+            fed = step_tokens if step_tokens is not None else np.zeros(steps, np.int32)
             for k in range(steps):
+                if step_tokens is None:  # the host's greedy loop: the argmax of the device's last logits
+                    fed[k] = int(np.argmax(np.asarray(r.logits).reshape(-1)))
                 f = None if not fault else fault if "step" not in fault else \
                     {a: b for a, b in fault.items() if a != "step"} if fault["step"] == k else None
                 r = dev.run(step_id, {"tokens": fed[k:k + 1]}, title=f"decode step {k}, numerics captured",
@@ -506,7 +685,8 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
         dev_full = dict(zip(pre_pick.on_host(got["full"]), got_full))
         pre_rep = _report(qm, pre_pick, {pre_pick.joins.get(s["op"], s["op"]): s for s in got["summaries"]},
                           dev_full, pre_sim, pre_arrays, flt, flt_arrays, tolerance, max_tolerance)
-        pre_rep.meta = {"phase": "prefill", "step": None, "tokens": T, "ops_captured": len(got["summaries"])}
+        pre_rep.meta = {"phase": "prefill", "step": None, "tokens": T, "ops_captured": len(got["summaries"]),
+                        "full_captured": len(dev_full)}
         pre_rep.device_full = dev_full
         _tag(pre_rep, "prefill", None)
     elif float_model is not None:
@@ -528,7 +708,7 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
         reps.append(rep)
     result = DecodeNumerics(pre_rep, reps, np.asarray(fed, np.int32),
                             {"scheme": qm.scheme, "prompt_tokens": T, "decode_steps": steps,
-                             "loop": "agent" if step_tokens is None else "host",
+                             "loop": loop if step_tokens is None else "host",
                              "agent": dev.info.get("agent_version"), "fault": fault})
     from .client import RunResult
 

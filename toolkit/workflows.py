@@ -174,10 +174,12 @@ def _run_plan(dev: Client, qm, key, build, inputs: dict, title: str, progress: b
 
 
 def prefill_chunked(dev: Client, qm, tokens, chunk: int = 256, scheduler: str = "ooo",
-                    cost_model="this-host-emulated", progress: bool = True, *, profile=None) -> RunResult:
+                    cost_model="this-host-emulated", progress: bool = True, *, profile=None,
+                    numerics: dict | None = None) -> RunResult:
     """Chunked prefill (mllm-NPU §3.2) laid out by a scheduler (§3.4) over `cost_model`: a named modelled
     cost model, a measured one's .json, or a cost model object (e.g. from `measure_cost_model`). profile: the
-    old name of cost_model."""
+    old name of cost_model. numerics: capture each chunk's ops and compare them with the host's same chunk
+    ({} for every op, or numerics.plan_numerics' keywords: ops, full, float_model, tolerance, ...): res.numerics."""
     from .plan import chunked_prefill_plan
     from .schedule import cost_model as named
     from .schedule.predict import predicted_schedule
@@ -192,11 +194,22 @@ def prefill_chunked(dev: Client, qm, tokens, chunk: int = 256, scheduler: str = 
                             f"(it has {dev.info.get('lanes')})")
     dev.upload(qm, progress=progress)
     dev.load_model(qm)
-    plan_id = dev.put_plan(chunked_prefill_plan(qm.manifest, sched))
-    res = dev.run(plan_id, {"tokens": tokens}, title=f"chunked prefill {len(tokens)} tokens / {chunk}, {scheduler}")
+    plan = chunked_prefill_plan(qm.manifest, sched)
+    title = f"chunked prefill {len(tokens)} tokens / {chunk}, {scheduler}"
+    res = _run_put(dev, qm, plan, tokens, title, numerics)
     res.trace.meta["predicted_makespan_ms"] = sched.makespan_us / 1e3
     res.schedule = sched
     return res
+
+
+def _run_put(dev: Client, qm, plan: dict, tokens, title: str, numerics: dict | None) -> RunResult:
+    """Put a scheduled prefill plan and run it; with numerics (plan_numerics' keywords), captured and compared with
+    the host."""
+    if numerics is None:
+        return dev.run(dev.put_plan(plan), {"tokens": tokens}, title=title)
+    from .numerics import plan_numerics
+
+    return plan_numerics(dev, qm, plan, tokens, title=f"{title}, numerics captured", **numerics)
 
 
 def session(dev: Client, qm, capacity: int, name: str = "decode", progress: bool = True, split=None,
@@ -271,10 +284,11 @@ def measure_linears(dev: Client, qm, rows=(32, 64, 128, 256, 512, 1024), progres
 
 
 def prefill_hetero(dev: Client, qm, tokens, cost_model=None, strategy: str = "solver", progress: bool = True, *,
-                   profile=None) -> RunResult:
+                   profile=None, numerics: dict | None = None) -> RunResult:
     """Layer-by-layer prefill with every int8 GEMM partitioned between the gpu and npu lanes by HeteroLLM's
     solver over `cost_model` (a HeteroCostModel; measure one with measure_linears), or by one fixed strategy
-    (gpu, npu-pad, pipe, seq-cut, row-cut) as a baseline. profile: the old name of cost_model."""
+    (gpu, npu-pad, pipe, seq-cut, row-cut) as a baseline. profile: the old name of cost_model. numerics: capture
+    the split linears' pieces and joins and every other op, compared with the host (as prefill_chunked's)."""
     from .models import ModelConfig
     from .plan import prefill_plan
     from .schedule import ScheduleError, choices_for
@@ -294,7 +308,7 @@ def prefill_hetero(dev: Client, qm, tokens, cost_model=None, strategy: str = "so
         plan = prefill_plan(qm.manifest, len(tokens), split=choices)
     except ValueError as e:
         raise ScheduleError(str(e)) from None
-    res = dev.run(dev.put_plan(plan), {"tokens": tokens}, title=f"prefill {len(tokens)} tokens, HeteroLLM {strategy}")
+    res = _run_put(dev, qm, plan, tokens, f"prefill {len(tokens)} tokens, HeteroLLM {strategy}", numerics)
     res.trace.meta["partition"] = {k: c.strategy for k, c in choices.items()}
     layers = qm.manifest["config"]["n_layers"]
     res.trace.meta["predicted_matmul_ms"] = sum(c.time_us for c in choices.values()) * layers / 1e3

@@ -345,3 +345,117 @@ def test_a_shadow_scheme_s_decode_step_is_compared_at_the_host_s_ops_and_names_a
     # a fault at an op the step does not have is refused, not silently never applied
     with pytest.raises(DeviceError, match=r"fault op 'blk\.1\.attn_q\.sum' is not an op of the plan"):
         decode_numerics(dev, qm, tokens8, steps=1, ops="blk.1.*", fault={"op": "blk.1.attn_q.sum", "step": 0})
+
+
+# ---- a chunked prefill, a HeteroLLM split, the ssh agent, the command line --------------------------------------
+@pytest.fixture(scope="module")
+def tokens40(heldout_ids):
+    return np.asarray(heldout_ids[:40], np.int32)
+
+
+def test_a_chunked_prefill_is_compared_chunk_by_chunk_through_the_host_s_kv_cache(agent, qm, tokens40, smollm):
+    """mllm-NPU §3.2's chunked prefill, out of order: chunks of 16, 16 and 8 tokens, each chunk's ops (c{i}.l{l}.X)
+    against the host's blk.{l}.X of the same chunk, fed through a KV cache as the agent's chunks attend."""
+    from edgeprobe.workflows import host_logits
+
+    res = agent.prefill_chunked(qm, tokens40, chunk=16, scheduler="ooo", progress=False,
+                                numerics={"float_model": smollm})
+    rep = res.numerics
+    names = [e["name"] for e in res.trace.events if e["kind"] != "numerics" and e["lane"] != "io"]
+    assert {r["op"] for r in rep.ops} == set(names) and rep.first_divergent is None
+    assert (rep.meta["chunk"], rep.meta["chunks"], rep.meta["plan"]) == (16, 3, "chunked-prefill")
+    assert [r["chunk"] for r in rep.ops] == sorted(r["chunk"] for r in rep.ops)  # chunk by chunk
+    by = rep.by_name()
+    assert by["c1.l3.attn_q"]["host_op"] == "blk.3.attn_q" and by["c1.l3.attn_q"]["shape"] == [16, 576]
+    assert by["c2.l3.attn_q"]["shape"] == [8, 576] and by["c2.l3.attn_q"]["layer"] == 3
+    assert max(r["device_vs_sim"]["rel_l2"] for r in rep.ops) < 1e-6
+    # the last chunk's head is the host's chunked simulation's logits (workflows.host_logits: its own pass)
+    ref = host_logits(qm, tokens40, 16).astype(np.float64)
+    assert by["lm_head"]["sim"]["l2"] == pytest.approx(np.linalg.norm(ref), rel=1e-6)
+    assert 1e-3 < by["c1.l0.attn_q"]["scheme_vs_float"]["rel_l2"] < 0.2
+    # a one-code fault in chunk 1 is named with its chunk; it reaches chunk 2 through the keys of the next layer only
+    fault = {"op": "c1.l2.ffn_down", "index": 3, "codes": 1}
+    rep = agent.prefill_chunked(qm, tokens40, chunk=16, scheduler="ooo", progress=False,
+                                numerics={"ops": "blk.2.*,blk.3.*", "fault": fault}).numerics
+    assert (rep.first_divergent["op"], rep.first_divergent["chunk"]) == ("c1.l2.ffn_down", 1), rep.first_divergent
+    by = rep.by_name()
+    assert all(r["device_vs_sim"]["rel_l2"] == 0 for r in rep.ops if r["chunk"] == 0)
+    assert by["c2.l2.attention"]["device_vs_sim"]["rel_l2"] == 0  # chunk 1's layer-2 keys came before the fault
+    assert by["c2.l3.attention"]["device_vs_sim"]["rel_l2"] > 0
+
+
+@pytest.mark.parametrize("strategy", ["row-cut", "seq-cut"])
+def test_a_hetero_split_compares_each_piece_with_its_block_and_the_join_as_the_linear(agent, qm, heldout_ids,
+                                                                                       strategy):
+    """HeteroLLM §4.1: each int8 GEMM cut between the npu and gpu lanes (45 rows: the npu's 32 and the gpu's 13, or
+    the output columns): each piece against its block of the host's linear, the join under the linear's name."""
+    from edgeprobe.schedule.hetero import SNAPDRAGON_HETERO
+
+    toks = np.asarray(heldout_ids[:45], np.int32)
+    rep = agent.prefill_hetero(qm, toks, SNAPDRAGON_HETERO, strategy, progress=False,
+                               numerics={"ops": "blk.0.*"}).numerics
+    by = rep.by_name()
+    npu, gpu, join = by["blk.0.attn_q.npu0"], by["blk.0.attn_q.gpu"], by["blk.0.attn_q"]
+    assert join["device_op"] == "blk.0.attn_q.cat" and "part" not in join and join["shape"] == [45, 576]
+    assert npu["host_op"] == gpu["host_op"] == "blk.0.attn_q" and npu["kind"] == "attn_q" and npu["layer"] == 0
+    if strategy == "seq-cut":
+        assert (npu["part"]["rows"], gpu["part"]["rows"]) == ((0, 32), (32, 45)) and gpu["shape"] == [13, 576]
+    else:
+        c = npu["part"]["cols"][1]
+        assert npu["part"]["cols"] == (0, c) and gpu["part"]["cols"] == (c, 576) and 0 < c < 576
+    # the pieces tile the linear's output: their squared norms add up to the join's
+    assert npu["sim"]["l2"] ** 2 + gpu["sim"]["l2"] ** 2 == pytest.approx(join["sim"]["l2"] ** 2, rel=1e-9)
+    assert rep.first_divergent is None and all(r["device_vs_sim"]["max_abs"] == 0 for r in rep.ops)  # int8: exact
+    fault = {"op": "blk.1.ffn_up.gpu", "index": 3, "codes": 1}
+    rep = agent.prefill_hetero(qm, toks, SNAPDRAGON_HETERO, strategy, progress=False,
+                               numerics={"ops": "blk.1.*", "fault": fault}).numerics
+    by = rep.by_name()
+    assert rep.first_divergent["op"] == "blk.1.ffn_up.gpu", rep.first_divergent
+    assert by["blk.1.ffn_up.npu0"]["device_vs_sim"]["max_abs"] == 0 and by["blk.1.ffn_up"]["device_vs_sim"][
+        "max_abs"] == pytest.approx(by["blk.1.ffn_up.gpu"]["device_vs_sim"]["max_abs"], rel=1e-6)
+
+
+def test_an_agent_deployed_over_ssh_captures_and_names_a_fault(sshd, tmp_path, free_port, qm, tokens8):
+    import os
+    import sys
+
+    user = os.environ.get("USER") or __import__("getpass").getuser()
+    dev = Device.ssh("127.0.0.1", user, sshd["key"], port=sshd["port"], python=sys.executable,
+                     known_hosts=sshd["known_hosts"], remote_dir=str(tmp_path / "remote"), agent_port=free_port(),
+                     progress=False)
+    try:
+        rep = prefill_numerics(dev, qm, tokens8, ops="blk.1.*,lm_head").numerics
+        assert len(rep.ops) == 16 and rep.first_divergent is None and rep.meta["full_captured"] == 16
+        assert max(r["device_vs_sim"]["rel_l2"] for r in rep.ops) < 1e-6
+        rep = prefill_numerics(dev, qm, tokens8, ops="blk.1.*", fault={"op": "blk.1.ffn_norm", "index": 3}).numerics
+        assert rep.first_divergent["op"] == "blk.1.ffn_norm", rep.first_divergent
+    finally:
+        dev.close()
+
+
+def test_run_cli_captures_a_chunked_prefill_and_decode_steps(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    base = [sys.executable, "-m", "edgeprobe", "run", "--model", "smollm2-135m", "--scheme", "w8a8", "--no-progress",
+            "--store", str(tmp_path / "store"), "--numerics", "--numerics-ops", "blk.1.*", "--json"]
+    r = subprocess.run(base + ["--prompt-len", "40", "--scheduler", "ooo", "--chunk", "16"], capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    nm = json.loads(r.stdout.strip().splitlines()[-1])["numerics"]
+    assert nm["ops"] == 3 * 15 and nm["first_divergent"] is None and nm["max_device_vs_sim"]["op"].startswith("c")
+    r = subprocess.run(base + ["--prompt-len", "8", "--decode", "2", "--numerics-out", str(tmp_path / "n")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    nm = out["numerics"]
+    assert (nm["steps"], nm["ops"], nm["first_divergent"]) == (2, 3 * 15, None) and len(out["fed"]) == 2
+    assert max(nm["per_step_max_rel_l2"]) < 1e-6
+    saved = json.loads((tmp_path / "n" / "numerics.json").read_text())
+    assert saved["format"] == "edgeprobe-numerics-decode/1" and saved["decode_steps"] == 2
+    r = subprocess.run(base + ["--prompt-len", "8", "--decode", "2", "--batch", "2"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "edgeprobe: error: --numerics with --decode follows one sequence's greedy steps: leave --batch at 1 and "
+        "--temperature at 0")

@@ -182,7 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--numerics", action="store_true",
                    help="capture each op's output on the agent (L2, max, mean, log2 histogram, non-finite count; "
                         "whole tensors where they fit) and compare it op by op with the host's simulation of the "
-                        "scheme and with the float model; the JSON adds numerics (the first divergent op)")
+                        "scheme and with the float model; the JSON adds numerics (the first divergent op). With "
+                        "--scheduler in-order/ooo each chunk's ops (c{i}.l{l}.*) against the host's same chunk; with "
+                        "hetero each split linear's pieces and join; with --decode N the prefill and every greedy "
+                        "step (batch 1)")
     r.add_argument("--numerics-ops", metavar="PATTERN",
                    help="with --numerics: the ops to capture, comma-separated globs ('blk.1.*,lm_head'; default all)")
     r.add_argument("--numerics-out", metavar="DIR",

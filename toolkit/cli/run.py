@@ -92,7 +92,8 @@ def cmd_run(args) -> int:
         say(f"--chunk {args.chunk} is longer than the {n}-token prompt: prefilling it as one chunk of {n} tokens")
         args.chunk = n
     tokens = ids[:n]
-    if args.numerics and args.numerics_ops is not None and not _numerics_ops_exist(model, n, args.numerics_ops):
+    if args.numerics and args.numerics_ops is not None and \
+            not _numerics_ops_exist(model, n, args.numerics_ops, args.chunk if chunked else None):
         print(f"edgeprobe: error: --numerics-ops {args.numerics_ops!r} names no op of the plan (ops are named like "
               "'embed', 'blk.1.attn_q', 'blk.1.*', 'lm_head')", file=sys.stderr)
         return 2
@@ -200,10 +201,12 @@ def _run_one(args, model, ids, tokens, say) -> int:
         before = dev.uploaded_bytes
         _upload(dev, qm, progress, say)
         try:
+            if args.decode and args.numerics:
+                return _decode_numerics(args, dev, qm, model, tokens, progress, before)
             if args.decode:
                 return _run_decode(args, dev, qm, model, tokens, progress, before)
             if args.numerics:
-                res, extra = _prefill_numerics(args, dev, qm, model, tokens, progress)
+                res, extra = _prefill_numerics(args, dev, qm, model, tokens, ids, progress)
             else:
                 res, extra = _prefill(args, dev, qm, tokens, ids, progress)
         except (ScheduleError, NumericsError) as e:
@@ -300,14 +303,15 @@ def _run_farm(args, specs, model, ids, tokens, say) -> int:
     return 0 if len(ok) == len(result.runs) else 1
 
 
-def _prefill(args, dev, qm, tokens, ids, progress: bool, per_device: bool = False):
+def _prefill(args, dev, qm, tokens, ids, progress: bool, per_device: bool = False, numerics: dict | None = None):
     """The prefill --scheduler asks for on `dev` -> (RunResult, extra JSON fields). per_device: a measured cost model
-    is measured on this device and not cached (the cache is per model and scheme, not per device)."""
+    is measured on this device and not cached (the cache is per model and scheme, not per device). numerics: a
+    chunked or split prefill's capture (numerics.plan_numerics' keywords)."""
     if args.scheduler == "layer":
         return dev.prefill(qm, tokens, progress=progress), {}
     if args.scheduler == "hetero":
         hp, _ = dev.measure_linears(qm, progress=progress)  # HeteroLLM's profiler on this agent
-        res = dev.prefill_hetero(qm, tokens, hp, args.partition, progress=progress)
+        res = dev.prefill_hetero(qm, tokens, hp, args.partition, progress=progress, numerics=numerics)
         # "hetero_profile": the field's first name (a contract), the measured HeteroCostModel
         return res, {"partition": res.trace.meta["partition"], "hetero_profile": _plain_fields(hp)}
     from ..schedule import cache
@@ -315,7 +319,7 @@ def _prefill(args, dev, qm, tokens, ids, progress: bool, per_device: bool = Fals
     cost = cache.resolve(args.cost_model, args.model, qm, dev, ids, progress, remeasure=per_device,
                          cache=not per_device)
     res = dev.prefill_chunked(qm, tokens, chunk=args.chunk, scheduler=args.scheduler, cost_model=cost,
-                              progress=progress)
+                              progress=progress, numerics=numerics)
     return res, {"device_profile": cost.name, "cost_model": cost.name}  # device_profile: the field's first name
 
 
@@ -326,9 +330,11 @@ def _numerics_refusal(args, specs) -> str | None:
                             ("--numerics-max-tolerance", args.numerics_max_tolerance)) if v is not None]
     if not args.numerics:
         return f"{given[0]} applies with --numerics; add --numerics" if given else None
-    if len(specs) > 1 or args.decode is not None or args.scheduler != "layer":
-        return ("--numerics captures one device's layer-by-layer prefill: give one --device, leave --scheduler at "
-                "layer and drop --decode")
+    if len(specs) > 1:
+        return "--numerics compares one device with the host: give one --device"
+    if args.decode is not None and (args.batch != 1 or args.temperature > 0):
+        return ("--numerics with --decode follows one sequence's greedy steps: leave --batch at 1 and --temperature "
+                "at 0")
     for flag, v in (("--numerics-tolerance", args.numerics_tolerance),
                     ("--numerics-max-tolerance", args.numerics_max_tolerance)):
         if v is not None and not v > 0:
@@ -336,37 +342,59 @@ def _numerics_refusal(args, specs) -> str | None:
     return None
 
 
-def _numerics_ops_exist(model, n: int, pattern: str) -> bool:
-    """Whether the glob pattern names an op of the model's n-token prefill (the template's names, nothing run)."""
+def _numerics_ops_exist(model, n: int, pattern: str, chunk: int | None = None) -> bool:
+    """Whether the glob pattern names an op of the model's n-token prefill (the template's names, nothing run; a
+    chunked prefill's c{i}.l{l}.* names too). A HeteroLLM split's pieces are checked against its plan, later."""
     from edgeprobe_kernels.numerics import select
 
+    from ..graph import Weights, model_ops
     from ..numerics import op_names
 
-    return bool(select(op_names(model.config, n), pattern))
+    names = op_names(model.config, n)
+    if chunk is not None:
+        names += [o["name"] for o in model_ops(Weights(model.config), n, chunk=chunk)]
+    return bool(select(names, pattern))
 
 
-def _prefill_numerics(args, dev, qm, model, tokens, progress: bool):
-    """--numerics: the prefill with every chosen op captured, compared with the host -> (RunResult, extra fields)."""
+def _numerics_kw(args, model, progress: bool) -> dict:
+    return {"ops": args.numerics_ops, "float_model": model, "tolerance": args.numerics_tolerance,
+            "max_tolerance": args.numerics_max_tolerance, "progress": progress}
+
+
+def _prefill_numerics(args, dev, qm, model, tokens, ids, progress: bool):
+    """--numerics: the prefill --scheduler asks for with every chosen op captured (a chunked prefill's chunks, a
+    HeteroLLM split's pieces and joins), compared with the host -> (RunResult, extra fields)."""
     from ..numerics import prefill_numerics
 
-    res = prefill_numerics(dev, qm, tokens, ops=args.numerics_ops, float_model=model, tolerance=args.numerics_tolerance,
-                           max_tolerance=args.numerics_max_tolerance, progress=progress)
-    rep = res.numerics
-    worst = max(rep.ops, key=lambda r: r["device_vs_sim"]["rel_l2"])
-    out = {"tolerance": rep.tolerance, "max_tolerance": rep.max_tolerance, "ops": len(rep.ops),
-           "full_captured": rep.meta["full_captured"],
+    if args.scheduler == "layer":
+        res, extra = prefill_numerics(dev, qm, tokens, **_numerics_kw(args, model, progress)), {}
+    else:
+        res, extra = _prefill(args, dev, qm, tokens, ids, progress, numerics=_numerics_kw(args, model, progress))
+    return res, {**extra, "numerics": _numerics_fields(args, res.numerics, res.trace.events, [res.numerics])}
+
+
+def _numerics_fields(args, rep, events, reports: list) -> dict:
+    """run's JSON "numerics": the first divergent op, the largest device-vs-simulation error over `reports`, the
+    capture's time on the lanes, the files written."""
+    rows = [r for p in reports for r in p.ops]
+    worst = max(rows, key=lambda r: r["device_vs_sim"]["rel_l2"])
+    out = {"tolerance": reports[0].tolerance, "max_tolerance": reports[0].max_tolerance, "ops": len(rows),
+           "full_captured": sum(p.meta["full_captured"] for p in reports),
            "first_divergent": rep.first_divergent,
            "max_device_vs_sim": {"op": worst["op"], **worst["device_vs_sim"]},
-           "capture_ms": sum(e["end_us"] - e["start_us"] for e in res.trace.events if e["kind"] == "numerics") / 1e3}
+           "capture_ms": sum(e["end_us"] - e["start_us"] for e in events if e["kind"] == "numerics") / 1e3}
     if args.numerics_out:
         out["files"] = rep.write(args.numerics_out)
-    return res, {"numerics": out}
+    return out
 
 
 def _say_numerics(nm: dict) -> None:
     """--numerics in words: the first divergent op, or the largest device-vs-simulation error."""
     f = nm["first_divergent"]
-    where = (f"first divergent op {f['op']} (relative L2 {f['rel_l2']:.3g}, max |diff| / max |x| {f['max_rel']:.3g} vs "
+    at = f" at decode step {f['step']}" if f and f.get("phase") == "decode" else " in the prefill" if f and \
+        f.get("phase") == "prefill" else ""
+    where = (f"first divergent op {f['op']}{at} (relative L2 {f['rel_l2']:.3g}, max |diff| / max |x| "
+             f"{f['max_rel']:.3g} vs "
              f"the simulation; tolerances {nm['tolerance']:g} and {nm['max_tolerance']:g})" if f else
              f"no op leaves the simulation by more than relative L2 {nm['tolerance']:g} or max |diff| / max |x| "
              f"{nm['max_tolerance']:g} (largest relative L2: "
@@ -430,6 +458,34 @@ def _run_decode(args, dev, qm, model, tokens, progress: bool, before: int) -> in
               f"{out['decode_tok_per_s']:.1f} tok/s summed over the batch (median step "
               f"{out['decode_step_ms_median']:.1f} ms); "
               f"logits cosine vs host >= {min(cos):.6f}")
+    return 0
+
+
+def _decode_numerics(args, dev, qm, model, tokens, progress: bool, before: int) -> int:
+    """--decode N --numerics: the prompt prefilled in a decode session, then N greedy steps (on the agent's loop or
+    the host's, as --decode-loop says), every chosen op of the prefill and of each step captured and compared with the
+    host's simulation and float model through their own KV caches."""
+    from ..numerics import decode_numerics
+
+    kw = _numerics_kw(args, model, progress)
+    res = decode_numerics(dev, qm, tokens, steps=args.decode, loop=args.decode_loop, **kw)
+    dn = res.numerics
+    if args.trace:
+        res.trace.to_chrome_json(args.trace)
+    reports = ([dn.prefill] if dn.prefill is not None else []) + dn.steps
+    nm = {**_numerics_fields(args, dn, res.trace.events, reports), "steps": len(dn.steps),
+          "per_step_max_rel_l2": [max(r["device_vs_sim"]["rel_l2"] for r in p.ops) for p in dn.steps]}
+    fed = [int(t) for t in res.outputs["fed"].reshape(-1)]
+    out = {"model": args.model, "scheme": args.scheme, "device": args.device, "tokens": len(tokens),
+           "decode_steps": args.decode, "decode_loop": args.decode_loop, "batch": 1, "temperature": 0.0,
+           "upload_bytes": int(dev.uploaded_bytes - before), "trace": args.trace, "fed": fed,
+           "texts": [model.tokenizer.decode(fed)], "numerics": nm}
+    if args.json:
+        print(json.dumps(out, default=float))
+    else:
+        print(f"prefill {len(tokens)} tokens, then {args.decode} greedy decode steps on {args.device} with numerics "
+              f"captured: {model.tokenizer.decode(fed)!r}")
+        _say_numerics(nm)
     return 0
 
 

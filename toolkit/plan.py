@@ -11,20 +11,25 @@ import numpy as np
 from edgeprobe_kernels.linear_records import SHADOW_SCHEMES, scheme_of, weight_blobs
 
 from .graph import NPU_KINDS, Weights, model_ops, order_by_schedule, place_by_kind, place_by_stage
-from .graph.place import fuse_layers, fuse_step
+from .graph.place import fuse_layers, fuse_step, step_on_one_lane
+
+# q4_0-tile decode steps on the npu lane alone (bench/decode_overhead.py --one-lane measures it); off by default
+# while tests and trace readers look for a q4_0-tile step's linears as events of their own
+ONE_LANE_DECODE = False
 
 __all__ = ["prefill_plan", "chunked_prefill_plan", "shadow_layers", "attach_expert_streaming", "NPU_KINDS"]
 
 
 def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_lane: str = "cpu",
                  split: dict | None = None, batch: int = 1, session: bool = False, ffn_flash: dict | None = None,
-                 experts_flash: dict | None = None) -> dict:
+                 experts_flash: dict | None = None, one_lane: bool | None = None) -> dict:
     """Plan for `n_tokens` new positions of `batch` sequences (run input "tokens": int32[batch * n_tokens],
     sequence-major) -> logits float32[batch, vocab] of each sequence's last token (every row's with
     last_only=False). float_lane: where linears that are not NPU formats (float, q4_0 W4A16) run: "cpu", or
     "gpu" (OpenCL, HeteroLLM's GPU side). split: HeteroLLM §4.1 {matmul: schedule.hetero.Choice}.
     session: the run extends a decode session on the agent (a decode step is n_tokens=1). ffn_flash (LLM in a
-    flash) and experts_flash (EdgeMoE §3.3): see graph.model_ops."""
+    flash) and experts_flash (EdgeMoE §3.3): see graph.model_ops. one_lane (default ONE_LANE_DECODE): a decode step
+    whose linears run on the npu lane (q4_0-tile) runs there whole, one fused op (graph.place.step_on_one_lane)."""
     ops = model_ops(Weights.of(manifest), n_tokens, batch=batch, session=session, last_only=last_only, split=split,
                     ffn_flash=ffn_flash, experts_flash=experts_flash)
     kind = "decode" if session and n_tokens == 1 else "prefill"
@@ -32,7 +37,11 @@ def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_la
     plan = place_by_kind(ops, float_lane,
                          {"kind": kind, "tokens": n_tokens, "batch": batch, "scheme": manifest["scheme"]},
                          decode=decode)
-    return fuse_step(fuse_layers(plan)) if decode else plan  # a decode step: its layers one op on the cpu lane
+    if not decode:
+        return plan
+    if ONE_LANE_DECODE if one_lane is None else one_lane:
+        plan = step_on_one_lane(plan)  # q4_0-tile: the whole step on the npu lane, as the NPU TTS paper runs it
+    return fuse_step(fuse_layers(plan, lanes=(plan["meta"].get("step_lane", "cpu"),)))  # a decode step: one op
 
 
 def chunked_prefill_plan(manifest: dict, sched) -> dict:

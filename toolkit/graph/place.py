@@ -72,6 +72,22 @@ def order_by_schedule(ops: list, slots: dict, meta: dict | None = None) -> dict:
     return {"ops": placed, "lane_order": lane_order, "outputs": [ops[-1]["name"]], "meta": dict(meta or {})}
 
 
+STEP_KINDS = {"embed", "rms_norm", "rope", "add", "attention", "swiglu", "linear", "lm_head"}  # a dense decode step
+
+
+def step_on_one_lane(plan: dict, lane: str = "npu") -> dict:
+    """A decode step whose linears all sit on `lane` (q4_0-tile on the npu lane) with every op of it moved there:
+    the NPU test-time scaling paper runs the whole model on the NPU (§3), and a step split between lanes pays a
+    cross-lane hand-off every few ops (~330 a step: its linears on npu, norms, RoPE and attention on cpu). Other
+    plans (mllm-NPU's int8 decode on cpu, MoE or flash-streamed layers, pinned splits) come back as they are."""
+    ops = plan["ops"]
+    linears = [op for op in ops if op["kind"] == "linear"]
+    if not linears or any(op["lane"] != lane for op in linears) \
+            or any(op["kind"] not in STEP_KINDS or op["lane"] not in ("cpu", lane) for op in ops):
+        return plan
+    return {**plan, "ops": [{**op, "lane": lane} for op in ops], "meta": {**plan.get("meta", {}), "step_lane": lane}}
+
+
 UNFUSED = {"embed", "lm_head", "moe_ffn", "ffn_flash"}  # their own events: inputs, outputs and flash reads
 
 

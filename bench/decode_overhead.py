@@ -8,18 +8,26 @@ on top). The overhead on the agent is split by where it falls: before an op that
 cross-lane hand-off: a thread wakes), before an op that follows one of its own lane, and between steps.
 Schemes are measured in turns (A/B/A/B) so they see the same machine; the load average is printed with each turn.
 --variant DIR adds a second agent whose edgeprobe_agent package comes from DIR (a patched copy of device_agent/ named
-edgeprobe_agent), measured in turns with the installed one: an A/B of an agent change in one run.
+edgeprobe_agent), measured in turns with the installed one: an A/B of an agent change in one run. --kernels-from REV
+builds such a folder holding edgeprobe_kernels as this tree has it but with every file a commit changed since REV as
+it was at REV (the kernels before a change, A/B against the tree's). --one-lane adds q4_0-tile with its decode step
+wholly on the npu lane, one fused op (edgeprobe.plan.ONE_LANE_DECODE), as the row "q4_0-tile/1lane". Each row says
+the bytes of linear weights its kernels read per token (the lm_head's included).
 
     .venv/bin/python bench/decode_overhead.py [--schemes q4_0-tile,w8a8] [--steps 16] [--rounds 2] [--host-loop]
-        [--variant DIR]
+        [--variant DIR | --kernels-from REV] [--one-lane]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
+import shutil
 import statistics
+import subprocess
 import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def step_overhead(dec, steps: int) -> dict:
@@ -66,7 +74,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--host-loop", action="store_true", help="also the loop on the host (a round trip per token)")
     ap.add_argument("--variant", help="a folder holding a patched edgeprobe_agent package: its agent runs in turns")
+    ap.add_argument("--kernels-from", metavar="REV", help="a variant agent with the kernels files changed since REV "
+                    "as they were at REV")
+    ap.add_argument("--one-lane", action="store_true", help="also q4_0-tile's decode step on the npu lane alone")
     args = ap.parse_args()
+    if args.kernels_from:
+        args.variant = kernels_at(args.kernels_from, tempfile.mkdtemp(prefix="decode-overhead-kernels-"))
     from edgeprobe import models
     from edgeprobe.corpus import read_corpus
     from edgeprobe.device import Device
@@ -75,7 +88,9 @@ def main():
     m = models.load("smollm2-135m")
     ids = m.tokenizer.encode(read_corpus("heldout"))[:args.prompt]
     schemes = [s for s in args.schemes.split(",") if s]
-    qms = {s: prepared(m, s, say=print) for s in schemes}
+    if args.one_lane and "q4_0-tile" in schemes:
+        schemes.insert(schemes.index("q4_0-tile") + 1, "q4_0-tile/1lane")
+    qms = {s: prepared(m, s.split("/")[0], say=print) for s in dict.fromkeys(schemes)}
     loops = ["agent"] + (["host"] if args.host_loop else [])
     how = {"agent": dict(loop="agent", logits="last"), "host": dict(loop="host")}
     got: dict = {}
@@ -93,25 +108,81 @@ def main():
         for dev in agents.values():
             for s in schemes:
                 for loop in loops:
-                    dev.generate(qms[s], ids, 4, progress=False, **how[loop])  # upload, runners built, warm
+                    with one_lane(s):
+                        dev.generate(qms[s], ids, 4, progress=False, **how[loop])  # upload, runners built, warm
         for r in range(args.rounds):
             for s in schemes:
                 for loop in loops:
                     for agent, dev in agents.items():
                         load = os.getloadavg()[0]
-                        d = dev.generate(qms[s], ids, args.steps, progress=False, **how[loop])
+                        with one_lane(s):
+                            d = dev.generate(qms[s], ids, args.steps, progress=False, **how[loop])
                         got.setdefault((s, loop, agent), []).append({**step_overhead(d, args.steps), "load": load})
     print(f"\nbatch-1 decode, {args.steps} steps after a {args.prompt}-token prompt, medians over steps and "
           f"{args.rounds} round(s) (ms per step; load average at each run in brackets)")
     for (s, loop, agent), runs in got.items():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         loads = ", ".join(f"{r['load']:.1f}" for r in runs)
-        who = f"{agent} agent, " if args.variant else ""
-        print(f"{s:<10} {who}loop on the {loop:<5}: wall {med['wall']:6.1f}, in ops {med['in_ops']:6.1f}, "
+        who = (f"{'kernels at ' + args.kernels_from if agent == 'variant' else 'kernels of the tree'}, "
+               if args.kernels_from else f"{agent} agent, " if args.variant else "")
+        mb = weight_bytes(qms[s], old=agent == "variant" and bool(args.kernels_from)) / 1e6
+        print(f"{s:<15} {who}weights read per token {mb:6.1f} MB: {mb / med['in_ops']:5.2f} GB/s over the time in ops")
+        print(f"{s:<15} {who}loop on the {loop:<5}: wall {med['wall']:6.1f}, in ops {med['in_ops']:6.1f}, "
               f"outside ops on the agent {med['on_agent']:5.2f} (before {med['handoffs']} cross-lane hand-offs "
               f"{med['cross_lane']:5.2f}, after an op of the same lane {med['same_lane']:5.2f}; between steps "
               f"{med['between_steps']:.2f}), outside ops seen from the host {med['host']:5.2f}; {med['ops']} ops "
               f"on {med['lanes']} lane(s) a step [load {loads}]")
+
+
+@contextlib.contextmanager
+def one_lane(scheme: str):
+    """Plans built inside run a q4_0-tile decode step on the npu lane alone when scheme is "q4_0-tile/1lane"."""
+    import edgeprobe.plan as plan
+
+    old, plan.ONE_LANE_DECODE = plan.ONE_LANE_DECODE, scheme.endswith("/1lane")
+    try:
+        yield
+    finally:
+        plan.ONE_LANE_DECODE = old
+
+
+def kernels_at(rev: str, folder: str) -> str:
+    """folder/edgeprobe_kernels: kernels/ of this tree, each file a commit changed since rev taken from rev."""
+    shutil.copytree(os.path.join(ROOT, "kernels"), os.path.join(folder, "edgeprobe_kernels"),
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so", "build"))
+    changed = subprocess.run(["git", "diff", "--name-only", rev, "HEAD", "--", "kernels"], cwd=ROOT, check=True,
+                             capture_output=True, text=True).stdout.split()
+    for path in changed:
+        dst = os.path.join(folder, "edgeprobe_kernels", os.path.relpath(path, "kernels"))
+        old = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True)
+        if old.returncode:  # new since rev
+            os.remove(dst) if os.path.exists(dst) else None
+        else:
+            with open(dst, "wb") as f:
+                f.write(old.stdout)
+    print(f"kernels at {rev}: {', '.join(changed) or 'no file changed'} restored in {folder}")
+    return folder
+
+
+def weight_bytes(qm, old: bool = False) -> int:
+    """Bytes of linear weights a decode step's kernels read: q4_0-tile's GEMV 4.5 bits a weight (its codes and FP16
+    scales; old: the float32 k-major copy the npu lane read before), other records their blobs; plus the LM head."""
+    import numpy as np
+
+    from edgeprobe_kernels.linear_records import scheme_of, weight_blobs
+
+    meta, total = qm.store.meta, 0
+    for rec in qm.manifest["linears"].values():
+        N, K = rec["shape"]
+        if scheme_of(rec) == "q4_0-tile":
+            total += N * K * 4 if old else N * K * 9 // 16
+        else:
+            total += sum(int(np.prod(meta[s]["shape"])) * np.dtype(meta[s]["dtype"]).itemsize
+                         for s in weight_blobs(rec))
+    head = qm.manifest.get("head") or {}
+    total += sum(int(np.prod(meta[v]["shape"])) * np.dtype(meta[v]["dtype"]).itemsize
+                 for k, v in head.items() if k in ("codes", "scales", "w") and v in meta)
+    return total
 
 
 if __name__ == "__main__":

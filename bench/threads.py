@@ -13,7 +13,11 @@ Goals on 2 cores: policy quiet >= 1.6, beside a hog >= 0.8, beside blas2 >= 0.5.
 and each cell is the median over rounds, so a load that drifts lands on every setting alike; each measurement is
 printed as it ends.
 
-    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 256] [--window 128]
+--ab: quiet settings only, each with the row-wise ops outside the GEMMs (norms, RoPE, residual adds, the profiles'
+statistics) split over the threads and not (threads.ROW_SPLITS; EDGEPROBE_ROW_SPLITS=0 in any run), interleaved:
+what those splits add, side by side on one machine.
+
+    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 256] [--window 128] [--ab]
 """
 from __future__ import annotations
 
@@ -37,6 +41,13 @@ SETTINGS = [  # (name, fixed thread count or None for the policy, neighbour)
     ("fixed 2 + blas2", 2, "blas2"),
 ]
 GOALS = {"policy, quiet": 1.6, "policy + hog": 0.8, "policy + blas2": 0.5}
+AB_SETTINGS = [  # --ab: (name, fixed count or None, neighbour, row splits)
+    ("1 thread, quiet", 1, None, True),
+    ("fixed 2, no row split", 2, None, False),
+    ("fixed 2, quiet", 2, None, True),
+    ("policy, no row split", None, None, False),
+    ("policy, quiet", None, None, True),
+]
 
 
 def neighbour(kind: str | None):
@@ -56,6 +67,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=256, help="tokens per pass (eval, each calibration pass, outliers)")
     ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--ab", action="store_true", help="quiet only, row-wise ops split and not, side by side")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # a killed bench still stops its neighbour (finally)
 
@@ -64,6 +76,7 @@ def main():
     from edgeprobe.evaluate import perplexity
     from edgeprobe.profile.jobs import profile_outliers
     from edgeprobe.quant import calibration_profile
+    from edgeprobe_kernels import threads
     from edgeprobe_kernels.threads import CORES, POLICY
 
     m = models.load("smollm2-135m")
@@ -88,26 +101,30 @@ def main():
     for fn in passes.values():  # warm-up: kernels loaded, weights touched
         fn()
 
-    rates = {(p, s[0]): [] for p in passes for s in SETTINGS}
-    loads = {s[0]: [] for s in SETTINGS}
-    chosen = {s[0]: {} for s in SETTINGS}
+    settings = AB_SETTINGS if args.ab else [(*s, threads.ROW_SPLITS) for s in SETTINGS]
+    splits_before = threads.ROW_SPLITS
+    rates = {(p, s[0]): [] for p in passes for s in settings}
+    loads = {s[0]: [] for s in settings}
+    chosen = {s[0]: {} for s in settings}
     for r in range(args.rounds):
-        for name, fixed, kind in SETTINGS:
+        for name, fixed, kind, splits in settings:
             proc = neighbour(kind)
             try:
                 POLICY.fixed = fixed
+                threads.ROW_SPLITS = splits
                 before = dict(POLICY.chosen)
                 for pname, fn in passes.items():
                     t = time.perf_counter()
                     n = fn()
                     rates[(pname, name)].append(n / (time.perf_counter() - t))
-                    print(f"  round {r + 1} {name:<16s} {pname:<12s} {rates[(pname, name)][-1]:7.1f} tok/s  "
+                    print(f"  round {r + 1} {name:<21s} {pname:<12s} {rates[(pname, name)][-1]:7.1f} tok/s  "
                           f"threads {POLICY.last}  load1 {os.getloadavg()[0]:.2f}", flush=True)
                 loads[name].append(os.getloadavg()[0])
                 for k, v in POLICY.chosen.items():
                     chosen[name][k] = chosen[name].get(k, 0) + v - before.get(k, 0)
             finally:
                 POLICY.fixed = None
+                threads.ROW_SPLITS = splits_before
                 if proc is not None:
                     proc.kill()
                     proc.wait()
@@ -115,14 +132,14 @@ def main():
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"host passes on SmolLM2-135M, {CORES} cores, {T} tokens per pass, window {W}, median of {args.rounds} "
           "rounds; ratio to quiet one-thread tok/s")
-    head = f"{'setting':<18s}" + "".join(f"{p:>20s}" for p in passes) + f"{'load1':>8s}  decisions x threads"
+    head = f"{'setting':<22s}" + "".join(f"{p:>20s}" for p in passes) + f"{'load1':>8s}  decisions x threads"
     print(head)
-    for name, _, _ in SETTINGS:
+    for name, *_ in settings:
         base = [med[(p, '1 thread, quiet')] for p in passes]
         cells = "".join(f"{med[(p, name)] / b:>8.2f}x {med[(p, name)]:>5.0f} t/s" for p, b in zip(passes, base))
         picks = ", ".join(f"{v} x {k}" for k, v in sorted(chosen[name].items()) if v)
         goal = f"  (goal >= {GOALS[name]})" if name in GOALS else ""
-        print(f"{name:<18s}{cells}{statistics.mean(loads[name]):>8.2f}  {picks}{goal}")
+        print(f"{name:<22s}{cells}{statistics.mean(loads[name]):>8.2f}  {picks}{goal}")
 
 
 if __name__ == "__main__":

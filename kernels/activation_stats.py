@@ -11,6 +11,9 @@ import math
 
 import numpy as np
 
+from . import threads
+from .threads import column_blocks, run_blocks
+
 try:
     import numba
 except ImportError:  # a phone without numba falls back to the references
@@ -92,14 +95,65 @@ if numba is not None:
             tok_hist[k] += 1
 
 
+    @numba.njit(nogil=True, cache=True)
+    def _outlier_cols_nb(x, c0, c1, clip, fixed, chmax, count, count_fixed, hist, any_out, k):
+        """_outlier_update_nb over channels c0..c1-1 alone; k int64[N] += each row's outliers among them (the
+        token histogram is made from the blocks' sums)."""
+        N = x.shape[0]
+        half = 0.5 * clip
+        rare = min(half, fixed)
+        for n in range(N):
+            kn = 0
+            for c in range(c0, c1):
+                a = abs(x[n, c])
+                chmax[c] = max(chmax[c], a)
+                if a >= rare:
+                    if a > fixed:
+                        count_fixed[c] += 1
+                    if a >= half:
+                        e = math.frexp(a / clip)[1]
+                        hist[c, min(max(e, 0), N_RATIO_BINS - 1)] += 1
+                        if a > clip:
+                            count[c] += 1
+                            any_out[c] = True
+                            kn += 1
+            k[n] += kn
+
+    @numba.njit(nogil=True, cache=True)
+    def _log2_hist_nb(bits, out):
+        for i in range(bits.size):
+            out[(bits[i] & 0x7FFFFFFF) >> 18] += 1
+
+
+SPLIT_ROWS = 256  # from this many rows a statistic is worth splitting over a host pass's threads
+
+
+def _split_width(rows: int) -> int:
+    """Threads a statistic over `rows` rows may split over: the host pass's (threads.POLICY.width), else 1."""
+    return threads.POLICY.width if rows >= SPLIT_ROWS and threads.ROW_SPLITS else 1
+
+
 def outlier_update(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist, any_out):
-    """See outlier_update_ref; numba when available and x is C-contiguous float32."""
+    """See outlier_update_ref; numba when available and x is C-contiguous float32. From SPLIT_ROWS rows in a host
+    pass of 2+ threads the channels are cut into fixed blocks (threads.column_blocks) spread over the threads: each
+    block updates its own channels, the token histogram comes from the blocks' integer per-row counts, so the state
+    is the one-block state exactly."""
     C = x.shape[1]
     if hist.shape != (C, N_RATIO_BINS) or tok_hist.shape != (C + 1,) or chmax.shape != (C,):
         raise ValueError(f"outlier_update: state arrays do not match {C} channels")
     if numba is None or x.dtype != np.float32 or not x.flags.c_contiguous:
         return outlier_update_ref(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist, any_out)
-    _outlier_update_nb(x, float(clip), float(fixed), chmax, count, count_fixed, hist, tok_hist, any_out)
+    if _split_width(x.shape[0]) < 2:
+        _outlier_update_nb(x, float(clip), float(fixed), chmax, count, count_fixed, hist, tok_hist, any_out)
+        return
+    blocks = column_blocks(C)
+    k = np.zeros((len(blocks), x.shape[0]), np.int64)
+    first = {a: i for i, (a, _) in enumerate(blocks)}
+
+    def block(a, b):
+        _outlier_cols_nb(x, a, b, float(clip), float(fixed), chmax, count, count_fixed, hist, any_out, k[first[a]])
+    run_blocks(block, blocks)
+    tok_hist += np.bincount(k.sum(axis=0), minlength=C + 1)
 
 
 def pack_active(act: np.ndarray, tau: float) -> np.ndarray:
@@ -137,8 +191,20 @@ def log2_histogram(x: np.ndarray, out: np.ndarray) -> None:
     out: int64[8192]. 32 bins per octave (≤2.2% wide), exact to merge; see `log2_bin_edges`.
     Integer work only, so a pass over an activation costs about as much as np.abs.
     """
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0x7FFFFFFF)
-    out += np.bincount((bits >> np.uint32(18)).ravel(), minlength=8192)[:8192]
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rows = bits.shape[0] if bits.ndim == 2 else 0
+    if numba is None or _split_width(rows) < 2:
+        out += np.bincount(((bits & np.uint32(0x7FFFFFFF)) >> np.uint32(18)).ravel(), minlength=8192)[:8192]
+        return
+    # rows in fixed blocks over a host pass's threads, each counting into its own bins: integer sums, the same counts
+    edges = [round(rows * i / 8) for i in range(9)]
+    parts = np.zeros((8, 8192), np.int64)
+
+    def block(i, j):
+        for p in range(i, j):
+            _log2_hist_nb(bits[edges[p]:edges[p + 1]].ravel(), parts[p])
+    run_blocks(block, [(p, p + 1) for p in range(8)])
+    out += parts.sum(axis=0)
 
 
 def log2_bin_edges() -> np.ndarray:

@@ -9,6 +9,7 @@ import contextlib
 
 import numpy as np
 
+from . import threads as _threads
 from .threads import POLICY, spread
 
 try:
@@ -137,6 +138,19 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         out = np.empty(x.shape, np.float32)
         _rms_norm_nb(np.ascontiguousarray(x), w, np.float32(eps), out)
         return out
+    if x.ndim == 2 and x.shape[0] >= SPLIT_ROWS and _threads.ROW_SPLITS:
+        out = np.empty(x.shape, np.result_type(x, w))
+
+        def rows(blocks):
+            for a, b in blocks:
+                out[a:b] = _rms_norm_np(x[a:b], w, eps)
+        _split(rows, row_blocks(x.shape[0]))
+        return out
+    return _rms_norm_np(x, w, eps)
+
+
+def _rms_norm_np(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """rms_norm's numpy form: each row's sum of squares alone (einsum's order depends on the row's length only)."""
     ms = np.einsum("nc,nc->n", x, x) / x.shape[1]
     return x * (1.0 / np.sqrt(ms + eps))[:, None].astype(np.float32) * w
 
@@ -159,12 +173,19 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         out = np.empty(x.shape, np.float32)
         _rope_nb(x, cos, sin, out)
         return out
-    xp = x.reshape(B, T, H, d // 2, 2)
-    x0, x1 = xp[..., 0], xp[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    out = np.empty_like(xp)
-    out[..., 0] = x0 * c - x1 * s
-    out[..., 1] = x0 * s + x1 * c
+    out = np.empty((B, T, H, d // 2, 2), x.dtype)
+
+    def positions(blocks):  # elementwise: any cut of the positions gives the same bits
+        for a, b in blocks:
+            xp = x[:, a:b].reshape(B, b - a, H, d // 2, 2)
+            x0, x1 = xp[..., 0], xp[..., 1]
+            c, s = cos[None, a:b, None, :], sin[None, a:b, None, :]
+            out[:, a:b, ..., 0] = x0 * c - x1 * s
+            out[:, a:b, ..., 1] = x0 * s + x1 * c
+    if T >= SPLIT_ROWS and _threads.ROW_SPLITS:
+        _split(positions, row_blocks(T))
+    else:
+        positions([(0, T)])
     return out.reshape(B, T, H, d)
 
 
@@ -183,17 +204,52 @@ def _op_cores() -> int:
 
 
 def _split(fn, items: list) -> None:
-    """fn(part) over items dealt round-robin into one part per core the op may use (threads.spread: the calling
-    thread runs the first part, pool threads the others): in the agent the cores its split hook allows, in a host
-    pass the pass's threads (BLAS already runs one thread a call there). Each part writes its own rows, so the
-    result is the same bits as fn(items)."""
+    """fn(part) over items dealt into one part per core the op may use (threads.spread: the calling thread runs the
+    first part, pool threads the others): in the agent the cores its split hook allows, in a host pass the pass's
+    threads (BLAS already runs one thread a call there). Dealt back and forth (0 1 1 0 0 1 ...): items whose cost
+    grows along the list (causal attention's blocks) fall evenly. Each part writes its own rows, so the result is
+    the same bits as fn(items)."""
     hook = SPLIT_HOOK
     n = min(_op_cores() if hook is not None else POLICY.width, len(items))
     if n < 2:
         fn(items)
         return
+    parts = [[] for _ in range(n)]
+    for i, item in enumerate(items):
+        j = i % (2 * n)
+        parts[j if j < n else 2 * n - 1 - j].append(item)
     with hook() if hook is not None else contextlib.nullcontext():
-        spread(fn, [items[i::n] for i in range(n)])
+        spread(fn, parts)
+
+
+ROW_BLOCK = 64  # about this many rows a block of a split row-wise op (past FEW_ROWS: each block takes numpy's path)
+
+
+def row_blocks(n: int) -> list[tuple[int, int]]:
+    """The fixed (start, stop) row blocks of a row-wise op over n rows: a function of n alone (at most 16)."""
+    nb = max(1, min(16, n // ROW_BLOCK))
+    edges = [round(n * i / nb) for i in range(nb + 1)]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def add(a: np.ndarray, *others: np.ndarray) -> np.ndarray:
+    """a + others[0] + ... in a's dtype, summed left to right (a residual add): rows split over the op's cores from
+    SPLIT_ROWS rows of equal shapes."""
+    if a.ndim != 2 or a.shape[0] < SPLIT_ROWS or not _threads.ROW_SPLITS or any(b.shape != a.shape for b in others):
+        out = a.copy()
+        for b in others:
+            out += b
+        return out
+    out = np.empty(a.shape, a.dtype)
+
+    def rows(blocks):
+        for r0, r1 in blocks:
+            o = out[r0:r1]
+            o[...] = a[r0:r1]
+            for b in others:
+                o += b[r0:r1]
+    _split(rows, row_blocks(a.shape[0]))
+    return out
 
 
 def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int = 0, scale: float = 0.0,

@@ -11,7 +11,9 @@ per window); the agent's lanes ask `POLICY.threads()` for an op that computes al
 Inside a host pass BLAS runs one thread a call, and the host's GEMMs (`matmul_wt`) and row splits spread fixed
 blocks over a pool whose threads block rather than spin, on every core: beside a busy core each still adds its fair
 share of time. The blocks depend on the shapes alone, so a pass's bits do not depend on the count or the load.
-EDGEPROBE_THREADS=N fixes the count at N (no measuring); unset or `auto`, it is measured.
+EDGEPROBE_THREADS=N fixes the count at N (no measuring); unset or `auto`, it is measured. EDGEPROBE_ROW_SPLITS=0 runs
+the row-wise ops outside the GEMMs (norms, RoPE, residual adds, the profiles' statistics) on the calling thread alone,
+as before they were split (a bench knob: the bits are the same either way).
 """
 from __future__ import annotations
 
@@ -31,6 +33,8 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (o
 BUSY_SHARE = 0.4      # a core that other processes use more than this share of the time is theirs
 INTERVAL_S = 0.25     # the shortest interval a measurement averages over (/proc/stat counts in 10 ms ticks)
 FIRST_S = 0.08        # a pass starts after a measurement this long (its own: the load may have changed since)
+# row-wise ops outside the GEMMs split their rows over a pass's threads (ROW_SPLITS = False: bench/threads.py's A/B)
+ROW_SPLITS = os.environ.get("EDGEPROBE_ROW_SPLITS", "1").strip() != "0"
 
 
 def threads_for(cores: int, others: float) -> int:

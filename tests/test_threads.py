@@ -311,3 +311,106 @@ def test_a_spread_inside_a_pool_thread_runs_there_instead_of_waiting_on_the_pool
     t.join(60)
     assert not t.is_alive(), "nested spread deadlocked"
     assert np.array_equal(out, np.repeat(np.arange(1, 5.0)[:, None], 4, axis=1))
+
+
+def _at_widths(monkeypatch, fn):
+    """fn() with the row splits off (the ops as they were), then split over 1, 2 and 3 threads -> (outputs, the
+    largest number of parts a spread ran at each of those four settings)."""
+    from edgeprobe_kernels import llama_ops as L
+
+    spread, widest = T.spread, []
+
+    def counted(f, parts):
+        widest[-1] = max(widest[-1], len(parts))
+        return spread(f, parts)
+    monkeypatch.setattr(T, "spread", counted)  # run_blocks' (the statistics)
+    monkeypatch.setattr(L, "spread", counted)  # llama_ops._split's
+    outs = []
+    for splits, width in ((False, 3), (True, 1), (True, 2), (True, 3)):
+        monkeypatch.setattr(T, "ROW_SPLITS", splits)
+        monkeypatch.setattr(T.POLICY, "width", width)
+        widest.append(0)
+        outs.append(fn())
+    return outs, widest
+
+
+@pytest.mark.parametrize("rows", [255, 256, 300, 512, 1000, 4100])
+def test_row_wise_ops_split_over_threads_give_the_unsplit_bits(monkeypatch, rows):
+    """RMS norms (per row and per head), RoPE, residual adds and SwiGLU's product with their rows in fixed blocks
+    over 1, 2 or 3 threads: the bits of the op run whole on one thread (row splits off)."""
+    from edgeprobe_kernels import llama_ops as L
+
+    monkeypatch.setattr(L, "SPLIT_HOOK", None)
+    rng = np.random.default_rng(rows)
+    x, r, g = (rng.standard_normal((rows, 576), dtype=np.float32) * 3 for _ in range(3))
+    w, hw = rng.standard_normal(576, dtype=np.float32), rng.standard_normal(64, dtype=np.float32)
+    cos, sin = L.rope_tables(64, 10000.0, 5, rows)
+
+    def ops():
+        return (L.rms_norm(x, w, 1e-5), L.head_rms_norm(x, hw, 1e-6, 64),
+                L.apply_rope(x.reshape(1, rows, 9, 64), cos, sin), L.add(x, r), L.add(x, r, g),
+                L.swiglu_act(x, r))
+    outs, widest = _at_widths(monkeypatch, ops)
+    # SwiGLU split before from 256 rows (the first setting's spreads are its own); the per-head norm's rows are
+    # 9 a token, so it splits at every row count here
+    assert widest == [3 if rows >= 256 else 0, 0, 2, 3]
+    for got in outs[1:]:
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(outs[0], got))
+    # the whole op as numpy computes it: the split changed no formula
+    assert np.array_equal(outs[0][3], x + r) and np.array_equal(outs[0][4], x + r + g)
+    ms = np.einsum("nc,nc->n", x, x) / 576
+    assert np.array_equal(outs[0][0], x * (1.0 / np.sqrt(ms + 1e-5))[:, None].astype(np.float32) * w)
+
+
+def test_row_blocks_are_a_function_of_the_row_count_and_tile_the_rows():
+    from edgeprobe_kernels.llama_ops import FEW_ROWS, row_blocks
+
+    for n in (1, 63, 64, 256, 300, 1000, 4096, 100000):
+        blocks = row_blocks(n)
+        assert blocks[0][0] == 0 and blocks[-1][1] == n and all(b0[1] == b1[0] for b0, b1 in zip(blocks, blocks[1:]))
+        assert len(blocks) <= 16 and (n < 2 * FEW_ROWS or min(b - a for a, b in blocks) > FEW_ROWS)
+
+
+def test_a_split_deals_growing_blocks_evenly_over_the_threads(monkeypatch):
+    """Causal attention's block b costs ~b + 1: dealt back and forth, 8 blocks over 2 threads cost 18 and 18 (dealt
+    round-robin, 16 and 20)."""
+    from edgeprobe_kernels import llama_ops as L
+
+    monkeypatch.setattr(L, "SPLIT_HOOK", None)
+    monkeypatch.setattr(T.POLICY, "width", 2)
+    parts = []
+    L._split(lambda part: parts.append(list(part)), list(range(8)))
+    assert sorted(parts) == [[0, 3, 4, 7], [1, 2, 5, 6]]
+
+
+@pytest.mark.parametrize("rows, channels", [(300, 576), (512, 1536), (1000, 96), (100, 576)])
+def test_profile_statistics_split_over_threads_give_the_unsplit_state(monkeypatch, rows, channels):
+    """The outlier profile's per-channel statistics (channel blocks over the threads) and the calibration's |x|
+    histogram (row blocks) at 1, 2 and 3 threads: the state the one-thread kernels (and the reference) leave."""
+    from edgeprobe_kernels import activation_stats as A
+
+    rng = np.random.default_rng(rows + channels)
+    xs = [(rng.standard_normal((rows, channels)) * rng.exponential(1.0, channels)).astype(np.float32)
+          for _ in range(2)]
+    xs[0][3, 5] = 0.0  # a zero, and a row with no outlier at all
+    xs[1][7] = 0.01
+
+    def stats():
+        st = [np.zeros(channels, np.float32), np.zeros(channels, np.int64), np.zeros(channels, np.int64),
+              np.zeros((channels, A.N_RATIO_BINS), np.int64), np.zeros(channels + 1, np.int64),
+              np.zeros(channels, bool)]
+        hist = np.zeros(8192, np.int64)
+        for x in xs:  # accumulated over two windows
+            A.outlier_update(x, 2.5, 6.0, *st)
+            A.log2_histogram(x, hist)
+        return (*st, hist)
+    outs, widest = _at_widths(monkeypatch, stats)
+    assert widest == ([0, 0, 2, 3] if rows >= 256 else [0, 0, 0, 0])  # one thread: the one-block kernels
+    ref = [np.zeros(channels, np.float32), np.zeros(channels, np.int64), np.zeros(channels, np.int64),
+           np.zeros((channels, A.N_RATIO_BINS), np.int64), np.zeros(channels + 1, np.int64), np.zeros(channels, bool)]
+    for x in xs:
+        A.outlier_update_ref(x, 2.5, 6.0, *ref)
+    for got in outs:
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(outs[0], got))
+    assert all(np.array_equal(a, b) for a, b in zip(ref, outs[0]))
+    assert outs[0][-1].sum() == 2 * rows * channels and outs[0][4].sum() == 2 * rows

@@ -11,6 +11,7 @@ import numpy as np
 
 from edgeprobe_kernels.linear_records import x_wt
 from edgeprobe_kernels.llama_ops import (
+    add,
     apply_rope,
     attention,
     geglu_act,
@@ -120,10 +121,7 @@ def op_attention(inp, attrs, ctx):
 
 @op("add")
 def op_add(inp, attrs, ctx):
-    out = _arr(inp[0], "a").copy()
-    for b in inp[1:]:
-        out += _arr(b, "b")
-    return out
+    return add(_arr(inp[0], "a"), *(_arr(b, "b") for b in inp[1:]))
 
 
 @op("swiglu")

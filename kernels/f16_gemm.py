@@ -97,8 +97,8 @@ if numba is not None:
 
     @numba.njit(nogil=True, cache=True)
     def _gemv_q4_cols(xh, codes, d16, f16_of, y, n0, n1):
-        # y[:, n0:n1] (n0 a multiple of 16); xh float32[M, 2 Kh] (FP16 values, zero past K), codes uint8[Kh, Np],
-        # d16 uint16[Kh, Np/16]
+        # y[:, n0:n1] (n0 a multiple of 16); xh float32[M', 2 Kh] (FP16 values, zero past K; M' = 1 or a multiple
+        # of 4, zero past M), codes uint8[Kh, Np], d16 uint16[Kh, Np/16]
         M = y.shape[0]
         Kh = codes.shape[0]
         w = n1 - n0
@@ -106,42 +106,45 @@ if numba is not None:
         acc = np.zeros((xh.shape[0], wp), np.float32)
         dcol = np.empty(wp, np.float32)
         g0 = n0 // 16
+        a = acc[0]
         for r in range(Kh):
+            if M == 1:  # a group (16 columns, rows 2r and 2r + 1) at a time: its scale a scalar, k = 2r then 2r + 1
+                xa, xb = xh[0, 2 * r], xh[0, 2 * r + 1]
+                for g in range(wp // 16):
+                    d = f16_of[d16[r, g0 + g]]
+                    row = codes[r, n0 + 16 * g:n0 + 16 * g + 16]
+                    ag = a[16 * g:16 * g + 16]
+                    for j in range(16):
+                        c = np.int32(row[j])
+                        va = _round_f16(np.float32(np.int32((c & 15) - 8)) * d)
+                        vb = _round_f16(np.float32(np.int32((c >> 4) - 8)) * d)
+                        ag[j] += xa * va
+                        ag[j] += xb * vb
+                continue
             for g in range(wp // 16):
                 dv = f16_of[d16[r, g0 + g]]
                 for j in range(16):
                     dcol[16 * g + j] = dv
             row = codes[r, n0:n0 + wp]
-            if M == 1:  # one pass: both rows of the pair dequantized and added, k = 2r then 2r + 1
-                xa, xb = xh[0, 2 * r], xh[0, 2 * r + 1]
-                a = acc[0]
+            for m0 in range(0, M, 4):  # blocks of 4 rows (zero rows past M add nothing): dequantized once a block
+                xa0, xb0 = xh[m0, 2 * r], xh[m0, 2 * r + 1]
+                xa1, xb1 = xh[m0 + 1, 2 * r], xh[m0 + 1, 2 * r + 1]
+                xa2, xb2 = xh[m0 + 2, 2 * r], xh[m0 + 2, 2 * r + 1]
+                xa3, xb3 = xh[m0 + 3, 2 * r], xh[m0 + 3, 2 * r + 1]
+                a0, a1, a2, a3 = acc[m0], acc[m0 + 1], acc[m0 + 2], acc[m0 + 3]
                 for j in range(wp):
                     c = np.int32(row[j])
                     d = dcol[j]
                     va = _round_f16(np.float32(np.int32((c & 15) - 8)) * d)
                     vb = _round_f16(np.float32(np.int32((c >> 4) - 8)) * d)
-                    a[j] += xa * va
-                    a[j] += xb * vb
-            else:  # blocks of 4 rows (zero rows past M add nothing): dequantized once per block, in registers
-                for m0 in range(0, M, 4):
-                    xa0, xb0 = xh[m0, 2 * r], xh[m0, 2 * r + 1]
-                    xa1, xb1 = xh[m0 + 1, 2 * r], xh[m0 + 1, 2 * r + 1]
-                    xa2, xb2 = xh[m0 + 2, 2 * r], xh[m0 + 2, 2 * r + 1]
-                    xa3, xb3 = xh[m0 + 3, 2 * r], xh[m0 + 3, 2 * r + 1]
-                    a0, a1, a2, a3 = acc[m0], acc[m0 + 1], acc[m0 + 2], acc[m0 + 3]
-                    for j in range(wp):
-                        c = np.int32(row[j])
-                        d = dcol[j]
-                        va = _round_f16(np.float32(np.int32((c & 15) - 8)) * d)
-                        vb = _round_f16(np.float32(np.int32((c >> 4) - 8)) * d)
-                        a0[j] += xa0 * va
-                        a0[j] += xb0 * vb
-                        a1[j] += xa1 * va
-                        a1[j] += xb1 * vb
-                        a2[j] += xa2 * va
-                        a2[j] += xb2 * vb
-                        a3[j] += xa3 * va
-                        a3[j] += xb3 * vb
+                    a0[j] += xa0 * va
+                    a0[j] += xb0 * vb
+                    a1[j] += xa1 * va
+                    a1[j] += xb1 * vb
+                    a2[j] += xa2 * va
+                    a2[j] += xb2 * vb
+                    a3[j] += xa3 * va
+                    a3[j] += xb3 * vb
         for m in range(M):
             y[m, n0:n1] = acc[m, :w]
 

@@ -118,6 +118,8 @@ def main():
                         with one_lane(s):
                             d = dev.generate(qms[s], ids, args.steps, progress=False, **how[loop])
                         got.setdefault((s, loop, agent), []).append({**step_overhead(d, args.steps), "load": load})
+    print(f"\nstreaming read of 256 MB on this machine (one thread, numpy sum): {stream_gbps():.2f} GB/s "
+          f"[load {os.getloadavg()[0]:.1f}]")
     print(f"\nbatch-1 decode, {args.steps} steps after a {args.prompt}-token prompt, medians over steps and "
           f"{args.rounds} round(s) (ms per step; load average at each run in brackets)")
     for (s, loop, agent), runs in got.items():
@@ -162,6 +164,21 @@ def kernels_at(rev: str, folder: str) -> str:
                 f.write(old.stdout)
     print(f"kernels at {rev}: {', '.join(changed) or 'no file changed'} restored in {folder}")
     return folder
+
+
+def stream_gbps(mb: int = 256, repeats: int = 5) -> float:
+    """The best of `repeats` sums over an mb-MB int64 array: this machine's one-thread streaming read rate."""
+    import time
+
+    import numpy as np
+
+    a = np.ones(mb * 2**20 // 8, np.int64)
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a.sum()
+        best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
+    return best
 
 
 def weight_bytes(qm, old: bool = False) -> int:

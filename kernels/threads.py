@@ -228,13 +228,16 @@ def tick() -> int | None:
 # threading splits the rows, and its sums there change with the row count).
 BLOCK_COLS = 128      # about this many output columns a block
 MAX_BLOCKS = 16       # at most this many blocks (an LM head's 49,152 columns: 16 blocks of 3,072)
+MIN_COLS = 64         # a prompt's GEMM of 128-255 columns (SmolLM2's K and V: 192) still gets two blocks of this many+
 _ALIGN = 16           # block edges on multiples of 16 columns: whole micro-kernel tiles
 
 
 @functools.lru_cache(maxsize=1024)
-def column_blocks(n: int) -> tuple[tuple[int, int], ...]:
-    """The fixed (start, stop) column blocks of an n-column GEMM output: a function of n alone."""
-    nb = max(1, min(MAX_BLOCKS, n // BLOCK_COLS))
+def column_blocks(n: int, least: int = 1) -> tuple[tuple[int, int], ...]:
+    """The fixed (start, stop) column blocks of an n-column GEMM output: a function of n (and least) alone. least:
+    at least this many blocks where each keeps MIN_COLS columns (matmul_wt's prompt rows: 2, so that a K or V
+    projection of 192 columns is not one block on one core, ~4% of a pass's CPU time)."""
+    nb = max(1, min(MAX_BLOCKS, max(n // BLOCK_COLS, min(least, n // MIN_COLS))))
     edges = sorted({0, n, *(min(n, round(n * i / nb / _ALIGN) * _ALIGN) for i in range(1, nb))})
     return tuple(zip(edges[:-1], edges[1:]))
 
@@ -302,15 +305,16 @@ SMALL_M = 32  # up to this many rows a block is (w x^T)^T: OpenBLAS's small-M GE
 
 
 def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """y = x @ w^T for x float32[M, K], w float[N, K] -> float32[M, N]: each of column_blocks(N) one BLAS call, spread
-    over the host pass's threads (run_blocks). Inside a host pass BLAS runs one thread a call, so the bits do not
-    depend on the thread count; for few rows (decode) each block is (w_block @ x^T)^T (bench/decode.py)."""
+    """y = x @ w^T for x float32[M, K], w float[N, K] -> float32[M, N]: each of column_blocks(N, 2) one BLAS call,
+    spread over the host pass's threads (run_blocks). Inside a host pass BLAS runs one thread a call, so the bits do
+    not depend on the thread count; for few rows (decode) each of column_blocks(N) is (w_block @ x^T)^T
+    (bench/decode.py)."""
     y = np.empty((x.shape[0], w.shape[0]), dtype=np.result_type(x, w))
-    if x.shape[0] <= SMALL_M:
+    if x.shape[0] <= SMALL_M:  # a decode step's GEMM is too short to pay for a second block
         def block(a, b):
             y[:, a:b] = (w[a:b] @ x.T).T
     else:
         def block(a, b):
             y[:, a:b] = x @ w[a:b].T
-    run_blocks(block, column_blocks(w.shape[0]))
+    run_blocks(block, column_blocks(w.shape[0], 1 if x.shape[0] <= SMALL_M else 2))
     return y

@@ -150,15 +150,20 @@ def test_unset_or_auto_the_policy_measures_and_a_number_fixes_it(monkeypatch):
     assert T.ThreadPolicy(2, load=lambda: 2.0).threads() == 2
 
 
-@pytest.mark.parametrize("n", [1, 15, 64, 128, 192, 576, 1000, 1536, 2048, 49152, 151936])
-def test_column_blocks_tile_the_output_on_16_column_edges(n):
-    blocks = T.column_blocks(n)
+@pytest.mark.parametrize("n", [1, 15, 64, 127, 128, 192, 255, 576, 1000, 1536, 2048, 49152, 151936])
+@pytest.mark.parametrize("least", [1, 2])
+def test_column_blocks_tile_the_output_on_16_column_edges(n, least):
+    blocks = T.column_blocks(n, least)
     assert blocks[0][0] == 0 and blocks[-1][1] == n and all(a < b for a, b in blocks)
     assert all(b0[1] == b1[0] for b0, b1 in zip(blocks, blocks[1:]))
-    assert all(a % 16 == 0 for a, _ in blocks) and len(blocks) == max(1, min(T.MAX_BLOCKS, n // T.BLOCK_COLS))
+    want = max(1, min(T.MAX_BLOCKS, n // T.BLOCK_COLS))
+    if least == 2 and 128 <= n < 256:  # a prompt's K or V projection of 192 columns: two blocks, not one core's
+        want = 2
+    assert all(a % 16 == 0 for a, _ in blocks) and len(blocks) == want
 
 
-@pytest.mark.parametrize("m, k, n", [(1, 64, 576), (7, 576, 192), (128, 576, 1536), (256, 1536, 576), (64, 96, 49152)])
+@pytest.mark.parametrize("m, k, n", [(1, 64, 576), (7, 576, 192), (128, 576, 1536), (256, 1536, 576), (64, 96, 49152),
+                                     (300, 576, 192)])
 def test_matmul_wt_gives_the_same_bits_at_every_width(monkeypatch, m, k, n):
     rng = np.random.default_rng(m + n)
     x = rng.standard_normal((m, k), dtype=np.float32)

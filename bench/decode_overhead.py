@@ -15,7 +15,7 @@ wholly on the npu lane, one fused op (edgeprobe.plan.ONE_LANE_DECODE), as the ro
 the bytes of linear weights its kernels read per token (the lm_head's included).
 
     .venv/bin/python bench/decode_overhead.py [--schemes q4_0-tile,w8a8] [--steps 16] [--rounds 2] [--host-loop]
-        [--variant DIR | --kernels-from REV] [--one-lane]
+        [--variant DIR | --kernels-from REV [--kernels-files F,G]] [--one-lane]
 """
 from __future__ import annotations
 
@@ -76,10 +76,13 @@ def main():
     ap.add_argument("--variant", help="a folder holding a patched edgeprobe_agent package: its agent runs in turns")
     ap.add_argument("--kernels-from", metavar="REV", help="a variant agent with the kernels files changed since REV "
                     "as they were at REV")
+    ap.add_argument("--kernels-files", metavar="F,G", help="with --kernels-from: only these files of kernels/ "
+                    "(others' later changes kept)")
     ap.add_argument("--one-lane", action="store_true", help="also q4_0-tile's decode step on the npu lane alone")
     args = ap.parse_args()
     if args.kernels_from:
-        args.variant = kernels_at(args.kernels_from, tempfile.mkdtemp(prefix="decode-overhead-kernels-"))
+        only = [f"kernels/{f}" for f in args.kernels_files.split(",")] if args.kernels_files else None
+        args.variant = kernels_at(args.kernels_from, tempfile.mkdtemp(prefix="decode-overhead-kernels-"), only)
     from edgeprobe import models
     from edgeprobe.corpus import read_corpus
     from edgeprobe.device import Device
@@ -148,12 +151,14 @@ def one_lane(scheme: str):
         plan.ONE_LANE_DECODE = old
 
 
-def kernels_at(rev: str, folder: str) -> str:
-    """folder/edgeprobe_kernels: kernels/ of this tree, each file a commit changed since rev taken from rev."""
+def kernels_at(rev: str, folder: str, only: list | None = None) -> str:
+    """folder/edgeprobe_kernels: kernels/ of this tree, each file a commit changed since rev (of `only` where given)
+    taken from rev."""
     shutil.copytree(os.path.join(ROOT, "kernels"), os.path.join(folder, "edgeprobe_kernels"),
                     ignore=shutil.ignore_patterns("__pycache__", "*.so", "build"))
     changed = subprocess.run(["git", "diff", "--name-only", rev, "HEAD", "--", "kernels"], cwd=ROOT, check=True,
                              capture_output=True, text=True).stdout.split()
+    changed = [p for p in changed if only is None or p in only]
     for path in changed:
         dst = os.path.join(folder, "edgeprobe_kernels", os.path.relpath(path, "kernels"))
         old = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True)

@@ -72,6 +72,7 @@ def gemm_f16w_seq(x: np.ndarray, wt: np.ndarray) -> np.ndarray:
 
 # ---- the same GEMM from 4-bit codes: decode reads 4.5 bits a weight, not a float32 copy ----------------------
 GEMV_M = 4  # up to this many rows (decode, a few candidates) the GEMV reads the codes; more rows dequantize first
+GEMV_ALONE = 1 << 18  # fewer weights x rows than this (a decode step's k and v, ~50 us) run on the calling thread
 GEMV_CHUNK = 1024  # most columns per task: its accumulators and scales stay in L1
 D_MAX = 4096.0  # scales up to this |d|: (q - 8) d stays below 65504, no FP16 overflow, and _round_f16 is exact
 
@@ -194,6 +195,10 @@ def gemv_q4_seq(x: np.ndarray, codes: np.ndarray, d16: np.ndarray, N: int, K: in
     y = np.empty((x.shape[0], N), np.float32)
     tasks = max(1, numba.get_num_threads())
     most = max(16, min(GEMV_CHUNK, 4096 // xh.shape[0]) // 16 * 16)  # accumulators: 16 KiB at most
+    if tasks == 1 or N * K * xh.shape[0] < GEMV_ALONE:  # a small weight: no parallel region to start and join
+        for n0 in range(0, N, most):
+            _gemv_q4_cols(xh, codes, d16, _f16_values(), y, n0, min(N, n0 + most))
+        return y
     chunk = min(most, -(-(-(-N // tasks)) // 16) * 16)  # one task per thread, whole groups
     _gemv_q4_nb(xh, codes, d16, _f16_values(), y, chunk)
     return y

@@ -73,7 +73,8 @@ def test_gemv_special_activations_bit_exact():
 
 def test_gemv_thread_counts_give_the_same_bits():
     numba = pytest.importorskip("numba")
-    N, K = 1000, 160
+    N, K = 2000, 160  # past GEMV_ALONE: one thread runs it alone, more start a parallel region
+    assert N * K >= f16_gemm.GEMV_ALONE
     blocks = quantize_tiles(rng.standard_normal((N, K)).astype(np.float32))
     codes, d16 = tiles_q4_rows(blocks, N, K)
     x = rng.standard_normal((1, K)).astype(np.float32)

@@ -17,7 +17,12 @@ printed as it ends.
 statistics) split over the threads and not (threads.ROW_SPLITS; EDGEPROBE_ROW_SPLITS=0 in any run), interleaved:
 what those splits add, side by side on one machine.
 
-    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 256] [--window 128] [--ab]
+--bound: no speeds (a busy machine's are noise): each pass on one thread, taking the two-thread paths with every
+split's parts run in turn and timed in CPU time; prints the serial share (time outside the splits) and the
+two-core bound T1 / (serial + the slowest part of each split), row splits on and off. It ignores waking the pool,
+shared caches and clocks, so a quiet machine's ratio stays below it.
+
+    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 256] [--window 128] [--ab | --bound]
 """
 from __future__ import annotations
 
@@ -68,6 +73,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=256, help="tokens per pass (eval, each calibration pass, outliers)")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--ab", action="store_true", help="quiet only, row-wise ops split and not, side by side")
+    ap.add_argument("--bound", action="store_true", help="the two-core bound from CPU times on one thread")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # a killed bench still stops its neighbour (finally)
 
@@ -100,6 +106,8 @@ def main():
     passes = {"eval": eval_pass, "calibration": calibration_pass, "outliers": outliers_pass}
     for fn in passes.values():  # warm-up: kernels loaded, weights touched
         fn()
+    if args.bound:
+        return bound(passes, args.rounds, T, W)
 
     settings = AB_SETTINGS if args.ab else [(*s, threads.ROW_SPLITS) for s in SETTINGS]
     splits_before = threads.ROW_SPLITS
@@ -140,6 +148,55 @@ def main():
         picks = ", ".join(f"{v} x {k}" for k, v in sorted(chosen[name].items()) if v)
         goal = f"  (goal >= {GOALS[name]})" if name in GOALS else ""
         print(f"{name:<22s}{cells}{statistics.mean(loads[name]):>8.2f}  {picks}{goal}")
+
+
+def bound(passes: dict, rounds: int, T: int, W: int) -> None:
+    """--bound: each pass with POLICY.width 2 and threads.spread running the parts in turn on the calling thread,
+    each timed with time.thread_time (others' load does not count): serial = the pass's CPU time outside spreads."""
+    from edgeprobe_kernels import llama_ops, threads
+
+    acc = {"in": 0.0, "crit": 0.0, "depth": 0}
+
+    def serial_spread(fn, parts):
+        if acc["depth"]:  # a spread inside a part: timed with it
+            for part in parts:
+                fn(part)
+            return
+        acc["depth"] = 1
+        times = []
+        try:
+            for part in parts:
+                t = time.thread_time()
+                fn(part)
+                times.append(time.thread_time() - t)
+        finally:
+            acc["depth"] = 0
+        acc["in"] += sum(times)
+        acc["crit"] += max(times, default=0.0)
+
+    saved = threads.spread, llama_ops.spread, threads.POLICY.fixed, threads.ROW_SPLITS
+    threads.spread = llama_ops.spread = serial_spread
+    threads.POLICY.fixed = 2
+    best: dict = {}  # (pass, row splits) -> [(CPU s, serial CPU s, two-core path s)] per round
+    try:
+        for _ in range(rounds):
+            for splits in (False, True):
+                threads.ROW_SPLITS = splits
+                for name, fn in passes.items():
+                    acc.update({"in": 0.0, "crit": 0.0})
+                    t = time.thread_time()
+                    fn()
+                    t1 = time.thread_time() - t
+                    best.setdefault((name, splits), []).append((t1, t1 - acc["in"], t1 - acc["in"] + acc["crit"]))
+    finally:
+        threads.spread, llama_ops.spread, threads.POLICY.fixed, threads.ROW_SPLITS = saved
+    print(f"two-core bound from one thread's CPU times, SmolLM2-135M, {T} tokens per pass, window {W}, best of "
+          f"{rounds} rounds; load1 {os.getloadavg()[0]:.2f}")
+    print(f"{'pass':<14s}{'row splits':>11s}{'CPU s':>8s}{'serial':>9s}{'2-core path s':>15s}{'bound':>8s}")
+    for (name, splits), rows in best.items():
+        t1, serial, path = max(rows, key=lambda r: r[0] / r[2])  # the round least disturbed by its neighbours
+        print(f"{name:<14s}{'on' if splits else 'off':>11s}{t1:8.2f}{100 * serial / t1:8.1f}%{path:15.2f}"
+              f"{t1 / path:7.2f}x")
 
 
 if __name__ == "__main__":

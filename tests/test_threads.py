@@ -341,8 +341,9 @@ def _at_widths(monkeypatch, fn):
 
 @pytest.mark.parametrize("rows", [255, 256, 300, 512, 1000, 4100])
 def test_row_wise_ops_split_over_threads_give_the_unsplit_bits(monkeypatch, rows):
-    """RMS norms (per row and per head), RoPE, residual adds and SwiGLU's product with their rows in fixed blocks
-    over 1, 2 or 3 threads: the bits of the op run whole on one thread (row splits off)."""
+    """RMS norms (per row and per head), RoPE (one sequence and a batch of two), residual adds and SwiGLU's product
+    with their rows in fixed blocks over 1, 2 or 3 threads: the bits of the op run whole on one thread (row splits
+    off)."""
     from edgeprobe_kernels import llama_ops as L
 
     monkeypatch.setattr(L, "SPLIT_HOOK", None)
@@ -354,7 +355,7 @@ def test_row_wise_ops_split_over_threads_give_the_unsplit_bits(monkeypatch, rows
     def ops():
         return (L.rms_norm(x, w, 1e-5), L.head_rms_norm(x, hw, 1e-6, 64),
                 L.apply_rope(x.reshape(1, rows, 9, 64), cos, sin), L.add(x, r), L.add(x, r, g),
-                L.swiglu_act(x, r))
+                L.swiglu_act(x, r), L.apply_rope(np.stack([x, r]).reshape(2, rows, 9, 64), cos, sin))
     outs, widest = _at_widths(monkeypatch, ops)
     # SwiGLU split before from 256 rows (the first setting's spreads are its own); the per-head norm's rows are
     # 9 a token, so it splits at every row count here

@@ -80,9 +80,6 @@ def main():
                     "(others' later changes kept)")
     ap.add_argument("--one-lane", action="store_true", help="also q4_0-tile's decode step on the npu lane alone")
     args = ap.parse_args()
-    if args.kernels_from:
-        only = [f"kernels/{f}" for f in args.kernels_files.split(",")] if args.kernels_files else None
-        args.variant = kernels_at(args.kernels_from, tempfile.mkdtemp(prefix="decode-overhead-kernels-"), only)
     from edgeprobe import models
     from edgeprobe.corpus import read_corpus
     from edgeprobe.device import Device
@@ -98,6 +95,10 @@ def main():
     how = {"agent": dict(loop="agent", logits="last"), "host": dict(loop="host")}
     got: dict = {}
     with contextlib.ExitStack() as stack:
+        if args.kernels_from:  # the folder lives as long as the variant agent
+            only = [f"kernels/{f}" for f in args.kernels_files.split(",")] if args.kernels_files else None
+            args.variant = kernels_at(args.kernels_from, stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="decode-overhead-kernels-")), only)
         agents = {"installed": stack.enter_context(Device.local(store=stack.enter_context(tempfile.TemporaryDirectory(
             prefix="decode-overhead-"))))}
         if args.variant:  # the agent process imports edgeprobe_agent from the variant's folder first

@@ -94,7 +94,6 @@ if numba is not None:
                             k += 1
             tok_hist[k] += 1
 
-
     @numba.njit(nogil=True, cache=True)
     def _outlier_cols_nb(x, c0, c1, clip, fixed, chmax, count, count_fixed, hist, any_out, k):
         """_outlier_update_nb over channels c0..c1-1 alone; k int64[N] += each row's outliers among them (the
@@ -147,11 +146,11 @@ def outlier_update(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist, an
         _outlier_update_nb(x, float(clip), float(fixed), chmax, count, count_fixed, hist, tok_hist, any_out)
         return
     blocks = column_blocks(C)
-    k = np.zeros((len(blocks), x.shape[0]), np.int64)
-    first = {a: i for i, (a, _) in enumerate(blocks)}
+    k = np.zeros((len(blocks), x.shape[0]), np.int64)  # each block's outliers per row: summed, they are the row's
+    index = {a: i for i, (a, _) in enumerate(blocks)}
 
     def block(a, b):
-        _outlier_cols_nb(x, a, b, float(clip), float(fixed), chmax, count, count_fixed, hist, any_out, k[first[a]])
+        _outlier_cols_nb(x, a, b, float(clip), float(fixed), chmax, count, count_fixed, hist, any_out, k[index[a]])
     run_blocks(block, blocks)
     tok_hist += np.bincount(k.sum(axis=0), minlength=C + 1)
 

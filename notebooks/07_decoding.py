@@ -254,7 +254,8 @@ Markdown(f"""Measured on this machine's agent, {STEPS} decode steps per run (`py
 
 - **Decode on the agent** matches the host's simulation at every step (cosine ≥ {cos_host:.6f}). SmolLM2 q4_0-tile
   decodes at {statistics.median(d.step_ms):.0f} ms per step on the agent ({d.decode_tok_per_s:.1f} tok/s wall, round
-  trips included): the emulated NPU lane is one CPU core running dequantized FP32 GEMVs.
+  trips included): the whole step runs on the emulated NPU lane as one op, as the paper runs the model on the NPU;
+  its linears read the 4-bit codes and sum FP16 products in k order on this CPU's cores.
 - **Test-time scaling**: """ + " / ".join(f"batch {b} gives {tps[b] / tps[1]:.2f}×" for b in batches[1:]) + f""" the
   tokens/s of batch 1. The weight-streaming part of a step is shared by the batch (the paper's effect); the compute
   is not, on a CPU core, where a HMX tile unit would make it nearly free.

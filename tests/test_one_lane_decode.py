@@ -52,3 +52,10 @@ def test_steps_whose_linears_are_not_on_the_npu_lane_keep_their_lanes(scheme):
     assert a == b and "step_lane" not in a["meta"]
     assert _lanes(prefill_plan(qm.manifest, 4, session=True, one_lane=True)) == _lanes(
         prefill_plan(qm.manifest, 4, session=True, one_lane=False))  # prefill plans: untouched
+
+
+def test_an_agent_whose_npu_lane_runs_hexagon_code_keeps_the_lane_split_step():
+    from edgeprobe.plan import one_lane_for
+
+    assert one_lane_for({"backends": {"npu": {"chosen": "numba"}}}) and one_lane_for({})
+    assert not one_lane_for({"backends": {"npu": {"chosen": "hvx"}}})  # its norms would carry the "isa" label

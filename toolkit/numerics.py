@@ -579,7 +579,7 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
     loop (greedy, step_tokens None): "agent" (one run for every step) or "host" (one run a step, the host feeding the
     argmax of the device's last logits, as `edgeprobe run --decode-loop host` decodes)."""
     from .forward import KVCache, forward
-    from .plan import prefill_plan
+    from .plan import one_lane_for, prefill_plan
     from .trace import Trace
     from .workflows import DecodeSession
 
@@ -597,7 +597,7 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
         raise NumericsError(_too_old(dev, have, 2, "numerics inside decode steps"))
     T = len(tokens)
     pre_plan = prefill_plan(qm.manifest, T, session=True)
-    step_plan = prefill_plan(qm.manifest, 1, session=True)
+    step_plan = prefill_plan(qm.manifest, 1, session=True, one_lane=one_lane_for(dev.info))
     step_pick = _Picked(step_plan, ops, "a decode step")
     pre_pick = None
     if prefill:

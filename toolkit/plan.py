@@ -13,11 +13,20 @@ from edgeprobe_kernels.linear_records import SHADOW_SCHEMES, scheme_of, weight_b
 from .graph import NPU_KINDS, Weights, model_ops, order_by_schedule, place_by_kind, place_by_stage
 from .graph.place import fuse_layers, fuse_step, step_on_one_lane
 
-# q4_0-tile decode steps on the npu lane alone (bench/decode_overhead.py --one-lane measures it); off by default
-# while tests and trace readers look for a q4_0-tile step's linears as events of their own
-ONE_LANE_DECODE = False
+# q4_0-tile decode steps on the npu lane alone, one fused op (bench/decode_overhead.py --one-lane measures it): a
+# step split between lanes pays ~330 cross-lane hand-offs (~20 ms), one lane under 1 ms
+ONE_LANE_DECODE = True
 
-__all__ = ["prefill_plan", "chunked_prefill_plan", "shadow_layers", "attach_expert_streaming", "NPU_KINDS"]
+
+def one_lane_for(info: dict) -> bool:
+    """Whether an agent (its hello `info`) runs a q4_0-tile decode step wholly on its npu lane: yes, unless that lane
+    runs Hexagon code (the hvx backend computes linears only; the step's norms and attention would carry its "isa"
+    label while numpy computed them)."""
+    return ONE_LANE_DECODE and (info.get("backends") or {}).get("npu", {}).get("chosen", "numba") != "hvx"
+
+
+__all__ = ["prefill_plan", "one_lane_for", "chunked_prefill_plan", "shadow_layers", "attach_expert_streaming",
+           "NPU_KINDS"]
 
 
 def prefill_plan(manifest: dict, n_tokens: int, last_only: bool = True, float_lane: str = "cpu",

@@ -64,14 +64,15 @@ class DecodeSession:
         self.step_counters: list = []
 
     def _plan(self, n_tokens: int, batch: int) -> str:
-        from .plan import prefill_plan
+        from .plan import one_lane_for, prefill_plan
 
         key = (n_tokens, batch)
         if key not in self._plans:
             split = self.split if n_tokens == 1 else None
             self._plans[key] = self.dev.put_plan(prefill_plan(self.qm.manifest, n_tokens, session=True, batch=batch,
                                                               split=split, ffn_flash=self.ffn_flash,
-                                                              experts_flash=self.experts_flash))
+                                                              experts_flash=self.experts_flash,
+                                                              one_lane=one_lane_for(self.dev.info)))
         return self._plans[key]
 
     def prefill(self, tokens) -> np.ndarray:

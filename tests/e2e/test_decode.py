@@ -52,9 +52,12 @@ def test_decode_batch_on_the_agent_matches_the_host_step_by_step(dev, qm, smollm
     groups = {e["group"] for e in d.trace.events}
     assert groups == {"prefill", "step0", "step1", "step2", "step3"}
     assert d.decode_tok_per_s > 0 and len(d.step_ms) == 4 and all(t > 0 for t in d.step_ms)
-    lin = [e for e in d.trace.events if e["group"] == "step0" and e["kind"] == "linear"]
-    # q4_0-tile: the NPU's format
-    assert lin and {e["lane"] for e in lin} == {"npu"} and all(e["emulated"] for e in lin)
+    # q4_0-tile: the NPU's format, and the NPU TTS paper's whole step on the NPU: every op of a step on the npu lane
+    # (emulated), each layer one fused op whose linears' time is one of its parts
+    step0 = [e for e in d.trace.events if e["group"] == "step0"]
+    layers = [e for e in step0 if e["kind"] == "fused"]
+    assert {e["lane"] for e in step0} == {"npu"} and all(e["emulated"] == "semantics" for e in step0)
+    assert len(layers) == qm.model.config.n_layers and all(e["parts_us"]["linear"] > 0 for e in layers)
     # greedy: every copy of one prompt decodes the same tokens (the fork copied the prefilled cache)
     g = dev.generate(qm, prompt, 3, batch=2, progress=False)
     assert (g.tokens[0] == g.tokens[1]).all()

@@ -47,7 +47,7 @@ def warm() -> list[str]:
 
 
 def _warm() -> list[str]:
-    from .f16_gemm import gemm_f16w_seq
+    from .f16_gemm import gemm_f16w_seq, gemv_q4_seq, q4_rows_t
     from .int8_gemm import GEMM_INT8, as_f32, linear_w8a8_gemm, linear_w8a8_gemv, linear_w8a8_gemv_group, rows_major
     from .q8_0 import matmul_q8_0
     from .shadow import shadow_delta_onepass, shadow_gemm
@@ -82,6 +82,10 @@ def _warm() -> list[str]:
     done.append("shadow_delta_onepass")
     gemm_f16w_seq(x, np.ones((64, 8), np.float32))
     done.append("gemm_f16w_seq")
+    codes, d16 = _ro(np.full((32, 16), 0x99, np.uint8)), _ro(np.full((32, 1), 0x3C00, np.uint16))  # scale 1.0
+    gemv_q4_seq(x, codes, d16, 16, 64)  # q4_0-tile's decode GEMV and its prefill's dequantizer
+    q4_rows_t(codes, d16, 16, 64)
+    done.append("gemv_q4_seq, q4_rows_t")
     from .llama_ops import apply_rope, attention, rms_norm
 
     rms_norm(x, _ro(np.ones(64, np.float32)), 1e-5)

@@ -57,6 +57,22 @@ if numba is not None:
                         out[b, t, h, 2 * i] = x0 * c - x1 * s
                         out[b, t, h, 2 * i + 1] = x0 * s + x1 * c
 
+    @numba.njit(nogil=True, cache=True)
+    def _scale_rows_nb(x, r, w, out):
+        """out = (x * r[:, None]) * w elementwise in x's float32, as numpy rounds it: rms_norm's tail on a block."""
+        N, C = x.shape
+        for n in range(N):
+            for c in range(C):
+                out[n, c] = x[n, c] * r[n] * w[c]
+
+    @numba.njit(nogil=True, cache=True)
+    def _add_nb(a, b, out):
+        """out = a + b elementwise (float32): a residual add's block without the GIL."""
+        N, C = a.shape
+        for n in range(N):
+            for c in range(C):
+                out[n, c] = a[n, c] + b[n, c]
+
     @numba.njit(nogil=True, fastmath=True, cache=True)
     def _attention_few_nb(q, k, v, S, start, window, scale, softcap, out):
         """attention() for a few query rows (decode): per query head, scores over the keys it sees, softmax,
@@ -140,19 +156,24 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         return out
     if x.ndim == 2 and x.shape[0] >= SPLIT_ROWS and _threads.ROW_SPLITS:
         out = np.empty(x.shape, np.result_type(x, w))
+        nb = numba is not None and x.dtype == w.dtype == np.float32
 
         def rows(blocks):
             for a, b in blocks:
-                out[a:b] = _rms_norm_np(x[a:b], w, eps)
-        _split(rows, row_blocks(x.shape[0]))
+                if nb:  # numpy's sums of squares (einsum, GIL released), the scaling in numba: numpy's bits
+                    _scale_rows_nb(x[a:b], _rms_np(x[a:b], eps), w, out[a:b])
+                else:
+                    out[a:b] = x[a:b] * _rms_np(x[a:b], eps)[:, None] * w
+        _blocks(rows, x.shape[0], x.size)
         return out
-    return _rms_norm_np(x, w, eps)
+    return x * _rms_np(x, eps)[:, None] * w
 
 
-def _rms_norm_np(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    """rms_norm's numpy form: each row's sum of squares alone (einsum's order depends on the row's length only)."""
+def _rms_np(x: np.ndarray, eps: float) -> np.ndarray:
+    """float32[N]: 1 / rms of each row of x as rms_norm's numpy form computes it (each row's sum of squares alone:
+    einsum's order depends on the row's length only)."""
     ms = np.einsum("nc,nc->n", x, x) / x.shape[1]
-    return x * (1.0 / np.sqrt(ms + eps))[:, None].astype(np.float32) * w
+    return (1.0 / np.sqrt(ms + eps)).astype(np.float32)
 
 
 def rope_tables(head_dim: int, theta: float, start: int, length: int, factors=None) -> tuple[np.ndarray, np.ndarray]:
@@ -174,19 +195,25 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         _rope_nb(x, cos, sin, out)
         return out
     out = np.empty((B, T, H, d // 2, 2), x.dtype)
+    split = T >= SPLIT_ROWS and _threads.ROW_SPLITS
+    nb = split and numba is not None and x.dtype == cos.dtype == sin.dtype == np.float32
+    o4 = out.reshape(B, T, H, d)
 
-    def positions(blocks):  # elementwise: any cut of the positions gives the same bits
+    def positions(blocks):  # elementwise: any cut of the positions gives the same bits (numba's too: tested)
         for a, b in blocks:
+            if nb:  # no GIL held: blocks on two threads run side by side
+                _rope_nb(x[:, a:b], cos[a:b], sin[a:b], o4[:, a:b])
+                continue
             xp = x[:, a:b].reshape(B, b - a, H, d // 2, 2)
             x0, x1 = xp[..., 0], xp[..., 1]
             c, s = cos[None, a:b, None, :], sin[None, a:b, None, :]
             out[:, a:b, ..., 0] = x0 * c - x1 * s
             out[:, a:b, ..., 1] = x0 * s + x1 * c
-    if T >= SPLIT_ROWS and _threads.ROW_SPLITS:
-        _split(positions, row_blocks(T))
+    if split:
+        _blocks(positions, T, x.size)
     else:
         positions([(0, T)])
-    return out.reshape(B, T, H, d)
+    return o4
 
 
 ATTN_BLOCK = 64  # positions per block of a prompt's attention (query rows; keys padded to the block's end)
@@ -222,7 +249,20 @@ def _split(fn, items: list) -> None:
         spread(fn, parts)
 
 
-ROW_BLOCK = 64  # about this many rows a block of a split row-wise op (past FEW_ROWS: each block takes numpy's path)
+# about this many rows a block of a split row-wise op: past FEW_ROWS (each block takes numpy's path); its
+# temporaries stay in cache, so blocks run ~1.5-2.5x faster than the whole op even on one thread (RoPE, adds)
+ROW_BLOCK = 128
+# from this many elements a cheap row-wise op (norm, RoPE, add) spreads its blocks over the threads; below, waking
+# the pool (~30 us) and the GIL's hand-offs cost more than a second core saves (512 x 576: 0.13-0.23 ms on one)
+SPREAD_ELEMENTS = 1 << 20
+
+
+def _blocks(fn, n: int, elements: int) -> None:
+    """fn(row_blocks(n)) on the calling thread, or its blocks _split over the op's cores from SPREAD_ELEMENTS."""
+    if elements >= SPREAD_ELEMENTS:
+        _split(fn, row_blocks(n))
+    else:
+        fn(row_blocks(n))
 
 
 def row_blocks(n: int) -> list[tuple[int, int]]:
@@ -233,22 +273,28 @@ def row_blocks(n: int) -> list[tuple[int, int]]:
 
 
 def add(a: np.ndarray, *others: np.ndarray) -> np.ndarray:
-    """a + others[0] + ... in a's dtype, summed left to right (a residual add): rows split over the op's cores from
-    SPLIT_ROWS rows of equal shapes."""
+    """a + others[0] + ... in a's dtype, summed left to right (a residual add): from SPLIT_ROWS rows of equal shapes
+    in row blocks (_blocks: over the op's cores from SPREAD_ELEMENTS)."""
     if a.ndim != 2 or a.shape[0] < SPLIT_ROWS or not _threads.ROW_SPLITS or any(b.shape != a.shape for b in others):
         out = a.copy()
         for b in others:
             out += b
         return out
     out = np.empty(a.shape, a.dtype)
+    nb = numba is not None and all(b.dtype == np.float32 for b in (a, *others))
 
     def rows(blocks):
         for r0, r1 in blocks:
             o = out[r0:r1]
+            if nb and others:  # no GIL held; the same IEEE sums left to right
+                _add_nb(a[r0:r1], others[0][r0:r1], o)
+                for b in others[1:]:
+                    _add_nb(o, b[r0:r1], o)
+                continue
             o[...] = a[r0:r1]
             for b in others:
                 o += b[r0:r1]
-    _split(rows, row_blocks(a.shape[0]))
+    _blocks(rows, a.shape[0], a.size)
     return out
 
 

@@ -14,8 +14,8 @@ and each cell is the median over rounds, so a load that drifts lands on every se
 printed as it ends.
 
 --ab: quiet settings only, each with the row-wise ops outside the GEMMs (norms, RoPE, residual adds, the profiles'
-statistics) split over the threads and not (threads.ROW_SPLITS; EDGEPROBE_ROW_SPLITS=0 in any run), interleaved:
-what those splits add, side by side on one machine.
+statistics) in row blocks (numba kernels, spread over the threads where large enough) and as before, whole on the
+calling thread (threads.ROW_SPLITS; EDGEPROBE_ROW_SPLITS=0 in any run), interleaved: side by side on one machine.
 
 --bound: no speeds (a busy machine's are noise): each pass on one thread, taking the two-thread paths with every
 split's parts run in turn and timed in CPU time; prints the serial share (time outside the splits) and the
@@ -48,6 +48,7 @@ SETTINGS = [  # (name, fixed thread count or None for the policy, neighbour)
 GOALS = {"policy, quiet": 1.6, "policy + hog": 0.8, "policy + blas2": 0.5}
 AB_SETTINGS = [  # --ab: (name, fixed count or None, neighbour, row splits)
     ("1 thread, quiet", 1, None, True),
+    ("1 thread, no row split", 1, None, False),
     ("fixed 2, no row split", 2, None, False),
     ("fixed 2, quiet", 2, None, True),
     ("policy, no row split", None, None, False),
@@ -125,7 +126,7 @@ def main():
                     t = time.perf_counter()
                     n = fn()
                     rates[(pname, name)].append(n / (time.perf_counter() - t))
-                    print(f"  round {r + 1} {name:<21s} {pname:<12s} {rates[(pname, name)][-1]:7.1f} tok/s  "
+                    print(f"  round {r + 1} {name:<22s} {pname:<12s} {rates[(pname, name)][-1]:7.1f} tok/s  "
                           f"threads {POLICY.last}  load1 {os.getloadavg()[0]:.2f}", flush=True)
                 loads[name].append(os.getloadavg()[0])
                 for k, v in POLICY.chosen.items():
@@ -140,14 +141,14 @@ def main():
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"host passes on SmolLM2-135M, {CORES} cores, {T} tokens per pass, window {W}, median of {args.rounds} "
           "rounds; ratio to quiet one-thread tok/s")
-    head = f"{'setting':<22s}" + "".join(f"{p:>20s}" for p in passes) + f"{'load1':>8s}  decisions x threads"
+    head = f"{'setting':<23s}" + "".join(f"{p:>20s}" for p in passes) + f"{'load1':>8s}  decisions x threads"
     print(head)
     for name, *_ in settings:
         base = [med[(p, '1 thread, quiet')] for p in passes]
         cells = "".join(f"{med[(p, name)] / b:>8.2f}x {med[(p, name)]:>5.0f} t/s" for p, b in zip(passes, base))
         picks = ", ".join(f"{v} x {k}" for k, v in sorted(chosen[name].items()) if v)
         goal = f"  (goal >= {GOALS[name]})" if name in GOALS else ""
-        print(f"{name:<22s}{cells}{statistics.mean(loads[name]):>8.2f}  {picks}{goal}")
+        print(f"{name:<23s}{cells}{statistics.mean(loads[name]):>8.2f}  {picks}{goal}")
 
 
 def bound(passes: dict, rounds: int, T: int, W: int) -> None:

@@ -12,8 +12,8 @@ Inside a host pass BLAS runs one thread a call, and the host's GEMMs (`matmul_wt
 blocks over a pool whose threads block rather than spin, on every core: beside a busy core each still adds its fair
 share of time. The blocks depend on the shapes alone, so a pass's bits do not depend on the count or the load.
 EDGEPROBE_THREADS=N fixes the count at N (no measuring); unset or `auto`, it is measured. EDGEPROBE_ROW_SPLITS=0 runs
-the row-wise ops outside the GEMMs (norms, RoPE, residual adds, the profiles' statistics) on the calling thread alone,
-as before they were split (a bench knob: the bits are the same either way).
+the row-wise ops outside the GEMMs (norms, RoPE, residual adds, the profiles' statistics) whole on the calling thread,
+as before they ran in row blocks over the pool (a bench knob: the bits are the same either way).
 """
 from __future__ import annotations
 

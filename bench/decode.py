@@ -19,14 +19,14 @@ def main():
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--batches", default="1,2,4,8,16")
     ap.add_argument("--scheme", default="q4_0-tile")
-    ap.add_argument("--one-lane", action="store_true", help="a q4_0-tile decode step wholly on the npu lane, one op "
-                    "(edgeprobe.plan.ONE_LANE_DECODE)")
+    ap.add_argument("--split-lanes", action="store_true", help="a q4_0-tile decode step split between the npu and "
+                    "cpu lanes, as before steps ran on the npu lane alone (edgeprobe.plan.ONE_LANE_DECODE)")
     ap.add_argument("--batches-only", action="store_true", help="skip the row-cut, neurons and experts sections")
     args = ap.parse_args()
-    if args.one_lane:
+    if args.split_lanes:
         import edgeprobe.plan
 
-        edgeprobe.plan.ONE_LANE_DECODE = True
+        edgeprobe.plan.ONE_LANE_DECODE = False
     from decode_overhead import step_overhead  # bench/, beside this script
 
     from edgeprobe import models
@@ -50,7 +50,7 @@ def main():
             neurons(dev, m, args.steps)
             experts(dev, args.steps)
     base = rows[0]
-    print(f"decode on the agent, {args.scheme}{' (step on the npu lane alone)' if args.one_lane else ''}, prompt "
+    print(f"decode on the agent, {args.scheme}{' (step split between lanes)' if args.split_lanes else ''}, prompt "
           f"{args.prompt}, {args.steps} steps (median step after the first)")
     print(f"{'batch':>5} {'step ms':>8} {'tok/s (agent)':>14} {'x B=1':>6} {'tok/s (wall)':>13} {'x B=1':>6} "
           f"{'outside ops ms':>15}")

@@ -10,12 +10,13 @@ Schemes are measured in turns (A/B/A/B) so they see the same machine; the load a
 --variant DIR adds a second agent whose edgeprobe_agent package comes from DIR (a patched copy of device_agent/ named
 edgeprobe_agent), measured in turns with the installed one: an A/B of an agent change in one run. --kernels-from REV
 builds such a folder holding edgeprobe_kernels as this tree has it but with every file a commit changed since REV as
-it was at REV (the kernels before a change, A/B against the tree's). --one-lane adds q4_0-tile with its decode step
-wholly on the npu lane, one fused op (edgeprobe.plan.ONE_LANE_DECODE), as the row "q4_0-tile/1lane". Each row says
-the bytes of linear weights its kernels read per token (the lm_head's included).
+it was at REV (the kernels before a change, A/B against the tree's). A q4_0-tile decode step runs wholly on the npu
+lane, one fused op (edgeprobe.plan.ONE_LANE_DECODE); --split-lanes adds the row "q4_0-tile/split", its linears on the
+npu lane and its other ops on the cpu lane, as steps ran before. Each row says the bytes of linear weights its
+kernels read per token (the lm_head's included).
 
     .venv/bin/python bench/decode_overhead.py [--schemes q4_0-tile,w8a8] [--steps 16] [--rounds 2] [--host-loop]
-        [--variant DIR | --kernels-from REV [--kernels-files F,G]] [--one-lane]
+        [--variant DIR | --kernels-from REV [--kernels-files F,G]] [--split-lanes]
 """
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def main():
                     "as they were at REV")
     ap.add_argument("--kernels-files", metavar="F,G", help="with --kernels-from: only these files of kernels/ "
                     "(others' later changes kept)")
-    ap.add_argument("--one-lane", action="store_true", help="also q4_0-tile's decode step on the npu lane alone")
+    ap.add_argument("--split-lanes", action="store_true",
+                    help="also q4_0-tile's decode step split between the npu and cpu lanes, as steps ran before")
     args = ap.parse_args()
     from edgeprobe import models
     from edgeprobe.corpus import read_corpus
@@ -88,8 +90,8 @@ def main():
     m = models.load("smollm2-135m")
     ids = m.tokenizer.encode(read_corpus("heldout"))[:args.prompt]
     schemes = [s for s in args.schemes.split(",") if s]
-    if args.one_lane and "q4_0-tile" in schemes:
-        schemes.insert(schemes.index("q4_0-tile") + 1, "q4_0-tile/1lane")
+    if args.split_lanes and "q4_0-tile" in schemes:
+        schemes.insert(schemes.index("q4_0-tile") + 1, "q4_0-tile/split")
     qms = {s: prepared(m, s.split("/")[0], say=print) for s in dict.fromkeys(schemes)}
     loops = ["agent"] + (["host"] if args.host_loop else [])
     how = {"agent": dict(loop="agent", logits="last"), "host": dict(loop="host")}
@@ -112,14 +114,14 @@ def main():
         for dev in agents.values():
             for s in schemes:
                 for loop in loops:
-                    with one_lane(s):
+                    with step_lanes(s):
                         dev.generate(qms[s], ids, 4, progress=False, **how[loop])  # upload, runners built, warm
         for r in range(args.rounds):
             for s in schemes:
                 for loop in loops:
                     for agent, dev in agents.items():
                         load = os.getloadavg()[0]
-                        with one_lane(s):
+                        with step_lanes(s):
                             d = dev.generate(qms[s], ids, args.steps, progress=False, **how[loop])
                         got.setdefault((s, loop, agent), []).append({**step_overhead(d, args.steps), "load": load})
     print(f"\nstreaming read of 256 MB on this machine (one thread, numpy sum): {stream_gbps():.2f} GB/s "
@@ -141,11 +143,12 @@ def main():
 
 
 @contextlib.contextmanager
-def one_lane(scheme: str):
-    """Plans built inside run a q4_0-tile decode step on the npu lane alone when scheme is "q4_0-tile/1lane"."""
+def step_lanes(scheme: str):
+    """Plans built inside split a q4_0-tile decode step between the npu and cpu lanes when scheme is
+    "q4_0-tile/split"; else they run it on the npu lane alone."""
     import edgeprobe.plan as plan
 
-    old, plan.ONE_LANE_DECODE = plan.ONE_LANE_DECODE, scheme.endswith("/1lane")
+    old, plan.ONE_LANE_DECODE = plan.ONE_LANE_DECODE, not scheme.endswith("/split")
     try:
         yield
     finally:

@@ -73,31 +73,9 @@ def window_update_ref(act, tau, last, t0, K, fire, gap_hist, age_hist):
 
 if numba is not None:
     @numba.njit(nogil=True, cache=True)
-    def _outlier_update_nb(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist, any_out):
-        N, C = x.shape
-        half = 0.5 * clip
-        rare = min(half, fixed)  # values below this only update the running max: the fast path
-        for n in range(N):
-            k = 0
-            for c in range(C):
-                a = abs(x[n, c])
-                chmax[c] = max(chmax[c], a)
-                if a >= rare:
-                    if a > fixed:
-                        count_fixed[c] += 1
-                    if a >= half:
-                        e = math.frexp(a / clip)[1]  # a/clip = m * 2^e, m in [0.5, 1): floor(log2) = e - 1
-                        hist[c, min(max(e, 0), N_RATIO_BINS - 1)] += 1
-                        if a > clip:
-                            count[c] += 1
-                            any_out[c] = True
-                            k += 1
-            tok_hist[k] += 1
-
-    @numba.njit(nogil=True, cache=True)
     def _outlier_cols_nb(x, c0, c1, clip, fixed, chmax, count, count_fixed, hist, any_out, k):
-        """_outlier_update_nb over channels c0..c1-1 alone; k int64[N] += each row's outliers among them (the
-        token histogram is made from the blocks' sums)."""
+        """outlier_update_ref's channel statistics over channels c0..c1-1 alone; k int64[N] += each row's outliers
+        among them (the token histogram is made from the blocks' sums)."""
         N = x.shape[0]
         half = 0.5 * clip
         rare = min(half, fixed)
@@ -110,13 +88,21 @@ if numba is not None:
                     if a > fixed:
                         count_fixed[c] += 1
                     if a >= half:
-                        e = math.frexp(a / clip)[1]
+                        e = math.frexp(a / clip)[1]  # a/clip = m * 2^e, m in [0.5, 1): floor(log2) = e - 1
                         hist[c, min(max(e, 0), N_RATIO_BINS - 1)] += 1
                         if a > clip:
                             count[c] += 1
                             any_out[c] = True
                             kn += 1
             k[n] += kn
+
+    @numba.njit(nogil=True, cache=True)
+    def _outlier_update_nb(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist, any_out):
+        """outlier_update_ref over all channels: _outlier_cols_nb in one block, then the token histogram."""
+        k = np.zeros(x.shape[0], np.int64)
+        _outlier_cols_nb(x, 0, x.shape[1], clip, fixed, chmax, count, count_fixed, hist, any_out, k)
+        for n in range(x.shape[0]):
+            tok_hist[k[n]] += 1
 
     @numba.njit(nogil=True, cache=True)
     def _log2_hist_nb(bits, out):

@@ -92,6 +92,13 @@ def _warm() -> list[str]:
     rms_norm(x, np.ones(64, np.float32), 1e-5)
     apply_rope(np.ones((1, 1, 2, 8), np.float32), np.ones((1, 4), np.float32), np.ones((1, 4), np.float32))
     done.append("rms_norm, apply_rope")
+    from .llama_ops import SPLIT_ROWS, add
+
+    xs, ones = np.ones((SPLIT_ROWS, 8), np.float32), np.ones((SPLIT_ROWS, 4), np.float32)  # a prompt's row blocks
+    rms_norm(xs, np.ones(8, np.float32), 1e-5)
+    add(xs, xs)
+    apply_rope(xs.reshape(1, SPLIT_ROWS, 1, 8), ones, ones)
+    done.append("prompt rows: rms_norm, add, apply_rope")
     kv = np.ones((1, 1, 4, 8), np.float32)  # a session's whole cache: C-contiguous, longer than the positions read
     attention(np.ones((1, 1, 2, 8), np.float32), kv, kv.copy(), 1)
     done.append("attention (decode rows)")

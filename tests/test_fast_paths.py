@@ -292,7 +292,8 @@ def test_the_agent_warms_every_kernel_it_calls():
     gemm = ["linear_w8a8_gemm"] if int8_gemm.GEMM_INT8 else []
     assert warm() == ["build_team", "linear_w8a8_gemv", "linear_w8a8_gemv_group", "as_f32", "rows_major", *gemm,
                       "matmul_q8_0", "shadow_gemm", "shadow_delta_onepass", "gemm_f16w_seq",
-                      "gemv_q4_seq, q4_rows_t", "rms_norm, apply_rope", "attention (decode rows)"]
+                      "gemv_q4_seq, q4_rows_t", "rms_norm, apply_rope", "prompt rows: rms_norm, add, apply_rope",
+                      "attention (decode rows)"]
 
 
 def test_the_parallel_float32_copy_of_an_int8_weight_holds_its_values():

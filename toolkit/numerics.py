@@ -567,9 +567,10 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
                     tolerance: float | None = None, limit_bytes: int = MAX_FULL_BYTES, progress: bool = False,
                     fault: dict | None = None, max_tolerance: float | None = None, prefill: bool = True,
                     loop: str = "agent"):
-    """A decode session on `dev`: the prompt `tokens` (int[T]) prefilled, then `steps` decode steps, numerics captured
-    at the ops `ops` picks (glob over a decode step's op names, the template's: embed, blk.{i}.attn_q, ..., lm_head;
-    None: all) on every step (and on the prefill, unless prefill=False), and the host's captures through KV caches
+    """A decode session on `dev` (a Device: its session() opens it): the prompt `tokens` (int[T]) prefilled, then
+    `steps` decode steps, numerics captured at the ops `ops` picks (glob over a decode step's op names, the
+    template's: embed, blk.{i}.attn_q, ..., lm_head; None: all) on every step (and on the prefill, unless
+    prefill=False), and the host's captures through KV caches
     at the same positions -> the RunResult (outputs "logits" float32[steps, 1, vocab], "fed" int32[1, steps]), with
     .numerics a DecodeNumerics. step_tokens: int[steps] fed to the steps, one run each; None: greedy, the agent's
     decode loop (one run, each step fed the argmax of the last logits, the host following the tokens it fed). The
@@ -581,7 +582,6 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
     from .forward import KVCache, forward
     from .plan import one_lane_for, prefill_plan
     from .trace import Trace
-    from .workflows import DecodeSession
 
     tokens = np.asarray(tokens, np.int32).reshape(-1)
     if steps < 1:
@@ -631,7 +631,8 @@ def decode_numerics(dev, qm, tokens, steps: int = 3, step_tokens=None, ops=None,
     pre_arrays = {n: a for n, a in (pre_arrays or {}).items() if n in set(pre_pick.on_host(pre_full))} \
         if pre_pick is not None else {}
 
-    sess = DecodeSession(dev, qm, T + steps, name=f"numerics-{next(_SESSIONS)}", progress=progress)
+    # the Device's session (workflows.session): workflows runs plan_numerics, so this module does not import it
+    sess = dev.session(qm, T + steps, name=f"numerics-{next(_SESSIONS)}", progress=progress)
     events, out_logits = [], []
     try:
         pre_fault = fault if fault and "step" not in fault else None

@@ -7,9 +7,8 @@ import threading
 
 import numpy as np
 import pytest
-from test_graph import toy_model
+from test_graph import step_after_prompt, toy_model
 
-from edgeprobe.graph.local import host_session, run_plan
 from edgeprobe.graph.place import fuse_layers
 from edgeprobe.plan import prefill_plan
 from edgeprobe.quant import calibration_profile, quantize
@@ -179,11 +178,8 @@ def test_a_fused_decode_step_computes_what_its_ops_compute(scheme, monkeypatch):
     unfused = {**fused, "ops": [s for o in fused["ops"] for s in _unfuse(o)], "outputs": ["step"]}
     outs = []
     for plan in (fused, unfused):
-        sess = host_session(cfg, 1, 16)
-        run_plan(prefill_plan(qm.manifest, len(prompt), session=True), qm.store.get, {"tokens": prompt}, sess,
-                 len(prompt))
-        o, events, _ = run_plan(plan, qm.store.get, {"tokens": np.array([5], np.int32)}, sess, 1)
-        outs.append(next(iter(o.values())))
+        out, events = step_after_prompt(qm, plan, prompt)
+        outs.append(out)
         if plan is fused:  # each sub-op's own event, timed inside the one op, as if dispatched alone
             by = {e["name"]: e for e in events}
             assert [e["name"] for e in events] == names and "step" not in by

@@ -68,6 +68,16 @@ def _logits(outs):
     return next(iter(outs.values()))
 
 
+def step_after_prompt(qm, step_plan, prompt, token: int = 5):
+    """A fresh host session prefilled with `prompt`, then one decode step of `token` under step_plan: (its output,
+    its events)."""
+    cfg = qm.manifest["config"]
+    sess = host_session(cfg, 1, 16)
+    run_plan(prefill_plan(qm.manifest, len(prompt), session=True), qm.store.get, {"tokens": prompt}, sess, len(prompt))
+    o, events, _ = run_plan(step_plan, qm.store.get, {"tokens": np.array([token], np.int32)}, sess, 1)
+    return _logits(o), events
+
+
 def _check(ours, ref, tol):
     err = float(np.max(np.abs(ours - ref)))
     assert err <= tol, f"max |Δlogit| {err:.2e} > {tol:.0e}"

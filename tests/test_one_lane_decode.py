@@ -2,9 +2,8 @@
 sub-ops compute what the lane-split step computes, bit for bit; other schemes' steps keep their lanes."""
 import numpy as np
 import pytest
-from test_graph import toy_model
+from test_graph import step_after_prompt, toy_model
 
-from edgeprobe.graph.local import host_session, run_plan
 from edgeprobe.plan import prefill_plan
 from edgeprobe.quant import calibration_profile, quantize
 
@@ -29,11 +28,8 @@ def test_a_q4_0_tile_step_on_the_npu_lane_is_one_op_with_the_split_steps_bits():
     prompt = np.arange(7, dtype=np.int32) % cfg["vocab_size"]
     outs = []
     for plan in (split, one):
-        sess = host_session(cfg, 1, 16)
-        run_plan(prefill_plan(qm.manifest, len(prompt), session=True), qm.store.get, {"tokens": prompt}, sess,
-                 len(prompt))
-        o, events, _ = run_plan(plan, qm.store.get, {"tokens": np.array([5], np.int32)}, sess, 1)
-        outs.append(next(iter(o.values())))
+        out, events = step_after_prompt(qm, plan, prompt)
+        outs.append(out)
         if plan is one:  # every sub-op's event on the npu lane, emulated there (its semantics on this CPU)
             assert {e["lane"] for e in events} == {"npu"} and all(e["emulated"] for e in events)
             assert [e["name"] for e in events] == names

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import chrome_json, executorch_etdump, llamacpp_hexagon, llamacpp_opencl
+from . import chrome_json, executorch_etdump, llamacpp_hexagon, llamacpp_opencl, qnn_profile
 from .base import ForeignTraceError, read_text
 
 READERS = {llamacpp_hexagon.FORMAT: llamacpp_hexagon, chrome_json.FORMAT: chrome_json,
-           llamacpp_opencl.FORMAT: llamacpp_opencl, executorch_etdump.FORMAT: executorch_etdump}
+           llamacpp_opencl.FORMAT: llamacpp_opencl, executorch_etdump.FORMAT: executorch_etdump,
+           qnn_profile.FORMAT: qnn_profile}
 FORMATS = tuple(READERS)
+# QNN's optrace is Chrome JSON whose ts/dur are cycles: every specific format is sniffed before the generic one
+_SNIFF_ORDER = sorted(READERS, key=lambda f: f == chrome_json.FORMAT)
 
 
 def detect_format(path) -> str:
     """The format of the file at `path`, from its first bytes and lines."""
     text = read_text(path, "one of: " + ", ".join(FORMATS))
-    for fmt, mod in READERS.items():
-        if mod.sniff(text):
+    for fmt in _SNIFF_ORDER:
+        if READERS[fmt].sniff(text):
             return fmt
     if "profile-op " in text:
         raise ForeignTraceError(path, "whole file", "llama.cpp Hexagon 'profile-op'/'trace-op' lines (the 2026 format) "

@@ -10,7 +10,7 @@ the agent is a local edgeprobe agent (npu lane: NPU semantics emulated with numb
 alternates the two, A/B/A/B, so both see the same machine.
 
     .venv/bin/python bench/vs_llamacpp.py [--repeats 3] [--lengths 64,256,1024]
-        [--schemes w8a8-shadow,w8a8,q4_0-tile,float] [--anchor q4_1|q8_0|q4_0|both]
+        [--schemes w8a8-shadow,w8a8,q4_0-tile,float] [--anchor q4_1|q8_0|q4_0|both] [--batches 1,4,8,16]
 
 Prints, per scheme and prompt length: prefill tok/s of llama.cpp and of the agent, warm (model uploaded, one
 prefill done; best of 2) and first run (a new agent process on a store that holds the blobs: its first prefill
@@ -21,6 +21,8 @@ token through the model), the agent's loop runs on the agent (decode@agent: argm
 as a phone's runtime loops; the reply holds the tokens and the last step's logits, decode@agent+logits every step's
 too) and on the host (decode@host: a round trip per token); the per-token time outside the agent's ops and one decode
 step's profile for each. With --repeats N every ratio is the median of N rounds.
+--batches 1,4,8,16 (--batches-only: nothing else) adds batched decode (NPU TTS paper): the prompt forked into N
+sequences, one llama_decode / agent step of N tokens per step, the same sampling on both; tok/s and its ratio to N = 1.
 """
 from __future__ import annotations
 
@@ -41,13 +43,68 @@ LLAMA_VERSION = "0.3.36"
 
 WORKER = textwrap.dedent('''
     import json, sys, time
+    import llama_cpp as lc
     import numpy as np
+    from ep_sampling import sample  # the agent's own sampling.py, copied beside this script
     from llama_cpp import Llama
     llm = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=2, n_threads_batch=2, n_batch=2048,
                 n_ubatch=512, logits_all=False, verbose=False)
+    # batched decode (a request of kind "batched"): the prompt prefilled once into sequence 0 of a second context on
+    # the same model (Llama takes no n_seq_max; its own context keeps one sequence for the other requests), copied to
+    # sequences 1..n-1 in a unified KV cache (as llama.cpp's batched example: the prompt's cells shared), then
+    # `steps` llama_decode calls of n tokens each (sequence i at its next position, logits on every row)
+    bctx, bkey = None, None
+
+    def batched(req):
+        global bctx, bkey
+        toks, n, steps = req["tokens"], req["n"], req["steps"]
+        key = (req["n_seq_max"], req["n_ctx"])
+        if bkey != key:
+            if bctx is not None:
+                lc.llama_free(bctx)
+            p = lc.llama_context_params.from_buffer_copy(llm.context_params)  # threads, batch sizes as llm's
+            p.n_seq_max, p.n_ctx, p.kv_unified = key[0], key[1], True
+            bctx, bkey = lc.llama_init_from_model(llm._model.model, p), key
+            if not bctx:
+                raise RuntimeError(f"llama_init_from_model failed for n_seq_max {key[0]}, n_ctx {key[1]}")
+        mem, nv = lc.llama_get_memory(bctx), llm.n_vocab()
+        lc.llama_memory_clear(mem, True)
+        b = lc.llama_batch_init(max(len(toks), n), 0, 1)
+
+        def decode(tokens, pos, seqs, outs):
+            for i, (tk, ps, sq, o) in enumerate(zip(tokens, pos, seqs, outs)):
+                b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(tk), ps, 1, o
+                b.seq_id[i][0] = sq
+            b.n_tokens = len(tokens)
+            if lc.llama_decode(bctx, b):
+                raise RuntimeError("llama_decode failed")
+            return np.ctypeslib.as_array(lc.llama_get_logits(bctx), shape=(sum(outs), nv)).copy()
+
+        try:
+            t = time.perf_counter()
+            logits = decode(toks, range(len(toks)), [0] * len(toks), [0] * (len(toks) - 1) + [1])
+            for i in range(1, n):
+                lc.llama_memory_seq_cp(mem, 0, i, -1, -1)
+            prefill_s = time.perf_counter() - t
+            logits, rng, fed, step_s = np.repeat(logits, n, axis=0), np.random.default_rng(req["seed"]), [], []
+            t = time.perf_counter()
+            for k in range(steps):
+                fed.append(sample(logits, req["temperature"], rng))
+                t1 = time.perf_counter()
+                logits = decode(fed[-1], [len(toks) + k] * n, range(n), [1] * n)
+                step_s.append(time.perf_counter() - t1)
+            decode_s = time.perf_counter() - t
+        finally:
+            lc.llama_batch_free(b)
+        return {"prefill_s": prefill_s, "decode_s": decode_s, "step_s": step_s,
+                "tokens": np.stack(fed, axis=1).tolist(), "n_seq_max": lc.llama_n_seq_max(bctx)}
+
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
+        if req.get("kind") == "batched":
+            print(json.dumps(batched(req)), flush=True)
+            continue
         toks = req["tokens"]
         llm.reset()
         t = time.perf_counter()
@@ -164,6 +221,9 @@ class LlamaCpp:
         self._dir = tempfile.TemporaryDirectory(prefix="llamacpp-worker-")
         self.script = Path(self._dir.name) / "llamacpp_worker.py"
         self.script.write_text(WORKER)
+        from edgeprobe_kernels import sampling  # the same draw on both sides of a batched decode
+
+        shutil.copy(sampling.__file__, self.script.parent / "ep_sampling.py")
         self.p = subprocess.Popen([str(py), str(self.script), str(gguf), str(n_ctx)], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
         if not json.loads(self.p.stdout.readline()).get("ready"):
@@ -173,6 +233,19 @@ class LlamaCpp:
         self.p.stdin.write(json.dumps({"tokens": [int(t) for t in tokens], "steps": steps}) + "\n")
         self.p.stdin.flush()
         return json.loads(self.p.stdout.readline())
+
+    def batched(self, tokens, n: int, steps: int, temperature: float, seed: int, n_seq_max: int, n_ctx: int) -> dict:
+        """Prefill `tokens` once, copy it to n sequences, decode `steps` steps of n tokens in one llama_decode each
+        (tokens drawn by sampling.sample at `temperature` with `seed`): {"step_s": each step's llama_decode seconds,
+        "decode_s": the steps' wall seconds with sampling, "tokens": int[n][steps] fed, "n_seq_max"}."""
+        self.p.stdin.write(json.dumps({"kind": "batched", "tokens": [int(t) for t in tokens], "n": n, "steps": steps,
+                                       "temperature": temperature, "seed": seed, "n_seq_max": n_seq_max,
+                                       "n_ctx": n_ctx}) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"llama.cpp worker died during a batched decode of {n} sequences")
+        return json.loads(line)
 
     def close(self):
         self.p.stdin.close()
@@ -212,12 +285,41 @@ def decode_profile(dec, steps: int) -> tuple[dict, float, float]:
     return {k: v / max(n, 1) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}, outside, on_agent
 
 
+def batched_round(dev, qm, llama, prompt, batches: list, steps: int, temperature: float, rnd: int) -> dict:
+    """One round of batched decode at each batch size, llama.cpp and the agent alternated (the one going first flips
+    each round), the same prompt, steps, sampling rule and seed on both: {N: (llama.cpp tok/s, its wall tok/s,
+    agent tok/s, its wall tok/s, load average)}; tok/s = N / median step after the first (llama_decode's time;
+    the agent's makespan), wall = N * steps / the steps' time with sampling (and the agent's round trips). The
+    slowest step is printed too: on busy cores llama.cpp's spinning thread barriers can stall one step for seconds."""
+    n_ctx = len(prompt) + max(batches) * steps + 256  # unified KV: the prompt's cells shared, each sequence's own
+    out = {}
+    for n in batches:
+        load = os.getloadavg()[0]
+        sides = {"llama": lambda: llama.batched(prompt, n, steps, temperature, rnd, max(batches), n_ctx),
+                 "agent": lambda: dev.generate(qm, prompt, steps, batch=n, temperature=temperature, seed=rnd,
+                                               progress=False)}
+        got = {k: sides[k]() for k in (("llama", "agent") if rnd % 2 == 0 else ("agent", "llama"))}
+        ll, ag = got["llama"], got["agent"]
+        row = (n / statistics.median(ll["step_s"][1:]), n * steps / ll["decode_s"],
+               n / statistics.median(ag.step_ms[1:]) * 1e3, ag.decode_tok_per_s, load)
+        out[n] = row
+        ours = ag.tokens.tolist()
+        same = sum(x[0] == y[0] for x, y in zip(ll["tokens"], ours))
+        print(f"   batch {n:>2} (load average {load:.1f}): llama.cpp {row[0]:7.1f} tok/s (wall {row[1]:7.1f}), agent "
+              f"{row[2]:7.1f} tok/s (wall {row[3]:7.1f}); slowest step llama.cpp {max(ll['step_s']) * 1e3:.0f} ms, "
+              f"agent {max(ag.step_ms):.0f} ms; distinct sequences llama.cpp "
+              f"{len({tuple(r) for r in ll['tokens']})}/{n}, agent {len({tuple(r) for r in ours})}/{n}; first "
+              f"token the same in {same}/{n}", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=1, help="rounds; every ratio printed is their median")
     ap.add_argument("--lengths", default="64,256,1024")
     ap.add_argument("--schemes", default="w8a8-shadow,w8a8,q4_0-tile,float")
-    ap.add_argument("--decode-schemes", default="w8a8,w8a8c-shadow,q4_0-tile")
+    ap.add_argument("--decode-schemes", default=None,
+                    help="decode rows' schemes (default w8a8,w8a8c-shadow,q4_0-tile; with --batches q4_0-tile)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--no-first-run", action="store_true", help="skip the first-run measurement (a new agent each)")
     ap.add_argument("--lane-threads", default="auto", choices=["auto", "1"],
@@ -227,7 +329,18 @@ def main():
                     help="the GGUF llama.cpp runs: the shipped Q4_1 (default), a Q8_0 or Q4_0 made from it by "
                          "llama.cpp's quantizer (once, cached in the side environment), or both: int8 and float "
                          "schemes against Q8_0, 4-bit ones against Q4_1")
+    ap.add_argument("--batches", default="", help="batched decode at these batch sizes (e.g. 1,4,8,16): the prompt "
+                    "forked into N sequences, one llama_decode / agent step of N tokens per step")
+    ap.add_argument("--batches-only", action="store_true", help="only the batched decode (no prefill or decode rows)")
+    ap.add_argument("--batch-temperature", type=float, default=0.8,
+                    help="batched decode's sampling on both sides (sampling.sample: 0 = argmax)")
+    ap.add_argument("--batch-prompt", type=int, default=64, help="batched decode's prompt tokens")
     args = ap.parse_args()
+    batches = [int(x) for x in args.batches.split(",") if x]
+    if args.batches_only and not batches:
+        ap.error("--batches-only needs --batches")
+    if batches and args.steps < 2:
+        ap.error("batched decode needs --steps >= 2 (the first step is left out of the median)")
     os.environ["EDGEPROBE_LANE_THREADS"] = args.lane_threads  # the agents started below inherit it
     from edgeprobe import models
     from edgeprobe.corpus import read_corpus
@@ -239,9 +352,14 @@ def main():
     schemes = [s for s in args.schemes.split(",") if s]  # --schemes "": decode only
     m = models.load("smollm2-135m")
     ids = m.tokenizer.encode(read_corpus("heldout"))
-    decode_schemes = [s for s in args.decode_schemes.split(",") if s]
-    qms = {s: prepared(m, s, say=print) for s in dict.fromkeys(schemes + decode_schemes)}
-    anchors = {s: anchor_for(s, args.anchor) for s in dict.fromkeys(schemes + decode_schemes)}
+    picked = args.decode_schemes  # None: each section's default; "" (as before): no decode rows
+    decode_schemes = [s for s in (picked if picked is not None else "w8a8,w8a8c-shadow,q4_0-tile").split(",") if s]
+    batch_schemes = [s for s in (picked if picked is not None else "q4_0-tile").split(",") if s] if batches else []
+    if args.batches_only:
+        schemes, decode_schemes = [], []
+    used = list(dict.fromkeys(schemes + decode_schemes + batch_schemes))
+    qms = {s: prepared(m, s, say=print) for s in used}
+    anchors = {s: anchor_for(s, args.anchor) for s in used}
     shipped = _smollm2_135m()
     ggufs = {a: anchor_gguf(shipped, a) for a in dict.fromkeys(anchors.values())}
     workers = {a: LlamaCpp(g, max(lengths) + args.steps + 64) for a, g in ggufs.items()}
@@ -254,8 +372,9 @@ def main():
     tmp = tempfile.TemporaryDirectory(prefix="vs-llamacpp-")  # the agents' store: removed at the end
     store = tmp.name
     load = os.getloadavg()[0]
+    batched: dict = {}  # (scheme, N) -> list of batched_round's rows, one per round
     try:
-        for rnd in range(args.repeats):
+        for rnd in range(args.repeats if schemes or decode_schemes else 0):
             print(f"-- round {rnd + 1}/{args.repeats} (load average {os.getloadavg()[0]:.1f})", flush=True)
             for s in schemes:
                 qm, llama = qms[s], workers[anchors[s]]
@@ -314,10 +433,28 @@ def main():
                       f"{'the same tokens and logits, bit for bit' if same_bits else 'DIFFERENT results'}; the first "
                       f"{same} of {args.steps} greedy tokens equal llama.cpp's ({anchors[s].upper()} weights there; "
                       "after the first difference the texts part)")
+        for s in batch_schemes:
+            qm, llama, prompt = qms[s], workers[anchors[s]], ids[:args.batch_prompt]
+            how = "argmax" if args.batch_temperature <= 0 else f"sampling at temperature {args.batch_temperature}"
+            print(f"-- batched decode, {s} against llama.cpp on {llama.gguf.name}: prompt {len(prompt)} tokens, "
+                  f"{args.steps} steps, {how} (sampling.sample on both sides)", flush=True)
+            with Device.local(store=store) as dev:
+                dev.generate(qm, prompt, 2, batch=2, progress=False)  # upload, first reads, warm runners
+                print("   warm-up (the batched context made, the agent's batch plans put):")
+                batched_round(dev, qm, llama, prompt, [max(batches)], 2, args.batch_temperature, 0)
+                for rnd in range(args.repeats):
+                    print(f"   round {rnd + 1}/{args.repeats} ({'llama.cpp' if rnd % 2 == 0 else 'agent'} first)")
+                    for n, row in batched_round(dev, qm, llama, prompt, batches, args.steps, args.batch_temperature,
+                                                rnd).items():
+                        batched.setdefault((s, n), []).append(row)
     finally:
         for w in workers.values():
             w.close()
         tmp.cleanup()
+    if batched:
+        print_batched(batched, batch_schemes, batches, anchors, ggufs, shipped, args)
+    if not rows:
+        return
     print(f"\nllama.cpp {LLAMA_VERSION} (SmolLM2-135M, 2 threads) vs the edgeprobe agent (lane threads "
           f"{args.lane_threads}), same tokens, A/B interleaved; load average at start {load:.1f}, at the end "
           f"{os.getloadavg()[0]:.1f}; medians of {args.repeats} round(s)")
@@ -344,6 +481,34 @@ def main():
         print(f"   per-token time outside the agent's ops (round trips, sampling, dispatch between ops, the reply "
               f"and its trace): {statistics.median(r[1] for r in runs):.2f} ms{on_agent}; agent makespan per step "
               f"{statistics.median(step_ms[1:]):.2f} ms")
+
+
+def print_batched(batched: dict, schemes: list, batches: list, anchors: dict, ggufs: dict, shipped, args) -> None:
+    """The batched-decode table: per scheme and batch size the medians over rounds of llama.cpp's and the agent's
+    tok/s, each one's ratio to its batch 1, and agent / llama.cpp (the median of the rounds' ratios)."""
+    how = "argmax" if args.batch_temperature <= 0 else f"sampling at temperature {args.batch_temperature}"
+    for s in schemes:
+        g = ggufs[anchors[s]]
+        print(f"\nbatched decode, llama.cpp {LLAMA_VERSION} (2 threads, one llama_decode of N tokens per step, "
+              f"unified KV cache) vs the agent ({s}, lane threads {args.lane_threads}): prompt {args.batch_prompt} "
+              f"forked into N sequences, {args.steps} steps, {how} on both; medians of {args.repeats} round(s), A/B "
+              "alternated")
+        print(f"   GGUF {anchors[s].upper()}: {g} ({'shipped' if g == shipped else 'made by llama_model_quantize'})")
+        print("   tok/s = N / median step after the first (llama.cpp: llama_decode; agent: its makespan); wall: "
+              "N x steps / the steps' time with sampling (and the agent's round trips)")
+        print(f"{'batch':>5} {'llama.cpp tok/s':>16} {'x B=1':>6} {'agent tok/s':>12} {'x B=1':>6} {'agent/llama':>12} "
+              f"{'llama wall':>11} {'agent wall':>11} {'load':>9}")
+        med = {n: [statistics.median(r[i] for r in batched[(s, n)]) for i in range(4)] for n in batches}
+        b1 = med[batches[0]]
+        for n in batches:
+            rs = batched[(s, n)]
+            loads = [r[4] for r in rs]
+            print(f"{n:5d} {med[n][0]:16.1f} {med[n][0] / b1[0]:6.2f} {med[n][2]:12.1f} {med[n][2] / b1[2]:6.2f} "
+                  f"{statistics.median(r[2] / r[0] for r in rs):11.2f}x {med[n][1]:11.1f} {med[n][3]:11.1f} "
+                  f"{min(loads):4.1f}-{max(loads):.1f}")
+        if batches[0] != 1:
+            print(f"   (the x B=1 columns are ratios to batch {batches[0]}, the first asked for)")
+
 
 if __name__ == "__main__":
     main()

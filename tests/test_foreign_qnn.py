@@ -11,6 +11,7 @@ from edgeprobe.errors import EdgeprobeError
 from edgeprobe.foreign import ForeignTraceError, detect_format, load_foreign
 from edgeprobe.foreign.align import align
 from edgeprobe.foreign.fit import fit
+from edgeprobe.trace import Trace
 
 DATA = Path(__file__).parent / "data" / "foreign" / "qnn_optrace"
 OPTRACE = DATA / "ovl_pos_s256_chain8_chrometrace.json"
@@ -149,16 +150,132 @@ def test_optrace_writes_perfetto_and_imports_through_the_cli(tmp_path, capsys):
     assert sorted(s["lanes"]) == ["dma", "hmx", "npu"]
 
 
-def test_optrace_alignment_and_fit():
+def test_optrace_alignment():
     """The excerpt's graph is eight bare 256x256 FullyConnected ops, not a transformer layer: aligned to a Llama
-    template nothing maps (its op names carry no layer), and without FLOPs on its events the cost fit refuses it."""
+    template nothing maps (its op names carry no layer)."""
     t = load_foreign(OPTRACE)
     a = align(t, LLAMA_1B, tokens=256)
     assert a.share == 0.0 and a.total_us == pytest.approx(sum(e["end_us"] - e["start_us"] for e in t.events))
     assert {e["unmatched"] for e in a.trace.events} == {"no layer of the model"}
     # 8 q::ConvLayer_s1.opt, MatMul_0's bias and weight loads and its ForceFormat_Crouton, MatMul_3's two DMA waits
     assert a.by_kind["FullyConnected"]["events"] == 13
+
+
+# By hand, from the fixture's lines: each q::ConvLayer_s1.opt has Dims [1,8,32,256] (output: 1*8*32*256 = 65536
+# elements, N = 256 channels, M = 1*8*32 = 256 rows); its in[0] (MatMul_0: q::ForceFormat_Crouton 0x...1203..12,
+# MatMul_k: MatMul_{k-1}'s output) has Dims [1,8,32,256], so K = 256; MatMul_0's in[1], q::ConvLayer.opt.
+# weights_to_vtcm 0x...1210..12, has Dims [1,1,256,256]: 65536 weights / N 256 = 256 = K. FLOPs = 2 * 65536 * 256.
+FC_FLOPS = 2 * (1 * 8 * 32 * 256) * 256
+assert FC_FLOPS == 33_554_432 == 2 * 256 * 256 * 256  # a 256x256 by 256x256 matmul
+
+
+def test_optrace_flops_from_the_files_shapes(tmp_path):
+    t = load_foreign(OPTRACE)
+    hmx = [e for e in t.events if e["kernel"] == "q::ConvLayer_s1.opt"]
+    assert [(e["flops"], e["reduced_dim"], e["rows"]) for e in hmx] == [(FC_FLOPS, 256, 256)] * 8
+    assert "weight 0x0000121000000012 [1, 1, 256, 256] / 256" in hmx[0]["flops_from"]  # both ways for MatMul_0
+    # MatMul_1's weight (0x0000121100000016) is not in the excerpt: K from its input alone
+    assert hmx[1]["flops_from"] == "K = 256: last dim of input 0x000011ed00000012 [1, 8, 32, 256]"
+    others = [e for e in t.events if e["kernel"] != "q::ConvLayer_s1.opt"]
+    assert len(others) == 11 and all(e["flops"] == 0 for e in others)
+    # bytes = Dims x Data Type width where both are given: 256*256 QUInt8 input, the [1,8,1,64] Int32 bias (256
+    # biases padded to 512 in VTCM), the 256*256 QInt8 weights, the two 1*8*32*256 QUInt8 layout changes
+    got = sorted((e["kernel"], e["bytes"]) for e in others if "bytes" in e)
+    assert got == [("q::*InputSlice", 65536), ("q::ConvLayer.opt.bias_to_vtcm", 1 * 8 * 1 * 64 * 4),
+                   ("q::ConvLayer.opt.weights_to_vtcm", 65536), ("q::ForceFormat_Crouton", 65536),
+                   ("q::ForceFormat_Flat", 65536)]
+    f = t.meta["flops"]
+    assert (f["compute_ops"], f["compute_ops_without_shapes"], f["other_ops_flops_0"], f["other_ops_with_bytes"],
+            f["without_shapes"]) == (8, 0, 11, 5, [])
+    # a shape the file does not give: no FLOPs for that op (no default), counted with why
+    doc = json.loads(OPTRACE.read_text())
+    for r in doc["traceEvents"]:
+        if r.get("args", {}).get("ID") == "0x0000120300000012":  # MatMul_0's input, both copies
+            del r["args"]["Dims"]
+    p = _copy(tmp_path, json.dumps(doc))
+    t2 = load_foreign(p)
+    first = next(e for e in t2.events if e["kernel"] == "q::ConvLayer_s1.opt")
+    assert first["name"] == "MatMul_0" and "flops" not in first
+    assert t2.meta["flops"]["compute_ops_without_shapes"] == 1
+    assert t2.meta["flops"]["without_shapes"] == ["traceEvents[15] MatMul_0 (q::ConvLayer_s1.opt): input "
+                                                  "0x0000120300000012 not in the file"]
+    # a weight whose dims disagree with the input's K: no FLOPs either
+    doc = json.loads(OPTRACE.read_text())
+    for r in doc["traceEvents"]:
+        if r.get("args", {}).get("ID") == "0x0000121000000012":
+            r["args"]["Dims"] = [1, 1, 128, 256]
+    (tmp_path / "w").mkdir()
+    t3 = load_foreign(_copy(tmp_path / "w", json.dumps(doc)))
+    assert sum("flops" not in e for e in t3.events) == 1
+    assert "disagree with K 256" in t3.meta["flops"]["without_shapes"][0]
+
+
+def test_optrace_fit_names_its_degeneracy_and_held_out_error():
+    """Eight ops of one shape: the rate and the fixed per-op cost cannot be separated. The fit says so and keeps the
+    one figure the data fixes, the time per op at that size (a rate alone, as for every one-size fit)."""
+    t = load_foreign(OPTRACE)
+    m = fit(t)
+    assert set(m.fits) == {"hmx"} and set(m.fits["hmx"]) == {"FullyConnected"}  # DMA/HVX ops (flops 0) not fitted
+    f = m.fits["hmx"]["FullyConnected"]
+    us = [d / MHZ for _, d in HMX]
+    mean = sum(us) / 8  # 12312 cycles / 8 / 806.365 MHz = 1.90856 us
+    assert mean == pytest.approx(1.908565, abs=1e-6)
+    assert (f["n"], f["sizes"], f["fixed_us"], f["us_per_byte"]) == (8, 1, 0.0, 0.0)
+    assert f["us_per_flop"] == pytest.approx(mean / FC_FLOPS, rel=1e-12)
+    assert f["rate_gflops"] == pytest.approx(FC_FLOPS / mean / 1e3, rel=1e-12)  # 17581 GFLOP/s effective
+    assert f["regime"] == "one: every op has M = 256"
+    assert f["degenerate"].startswith("degenerate: all 8 ops have one size (3.35544e+07 FLOPs)")
+    assert "cannot be separated" in f["degenerate"] and "\n" not in f["degenerate"]
+    assert "degenerate (one size: rate and fixed cost not separable): hmx/FullyConnected" in m.source
+    # the fit gives back the ops' mean exactly; each op within its distance from the mean: MatMul_0 (cold, 4095
+    # cycles) 62.7% above it, the seven warm ones (1168..1181 cycles) 23.2% to 24.0% below it
+    pred = f["us_per_flop"] * FC_FLOPS
+    assert pred == pytest.approx(mean, rel=1e-12)
+    errs = [abs(pred - u) / u for u in us]
+    assert errs[0] == pytest.approx(1 - 12312 / 8 / 4095, rel=1e-9) and max(errs[1:]) < 0.32
+    assert f["fit_median_rel_error"] == pytest.approx(sorted(errs)[3:5][0] / 2 + sorted(errs)[3:5][1] / 2, rel=1e-12)
+    # held out: no layers, so fit on MatMul_0, 2, 4, 6 (even-indexed) and predict MatMul_1, 3, 5, 7
+    train = (4095 + 1178 + 1172 + 1168) / 4 / MHZ
+    held = [abs(train - d / MHZ) / (d / MHZ) for d in (1181, 1170, 1179, 1169)]
+    h = m.held_out
+    assert (h["n_train"], h["n_predicted"], h["n_unseen_kind"]) == (4, 4, 0)
+    assert h["degenerate_training_fits"] == ["hmx/FullyConnected"]
+    assert h["median_rel_error"] == pytest.approx(sorted(held)[1] / 2 + sorted(held)[2] / 2, rel=1e-12)
+    assert h["median_rel_error"] == pytest.approx(0.6205, abs=1e-4)  # the cold first op drags the training mean
+
+
+def test_optrace_clock_passed_through_read_foreign_and_the_cli(tmp_path, capsys):
+    from edgeprobe.cli import main
+    from edgeprobe.foreign import read_foreign
+
+    lone = _copy(tmp_path, runtrace=False)
+    events, meta = read_foreign(lone, "auto", mhz=MHZ)
+    first = next(e for e in events if e["kernel"] == "q::ConvLayer_s1.opt")
+    assert first["start_us"] == pytest.approx(40057 / MHZ, rel=1e-12) and meta["time"]["clock_from"] == \
+        "given by the caller"
+    rc = main(["trace", "import", str(lone), "--mhz", "806.365", "--out", str(tmp_path / "o"), "--json"])
+    s = json.loads(capsys.readouterr().out)
+    assert rc == 0 and (s["format"], s["events"]) == ("qnn-optrace", 19)
+    x = [e for e in json.loads((tmp_path / "o" / "trace.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    # the Perfetto durations are the file's cycles over the given clock, as with the run trace's
+    assert sorted(round(e["dur"] * MHZ) for e in x) == sorted(e["cycles"] for e in load_foreign(OPTRACE).events)
+    # without --mhz the lone optrace is refused in one line naming the clock
+    rc = main(["trace", "import", str(lone), "--out", str(tmp_path / "o2")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and str(lone) in err and "clock" in err and "--mhz" in err
+    # a clock beside the run trace's: agreeing to 0.1% it is taken, else refused naming both
+    t = Trace.load_foreign(OPTRACE, mhz=806.4)
+    assert t.meta["time"]["clock_mhz"] == 806.4 and "agrees with" in t.meta["time"]["clock_from"]
     with pytest.raises(ForeignTraceError) as exc:
-        fit(t)
-    _one_line_error(exc, OPTRACE, "events")
-    assert "no event with a FLOP count" in str(exc.value)
+        read_foreign(OPTRACE, mhz=1000)
+    _one_line_error(exc, OPTRACE, "clock")
+    assert "summary_htp_frequency_ghz 0.806365" in str(exc.value)
+    # formats without a use for a clock refuse it, in one line, from Python and the CLI
+    hexlog = Path(__file__).parent / "data" / "foreign" / "llamacpp_hexagon" / "issue18139_mul_mat.log"
+    with pytest.raises(ForeignTraceError) as exc:
+        read_foreign(hexlog, mhz=1000)
+    _one_line_error(exc, hexlog, "argument")
+    assert "llamacpp-hexagon-op file has no use for a clock" in str(exc.value)
+    rc = main(["trace", "import", str(hexlog), "--mhz", "1000", "--out", str(tmp_path / "o3")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "qnn-optrace" in err and not (tmp_path / "o3").exists()

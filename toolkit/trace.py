@@ -180,12 +180,12 @@ class Trace:
                              "trace-event JSON ({\"traceEvents\": [...]})")
 
     @classmethod
-    def load_foreign(cls, path, format: str = "auto") -> "Trace":
+    def load_foreign(cls, path, format: str = "auto", mhz: float | None = None) -> "Trace":
         """A phone's trace recorded by another tool (llama.cpp's Hexagon profile, Chrome JSON ...):
-        edgeprobe.foreign.load_foreign; every event measured."""
+        edgeprobe.foreign.load_foreign; every event measured. mhz: the clock of a cycle-timed file that states none."""
         from .foreign.read import read_foreign
 
-        return cls(*read_foreign(path, format))
+        return cls(*read_foreign(path, format, mhz=mhz))
 
     def groups(self) -> dict:
         """name -> (lane, start_us, end_us) per op group (a scheduled subgraph), or per op when ungrouped."""

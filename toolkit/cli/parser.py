@@ -252,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     ti.add_argument("--format", default="auto", choices=["auto", *FORMATS],
                     help="the file's format (default auto: recognised from its contents)")
     ti.add_argument("--out", metavar="DIR", required=True, help="folder for trace.json and timeline.html")
+    ti.add_argument("--mhz", type=float, help="the clock of a file timed in cycles that states none (a QNN optrace "
+                    "without its _runtrace.json beside it); refused by formats that need no clock")
     ti.add_argument("--model", metavar="CONFIG|GGUF|HF_DIR",
                     help="align the ops to this model's template (a config.json is enough: HF's, or edgeprobe's "
                          "ModelConfig fields) and print the share of measured time aligned; writes DIR/aligned.json")

@@ -54,12 +54,11 @@ def _import(args) -> int:
     """A foreign trace -> DIR/trace.json (Perfetto) and DIR/timeline.html; with --model, aligned to the template
     (DIR/aligned.json keeps every event's template ops or why none) and, with --fit, a cost model fitted from it."""
     from ..errors import EdgeprobeError
-    from ..foreign import load_foreign
     from ..trace import Trace
 
     if args.fit and not args.model:
         raise EdgeprobeError("--fit needs --model: the cost model is fitted from ops aligned to the model's template")
-    trace = load_foreign(args.file, args.format)
+    trace = Trace.load_foreign(args.file, args.format, mhz=getattr(args, "mhz", None))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary = {"file": str(args.file), "format": trace.meta["source"]["format"], "source": trace.meta["source"],

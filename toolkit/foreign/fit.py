@@ -70,7 +70,7 @@ def _coefs(flops, by, us) -> dict:
     coef, _ = nnls({"fixed": np.ones_like(us), "flops": flops, "bytes": by}, us, prefer)
     a, b, c = coef["fixed"], coef["flops"], coef["bytes"]
     rel = np.abs(a + b * flops + c * by - us) / np.maximum(us, 1e-9)
-    return {"fixed_us": a, "us_per_flop": b, "us_per_byte": c, "rate_gflops": (1e-3 / b) if b > 0 else None,
+    out = {"fixed_us": a, "us_per_flop": b, "us_per_byte": c, "rate_gflops": (1e-3 / b) if b > 0 else None,
             "bandwidth_gbs": (1e-3 / c) if c > 0 else None, "n": int(len(us)), "sizes": len(set(flops.tolist())),
             "fit_median_rel_error": float(np.median(rel)),
             # False: bytes ∝ FLOPs in these ops (one M, one weight type), so the data cannot tell the two terms apart
@@ -78,6 +78,18 @@ def _coefs(flops, by, us) -> dict:
                 np.stack([flops / max(flops.max(), 1e-300), by / max(by.max(), 1e-300)], 1))) == 2,
             "flops_range": [float(flops.min()), float(flops.max())],  # outside them a prediction extrapolates
             "bytes_range": [float(by.min()), float(by.max())]}
+    if len(set(zip(flops.tolist(), by.tolist()))) == 1:
+        out["degenerate"] = _degenerate(out, float(flops[0]), float(by[0]), float(np.mean(us)))
+    return out
+
+
+def _degenerate(f: dict, flops: float, nbytes: float, us: float) -> str:
+    """One line: why a fit on ops of one size cannot split its time into a rate and a fixed per-op cost."""
+    term = ("us_per_flop" if f["us_per_flop"] > 0 else "us_per_byte" if f["us_per_byte"] > 0 else "fixed_us")
+    size = f"{flops:.6g} FLOPs" + (f", {nbytes:.6g} bytes" if nbytes else "")
+    return (f"degenerate: all {f['n']} ops have one size ({size}), so the rate and the fixed per-op cost cannot be "
+            f"separated; {term} alone carries their mean {us:.6g} us (an effective figure for this size: other sizes "
+            "are extrapolated)")
 
 
 def _sse(f: dict, flops, by, us) -> float:
@@ -190,7 +202,9 @@ def held_out(samples: list, train_layers=None) -> dict:
             continue
         errs.append(abs(fitted_time_us(f, s["flops"], s.get("bytes", 0), s.get("rows")) - s["us"]) / s["us"])
         weights.append(s["us"])
+    degen = sorted(f"{lane}/{kind}" for lane, kinds in fits.items() for kind, f in kinds.items() if "degenerate" in f)
     return {"split": split, "n_train": len(train), "n_predicted": len(errs), "n_unseen_kind": unseen,
+            "degenerate_training_fits": degen,
             "median_rel_error": float(np.median(errs)) if errs else None,
             "mean_rel_error": float(np.mean(errs)) if errs else None,
             "max_rel_error": float(max(errs)) if errs else None,
@@ -198,7 +212,9 @@ def held_out(samples: list, train_layers=None) -> dict:
 
 
 def samples_from_events(trace) -> list[dict]:
-    """Fitting samples from a trace's own FLOP counts (no template: e.g. a single-op benchmark log)."""
+    """Fitting samples from a trace's own FLOP counts (no template: e.g. a single-op benchmark log, a QNN optrace).
+    Events with flops 0 (data movement, layout changes) are left out: their `bytes` are their tensor's, not the
+    weight bytes a fitted us_per_byte prices, and a lane of them alone would hide the base model's rates."""
     out = [{"lane": e["lane"], "kind": e["kind"], "flops": e["flops"], "us": e["end_us"] - e["start_us"],
             "layer": e.get("layer", -1), "bytes": e.get("bytes", 0), "rows": _rows(e), "kernel": e.get("kernel"),
             "name": e.get("name")}
@@ -224,9 +240,13 @@ def fit(source, name: str = "fitted", base: str | None = "snapdragon-8gen3", tra
     base_model = cost_model(base) if base else None
     sync = sync_us if sync_us is not None else (base_model.sync_us if base_model is not None else 0.0)
     src = meta.get("source", {})
+    fits = fit_samples(samples)
+    degen = [f"{lane}/{kind}" for lane, kinds in fits.items() for kind, f in kinds.items()
+             if "degenerate" in f or "degenerate" in f.get("below", {})]
     desc = (f"fitted from a measured trace ({src.get('tool', '?')}, {src.get('format', '?')}): {len(samples)} ops; "
-            f"held-out median error {held.get('median_rel_error')}; other lanes from {base or 'nothing'}")
-    return _build_fitted(name, fit_samples(samples), base, desc, sync, {}, held,
+            f"held-out median error {held.get('median_rel_error')}; other lanes from {base or 'nothing'}"
+            + (f"; degenerate (one size: rate and fixed cost not separable): {', '.join(degen)}" if degen else ""))
+    return _build_fitted(name, fits, base, desc, sync, {}, held,
                   {"source": src, "path": meta.get("path"), "n_samples": len(samples),
                    "median_us": statistics.median(s["us"] for s in samples)})
 

@@ -14,7 +14,16 @@ HVX". `ts` and `dur` are HTP cycles, not the µs Chrome JSON means. Process "Cor
 other processes (one per QNN op, "QNN::MatMul_0") repeat the same events and are skipped, as are the ops without a
 Start Cycle (tid 1 "Non Executed Tensors": constants and views, a nominal dur), flows and counters; all counted.
 The clock is the one qnn-profile-viewer states in the `<name>_runtrace.json` it writes beside the optrace:
-`summary_htp_frequency_ghz` of the "Graph Execute" whose stat cycles hold the ops' first Start Cycle.
+`summary_htp_frequency_ghz` of the "Graph Execute" whose stat cycles hold the ops' first Start Cycle (or the caller's
+`mhz` where that file is absent).
+
+FLOPs, from the shapes the file gives (no default shape is assumed): the compute op of a FullyConnected / MatMul /
+Conv2d (two inputs or more, no DMA flag) does 2 x (its output elements) x K. K, the reduced dimension, is the last
+dim of its input in[0] (FullyConnected, MatMul: rows M, the leading dims, kept from input to output) or, from the
+weight in[1] (the op named in "Inputs Ops"), prod(weight dims) / (output channels) (Conv2d: kh*kw*cin; for a
+FullyConnected it must equal in[0]'s K). Ops of another kind do no arithmetic that is priced here: flops 0, and
+`bytes` = their own tensor's bytes (Dims x Data Type) where both are given. A compute op whose shapes are not in the
+file (an excerpt, a view) keeps no flops; meta["flops"] counts each case.
 """
 from __future__ import annotations
 
@@ -33,6 +42,9 @@ _OVERVIEW = re.compile(r"Core (\d+) Overview")
 _LAYER = re.compile(r"(?:\blayers?|blk)[._/](\d+)")
 # what an op's Flags say of the unit it ran on; the first match wins (an HMX op also waits on DMA)
 _FLAG_LANES = (("uses_hmx", "hmx"), ("dma", "dma"), ("uses_hvx", "npu"))
+_MATMUL_KINDS = ("FullyConnected", "MatMul")  # QNN op types whose K is in[0]'s last dim
+_COMPUTE_KINDS = (*_MATMUL_KINDS, "Conv2d")
+_BITS = re.compile(r"(\d+)$")  # QNN data types end in their width: QUInt8, Int32, Float16
 
 
 def sniff(text: str) -> bool:
@@ -87,6 +99,58 @@ def _lane(flags: list, thread: str) -> str:
     return lane_of(thread) or "npu"
 
 
+def _prod(dims) -> int:
+    n = 1
+    for d in dims:
+        n *= int(d)
+    return n
+
+
+def _dims(v) -> list | None:
+    return [int(d) for d in v] if isinstance(v, list) and v and all(isinstance(d, int) and d > 0 for d in v) else None
+
+
+def _tensor_bytes(a: dict) -> int | None:
+    """An op's own tensor size in bytes from its Dims and Data Type, None where either is missing."""
+    dims, m = _dims(a.get("Dims")), _BITS.search(str(a.get("Data Type") or ""))
+    return _prod(dims) * int(m[1]) // 8 if dims and m and int(m[1]) % 8 == 0 else None
+
+
+def _is_compute(kind: str, a: dict, flags: list) -> bool:
+    """The op that does a FullyConnected / MatMul / Conv2d's arithmetic: two operands at least, not a DMA of it."""
+    return (kind in _COMPUTE_KINDS and len(a.get("Inputs Ops") or []) >= 2
+            and not any(str(f).startswith("dma") for f in flags))
+
+
+def _flops(kind: str, a: dict, shapes: dict) -> tuple[dict | None, str]:
+    """2 * output elements * K of a compute op ({flops, reduced_dim, rows, flops_from}), or None and why not.
+    shapes: op ID -> Dims of every record of the file that states them."""
+    out = _dims(a.get("Dims"))
+    if out is None:
+        return None, "no Dims of its own"
+    ins = list(a.get("Inputs Ops") or [])
+    x, w = shapes.get(ins[0]), shapes.get(ins[1])
+    n, rows = out[-1], _prod(out[:-1])
+    k_w = _prod(w) // n if w and _prod(w) % n == 0 else None
+    if kind in _MATMUL_KINDS:
+        if x is None:
+            return None, f"input {ins[0]} not in the file"
+        if _prod(x[:-1]) != rows:
+            return None, f"input {ins[0]} dims {x} keep no rows of the output's {out}"
+        k = x[-1]
+        if w is not None and k_w != k and kind == "FullyConnected":
+            return None, f"weight {ins[1]} dims {w} disagree with K {k} from input {ins[0]} dims {x}"
+        if w is not None and kind == "MatMul" and k not in w[-2:]:
+            return None, f"second input {ins[1]} dims {w} hold no K {k} of input {ins[0]} dims {x}"
+        how = f"K = {k}: last dim of input {ins[0]} {x}" + (f", = weight {ins[1]} {w} / {n}" if k_w == k else "")
+    else:
+        if k_w is None:
+            return None, f"weight {ins[1]} " + ("not in the file" if w is None else f"dims {w} not a multiple of {n}")
+        k = k_w
+        how = f"K = {k}: weight {ins[1]} {w} / {n} output channels"
+    return {"flops": 2 * _prod(out) * k, "reduced_dim": k, "rows": rows, "flops_from": how}, ""
+
+
 def read(path, mhz: float | None = None) -> tuple[list, dict]:
     """The optrace at `path` -> (events, meta) of a Trace: one event per executed HTP op of the Core Overview, µs =
     cycles / the clock (`mhz`, else the Graph Execute clock of the run trace beside the file)."""
@@ -137,14 +201,26 @@ def read(path, mhz: float | None = None) -> tuple[list, dict]:
     if not ops:
         raise ForeignTraceError(path, "traceEvents", f"no executed HTP op among {len(raw)} records", EXPECTED)
     first = min(int(a["Start Cycle"]) for _, _, a in ops)
+    rt = runtrace_path(path)
     if mhz is not None:
+        if not isinstance(mhz, (int, float)) or not mhz > 0:
+            raise ForeignTraceError(path, "clock", f"mhz {mhz!r}", "a positive HTP clock in MHz")
         ghz, where = mhz / 1e3, "given by the caller"
+        if rt.is_file():  # two clocks for one run: they must agree (0.1%: a clock typed to four digits)
+            stated, at = clock_ghz(rt, first)
+            if abs(stated - ghz) > 1e-3 * stated:
+                raise ForeignTraceError(path, "clock", f"mhz {mhz} given, but {at}; drop mhz or pass "
+                                        f"{stated * 1e3:g}", EXPECTED)
+            where += f" (agrees with {at})"
     else:
-        rt = runtrace_path(path)
         if not rt.is_file():
             raise ForeignTraceError(path, "clock", f"ts/dur are HTP cycles and the file states no clock: {rt.name} "
-                                    "(written beside it by qnn-profile-viewer) not found; pass mhz", EXPECTED)
+                                    "(written beside it by qnn-profile-viewer) not found; pass mhz (--mhz)", EXPECTED)
         ghz, where = clock_ghz(rt, first)
+    shapes = {a["ID"]: d for r in raw if isinstance(a := r.get("args"), dict) and "ID" in a
+              and (d := _dims(a.get("Dims"))) is not None}
+    counted = {"compute_ops": 0, "compute_ops_without_shapes": 0, "other_ops_flops_0": 0, "other_ops_with_bytes": 0}
+    unread = []
     per_us = ghz * 1e3  # cycles per µs
     events = []
     for i, r, a in ops:
@@ -162,6 +238,21 @@ def read(path, mhz: float | None = None) -> tuple[list, dict]:
             e["shape"] = list(a["Dims"])
         if a.get("Data Type"):
             e["dtype"] = a["Data Type"]
+        if _is_compute(e["kind"], a, flags):
+            counted["compute_ops"] += 1
+            got, why = _flops(e["kind"], a, shapes)
+            if got is None:
+                counted["compute_ops_without_shapes"] += 1
+                unread.append(f"traceEvents[{i}] {qnn_name} ({r.get('name')}): {why}")
+            else:
+                e.update(got)
+        else:
+            e["flops"] = 0
+            counted["other_ops_flops_0"] += 1
+            nbytes = _tensor_bytes(a)
+            if nbytes is not None:
+                e["bytes"] = nbytes
+                counted["other_ops_with_bytes"] += 1
         events.append(e)
     events.sort(key=lambda e: (e["start_us"], e["record"]))
     v = head.get("version") or {}
@@ -170,5 +261,8 @@ def read(path, mhz: float | None = None) -> tuple[list, dict]:
             "title": f"{path}", "measured": True, "skipped_events": sum(skipped.values()), "skipped": skipped,
             "threads": {f"{p}/{t}": n for (p, t), n in threads.items() if p in cores},
             "time": {"unit": "HTP cycles (ts, dur) / clock -> us", "clock_mhz": per_us, "clock_from": where,
-                     "start": "ts: cycles from the optrace's own origin (Start Cycle - ts)"}}
+                     "start": "ts: cycles from the optrace's own origin (Start Cycle - ts)"},
+            "flops": {**counted, "without_shapes": unread,
+                      "rule": "compute ops (FullyConnected/MatMul/Conv2d, 2+ inputs, no DMA flag): 2 x output "
+                              "elements x K from the shapes in the file; other ops 0, bytes = Dims x Data Type"}}
     return events, meta

@@ -2,6 +2,7 @@
 edgeprobe.trace can read other tools' files through it (Trace.load, Trace.load_foreign) without an import cycle."""
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 from . import chrome_json, executorch_etdump, llamacpp_hexagon, llamacpp_opencl, qnn_profile
@@ -31,13 +32,22 @@ def detect_format(path) -> str:
     raise ForeignTraceError(path, "whole file", "no known trace format recognized", "one of: " + ", ".join(FORMATS))
 
 
-def read_foreign(path, format: str = "auto") -> tuple[list, dict]:
+def read_foreign(path, format: str = "auto", mhz: float | None = None) -> tuple[list, dict]:
     """A foreign trace file -> (events, meta): meta has source {tool, format, version}, skipped records, the time
-    conversion and the path."""
+    conversion and the path. mhz: the clock of a format whose times are cycles and whose file may not state it
+    (qnn-optrace without its run trace); refused by the formats that take none."""
     if format == "auto":
         format = detect_format(path)
     if format not in READERS:
         raise ForeignTraceError(path, "argument", f"unknown format {format!r}", "one of: auto, " + ", ".join(FORMATS))
-    events, meta = READERS[format].read(Path(path))
+    reader = READERS[format]
+    if mhz is None:
+        events, meta = reader.read(Path(path))
+    elif "mhz" in inspect.signature(reader.read).parameters:
+        events, meta = reader.read(Path(path), mhz=mhz)
+    else:
+        takes = [f for f, r in READERS.items() if "mhz" in inspect.signature(r.read).parameters]
+        raise ForeignTraceError(path, "argument", f"mhz (--mhz) given, but a {format} file has no use for a clock",
+                                "no mhz, or a format that takes one: " + ", ".join(takes))
     meta.setdefault("path", str(path))
     return events, meta

@@ -313,14 +313,16 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
     if k.shape[2] < S or v.shape[2] < S:
         raise ValueError(f"attention at positions {start}..{S - 1} needs {S} keys and values, "
                          f"got {k.shape[2]}, {v.shape[2]}")
-    if numba is not None and B * T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:
+    # few query rows a sequence (T, not B * T): a batch of N decode steps takes the decode kernel at any N, where
+    # the blocks below would compute ATTN_BLOCK query rows for each sequence's one (batch 16: ~10x the step)
+    if numba is not None and T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:
         out = np.empty((B * T, H * d), np.float32)
         # numba vectorizes contiguous rows only: a whole cache is; a strided prefix view is copied
         kc = k if k.flags.c_contiguous else np.ascontiguousarray(k[:, :, :S])
         vc = v if v.flags.c_contiguous else np.ascontiguousarray(v[:, :, :S])
         _attention_few_nb(np.ascontiguousarray(q), kc, vc, S, start, window, _scale64(d, scale), float(softcap), out)
         return out
-    if B * T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:  # the kernel's float64 arithmetic: same bits
+    if T <= FEW_ROWS and q.dtype == k.dtype == v.dtype == np.float32:  # the kernel's float64 arithmetic: same bits
         return _attention_few_np(q, k, v, start, window, _scale64(d, scale), float(softcap))
     k, v = k[:, :, :S], v[:, :, :S]
     first, last = start // ATTN_BLOCK, (S - 1) // ATTN_BLOCK

@@ -182,6 +182,27 @@ def test_flash_attention_f16(causal, start):
     assert np.abs(a - b).max() < 2e-3
 
 
+@pytest.mark.parametrize("batch", [1, 9, 16])
+def test_a_batch_of_decode_steps_takes_the_decode_kernel_and_each_sequence_its_own_bits(batch, monkeypatch):
+    """One query row per sequence (a batched decode step, the NPU TTS paper's N candidates) takes the decode kernel
+    at any batch size, never the prompt's blocks (ATTN_BLOCK query rows computed for each sequence's one), and each
+    sequence's row is the one it gets decoded alone."""
+    from edgeprobe_kernels import llama_ops
+
+    def no_blocks(*a, **k):
+        raise AssertionError("a decode step took the prompt's attention blocks")
+
+    monkeypatch.setattr(llama_ops, "_attention_block", no_blocks)
+    rng = np.random.default_rng(batch)
+    H, KV, d, start = 9, 3, 64, 70
+    q = rng.standard_normal((batch, 1, H, d)).astype(np.float32)
+    k, v = (rng.standard_normal((batch, KV, start + 30, d)).astype(np.float32) for _ in range(2))
+    out = llama_ops.attention(q, k, v, start)
+    for b in range(batch):
+        alone = llama_ops.attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], start)
+        assert np.array_equal(out[b], alone[0]), b
+
+
 @pytest.mark.parametrize("T,chunk,window", [(32, 16, 0), (210, 64, 0), (300, 48, 40), (530, 128, 0)])
 def test_attention_gives_a_chunked_prompt_the_whole_passs_bits(T, chunk, window):
     """Prefill attention's query blocks sit at absolute positions (llama_ops._attention_block): a schedule's cut

@@ -84,8 +84,13 @@ def q4_rows_exact(d16: np.ndarray) -> bool:
     return bool(np.all(np.isfinite(d)) and np.all(np.abs(d) <= D_MAX))
 
 
+from .simd import F16C
+
 if numba is not None:
     from .lut import _bits_f32, _f32_bits
+
+    if F16C:
+        from .simd import q4_cols16_f16, q4_cols64_f16
 
     @numba.njit(inline="always")
     def _round_f16(v):
@@ -108,6 +113,16 @@ if numba is not None:
         dcol = np.empty(wp, np.float32)
         g0 = n0 // 16
         a = acc[0]
+        if M == 1 and F16C:  # 64 columns a pass over the rows, sums in registers (simd.q4_cols64_f16)
+            j = 0
+            while j + 64 <= wp:
+                q4_cols64_f16(xh, codes, d16, acc, n0 + j, j, Kh)
+                j += 64
+            while j < wp:
+                q4_cols16_f16(xh, codes, d16, acc, n0 + j, j, Kh)
+                j += 16
+            y[0, n0:n1] = acc[0, :w]
+            return
         for r in range(Kh):
             if M == 1:  # a group (16 columns, rows 2r and 2r + 1) at a time: its scale a scalar, k = 2r then 2r + 1
                 xa, xb = xh[0, 2 * r], xh[0, 2 * r + 1]

@@ -14,6 +14,12 @@ adds each 4 products into 16 int32 lanes, exactly (no int16 saturation), in one 
 then fed as a + 128 (unsigned), and the caller subtracts 128 * sum(w) per output channel: the same int32 sums with
 one instruction per 64 bytes a dot product, where the AVX2 path spends four per 32 (`dot4x4_u8s8_vnni`). `VNNI`
 says whether this CPU has it (EDGEPROBE_VNNI=0 keeps the AVX2 kernels, for A/B runs).
+
+The q4_0-tile GEMV (`q4_cols64_f16`, NPU test-time scaling §5) dequantizes each 4-bit code to the FP16 value vlut16
+gives and adds x w into float32 sums in k order. Written as LLVM IR, 64 columns keep their sums in 8 registers over
+every row pair (the numba loop of f16_gemm loads and stores them, and runs a scalar block, per group of 32 weights),
+the FP16 rounding is F16C's vcvtps2ph and each exact product's add one FMA: the same bits. `F16C` says whether this
+CPU has F16C and FMA. The rounding is what bounds it here (bench/decode_overhead.py; docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -190,3 +196,79 @@ if VNNI:
                 or not all(isinstance(t, types.Integer) for t in (m0, n0, n64)):
             return None
         return types.UniTuple(types.int32, 4)(au, w, m0, n0, n64), _block_codegen(_emit_dots_vnni, 1, 4)
+
+
+# ---- the q4_0-tile GEMV's columns (kernels/f16_gemm.py): F16C rounds to FP16, FMA adds exact products ----------
+F16C = AVX2 and _host_has("f16c", "fma")
+
+if F16C:
+    def _q4_cols_codegen(groups: int):
+        """The codegen of q4_cols*_f16 for `groups` groups of 16 columns: 2 * groups <8 x float> sums in registers
+        over every row pair r of the codes, each r's 16 * groups code bytes (one cache line at 4 groups) read once."""
+        def codegen(context, builder, sig, args):
+            i8, i16, i32, i64, f32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType())
+            v8f, v8h, v8i, v16b = (ir.VectorType(f32, 8), ir.VectorType(ir.HalfType(), 8), ir.VectorType(i32, 8),
+                                   ir.VectorType(i8, 16))
+            xh, codes, d16, out = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:4], args[:4]))
+            n, j, kh = (context.cast(builder, v, t, types.int64) for v, t in zip(args[4:], sig.args[4:]))
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f] * 3), "llvm.fma.v8f32")
+            byte = lambda arr: builder.bitcast(arr.data, i8.as_pointer())
+            at = lambda base, off, ty: builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
+            c64 = lambda v: ir.Constant(i64, v)
+            splat = lambda s: builder.shuffle_vector(builder.insert_element(ir.Constant(v8f, ir.Undefined), s,
+                                                                            ir.Constant(i32, 0)),
+                                                     ir.Constant(v8f, ir.Undefined), ir.Constant(v8i, [0] * 8))
+            accs = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(2 * groups)]
+            cstride = builder.extract_value(codes.strides, 0)
+            dstride = builder.extract_value(d16.strides, 0)
+            g0 = builder.sdiv(n, c64(16))
+            lanes = [ir.Constant(ir.VectorType(i32, 8), list(range(h * 8, h * 8 + 8))) for h in (0, 1)]
+            with cgutils.for_range(builder, kh) as loop:
+                r = loop.index
+                xs = [splat(builder.load(at(byte(xh), builder.mul(builder.add(builder.mul(r, c64(2)), c64(p)), c64(4)),
+                                            f32))) for p in (0, 1)]  # x[2r] (low nibbles), x[2r + 1] (high)
+                crow = builder.gep(byte(codes), [builder.add(builder.mul(r, cstride), n)])
+                drow = builder.gep(byte(d16), [builder.mul(r, dstride)])
+                for g in range(groups):
+                    bits = builder.load(at(drow, builder.mul(builder.add(g0, c64(g)), c64(2)), i16), align=2)
+                    d = splat(builder.fpext(builder.bitcast(bits, ir.HalfType()), f32))
+                    d8 = builder.fmul(d, ir.Constant(v8f, [-8.0] * 8))  # exact: a power of two times an FP16 value
+                    cb = builder.load(at(crow, c64(16 * g), v16b), align=1)
+                    nibs = (builder.and_(cb, ir.Constant(v16b, [15] * 16)),
+                            builder.lshr(cb, ir.Constant(v16b, [4] * 16)))
+                    for h in (0, 1):
+                        acc = accs[2 * g + h]
+                        s = builder.load(acc)
+                        for p in (0, 1):  # k = 2r, then 2r + 1: each sum in k order
+                            q = builder.sitofp(builder.zext(builder.shuffle_vector(nibs[p], nibs[p], lanes[h]), v8i),
+                                               v8f)
+                            w = builder.call(fma, [q, d, d8])  # (q - 8) d, exact in float32 (4 x 11 bits)
+                            w = builder.fpext(builder.fptrunc(w, v8h), v8f)  # rounded to FP16, as vlut16's table
+                            s = builder.call(fma, [xs[p], w, s])  # x w exact: one rounding, as multiply-then-add
+                        builder.store(s, acc)
+            orow = builder.gep(byte(out), [builder.mul(j, c64(4))])
+            for k, acc in enumerate(accs):
+                builder.store(builder.load(acc), at(orow, c64(32 * k), v8f), align=4)
+            return context.get_dummy_value()
+        return codegen
+
+    def _q4_cols_types(xh, codes, d16, out, n, j, kh) -> bool:
+        return (_c_arrays(2, xh, out, dtype=types.float32) and _c_arrays(2, codes, dtype=types.uint8)
+                and _c_arrays(2, d16, dtype=types.uint16) and all(isinstance(t, types.Integer) for t in (n, j, kh)))
+
+    @intrinsic
+    def q4_cols64_f16(typingctx, xh, codes, d16, out, n, j, kh):
+        """out[0, j:j + 64] = the sums over k < 2 kh of xh[0, k] * fp16((q[k, c] - 8) d) for the 64 columns c of
+        codes n..n + 63 (4 groups), each in k order: xh float32[1, 2 kh] (FP16 values), codes uint8[Kh, Np] and d16
+        uint16[Kh, Np / 16] as tiles.tiles_q4_rows lays them out, out float32[1, >= j + 64]; n a multiple of 16,
+        every scale finite with |d| <= f16_gemm.D_MAX. The bits of f16_gemm's numba loop, 8 columns a vector."""
+        if not _q4_cols_types(xh, codes, d16, out, n, j, kh):
+            return None
+        return types.none(xh, codes, d16, out, n, j, kh), _q4_cols_codegen(4)
+
+    @intrinsic
+    def q4_cols16_f16(typingctx, xh, codes, d16, out, n, j, kh):
+        """q4_cols64_f16 for one group: 16 columns."""
+        if not _q4_cols_types(xh, codes, d16, out, n, j, kh):
+            return None
+        return types.none(xh, codes, d16, out, n, j, kh), _q4_cols_codegen(1)

@@ -133,7 +133,8 @@ def main():
         loads = ", ".join(f"{r['load']:.1f}" for r in runs)
         who = (f"{'kernels at ' + args.kernels_from if agent == 'variant' else 'kernels of the tree'}, "
                if args.kernels_from else f"{agent} agent, " if args.variant else "")
-        mb = weight_bytes(qms[s], old=agent == "variant" and bool(args.kernels_from)) / 1e6
+        mb = weight_bytes(qms[s], old=agent == "variant" and bool(args.kernels_from)
+                          and not reads_codes(args.kernels_from)) / 1e6
         print(f"{s:<15} {who}weights read per token {mb:6.1f} MB: {mb / med['in_ops']:5.2f} GB/s over the time in ops")
         print(f"{s:<15} {who}loop on the {loop:<5}: wall {med['wall']:6.1f}, in ops {med['in_ops']:6.1f}, "
               f"outside ops on the agent {med['on_agent']:5.2f} (before {med['handoffs']} cross-lane hand-offs "
@@ -188,6 +189,13 @@ def stream_gbps(mb: int = 256, repeats: int = 5) -> float:
         a.sum()
         best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
     return best
+
+
+def reads_codes(rev: str) -> bool:
+    """Whether the npu lane's q4_0-tile GEMV at rev reads the 4-bit codes (kernels/f16_gemm.py has gemv_q4_seq), not
+    a float32 copy."""
+    src = subprocess.run(["git", "show", f"{rev}:kernels/f16_gemm.py"], cwd=ROOT, capture_output=True, text=True)
+    return "def gemv_q4_seq" in src.stdout
 
 
 def weight_bytes(qm, old: bool = False) -> int:

@@ -71,7 +71,7 @@ def gemm_f16w_seq(x: np.ndarray, wt: np.ndarray) -> np.ndarray:
 
 
 # ---- the same GEMM from 4-bit codes: decode reads 4.5 bits a weight, not a float32 copy ----------------------
-GEMV_M = 4  # up to this many rows (decode, a few candidates) the GEMV reads the codes; more rows dequantize first
+GEMV_M = 16  # up to this many rows (decode, a batch of candidates) the GEMV reads the codes; more dequantize first
 GEMV_ALONE = 1 << 18  # fewer weights x rows than this (a decode step's k and v, ~50 us) run on the calling thread
 GEMV_CHUNK = 1024  # most columns per task: its accumulators and scales stay in L1
 D_MAX = 4096.0  # scales up to this |d|: (q - 8) d stays below 65504, no FP16 overflow, and _round_f16 is exact
@@ -90,7 +90,7 @@ if numba is not None:
     from .lut import _bits_f32, _f32_bits
 
     if F16C:
-        from .simd import q4_cols16_f16, q4_cols64_f16
+        from .simd import q4_cols16_f16, q4_cols64_f16, q4_rows4_cols16_f16
 
     @numba.njit(inline="always")
     def _round_f16(v):
@@ -122,6 +122,13 @@ if numba is not None:
                 q4_cols16_f16(xh, codes, d16, acc, n0 + j, j, Kh)
                 j += 16
             y[0, n0:n1] = acc[0, :w]
+            return
+        if F16C:  # blocks of 4 rows (xh's zero rows past M add nothing), each code dequantized once a block
+            for m0 in range(0, M, 4):
+                for j in range(0, wp, 16):
+                    q4_rows4_cols16_f16(xh, codes, d16, acc, n0 + j, j, Kh, m0)
+            for m in range(M):
+                y[m, n0:n1] = acc[m, :w]
             return
         for r in range(Kh):
             if M == 1:  # a group (16 columns, rows 2r and 2r + 1) at a time: its scale a scalar, k = 2r then 2r + 1

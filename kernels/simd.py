@@ -202,15 +202,17 @@ if VNNI:
 F16C = AVX2 and _host_has("f16c", "fma")
 
 if F16C:
-    def _q4_cols_codegen(groups: int):
-        """The codegen of q4_cols*_f16 for `groups` groups of 16 columns: 2 * groups <8 x float> sums in registers
-        over every row pair r of the codes, each r's 16 * groups code bytes (one cache line at 4 groups) read once."""
+    def _q4_cols_codegen(groups: int, rows: int = 1):
+        """The codegen of q4_*_f16 for `groups` groups of 16 columns and `rows` rows of x from m0 (the last argument
+        where rows > 1): rows * 2 * groups <8 x float> sums in registers over every row pair r of the codes, each
+        r's 16 * groups code bytes read and dequantized once for all the rows."""
         def codegen(context, builder, sig, args):
             i8, i16, i32, i64, f32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType())
             v8f, v8h, v8i, v16b = (ir.VectorType(f32, 8), ir.VectorType(ir.HalfType(), 8), ir.VectorType(i32, 8),
                                    ir.VectorType(i8, 16))
             xh, codes, d16, out = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:4], args[:4]))
-            n, j, kh = (context.cast(builder, v, t, types.int64) for v, t in zip(args[4:], sig.args[4:]))
+            n, j, kh, *m0 = (context.cast(builder, v, t, types.int64) for v, t in zip(args[4:], sig.args[4:]))
+            m0 = m0[0] if m0 else ir.Constant(i64, 0)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f] * 3), "llvm.fma.v8f32")
             byte = lambda arr: builder.bitcast(arr.data, i8.as_pointer())
             at = lambda base, off, ty: builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
@@ -218,15 +220,22 @@ if F16C:
             splat = lambda s: builder.shuffle_vector(builder.insert_element(ir.Constant(v8f, ir.Undefined), s,
                                                                             ir.Constant(i32, 0)),
                                                      ir.Constant(v8f, ir.Undefined), ir.Constant(v8i, [0] * 8))
-            accs = [cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(2 * groups)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(2 * groups)]
+                    for _ in range(rows)]
             cstride = builder.extract_value(codes.strides, 0)
             dstride = builder.extract_value(d16.strides, 0)
+            xrows = [builder.gep(byte(xh), [builder.mul(builder.add(m0, c64(m)), builder.extract_value(xh.strides, 0))])
+                     for m in range(rows)]
+            orows = [builder.gep(byte(out), [builder.add(builder.mul(builder.add(m0, c64(m)),
+                                                                     builder.extract_value(out.strides, 0)),
+                                                         builder.mul(j, c64(4)))]) for m in range(rows)]
             g0 = builder.sdiv(n, c64(16))
             lanes = [ir.Constant(ir.VectorType(i32, 8), list(range(h * 8, h * 8 + 8))) for h in (0, 1)]
             with cgutils.for_range(builder, kh) as loop:
                 r = loop.index
-                xs = [splat(builder.load(at(byte(xh), builder.mul(builder.add(builder.mul(r, c64(2)), c64(p)), c64(4)),
-                                            f32))) for p in (0, 1)]  # x[2r] (low nibbles), x[2r + 1] (high)
+                # x[m, 2r] (low nibbles), x[m, 2r + 1] (high) of each row
+                xs = [[splat(builder.load(at(xr, builder.mul(builder.add(builder.mul(r, c64(2)), c64(p)), c64(4)),
+                                             f32))) for p in (0, 1)] for xr in xrows]
                 crow = builder.gep(byte(codes), [builder.add(builder.mul(r, cstride), n)])
                 drow = builder.gep(byte(d16), [builder.mul(r, dstride)])
                 for g in range(groups):
@@ -237,18 +246,21 @@ if F16C:
                     nibs = (builder.and_(cb, ir.Constant(v16b, [15] * 16)),
                             builder.lshr(cb, ir.Constant(v16b, [4] * 16)))
                     for h in (0, 1):
-                        acc = accs[2 * g + h]
-                        s = builder.load(acc)
-                        for p in (0, 1):  # k = 2r, then 2r + 1: each sum in k order
+                        ws = []
+                        for p in (0, 1):
                             q = builder.sitofp(builder.zext(builder.shuffle_vector(nibs[p], nibs[p], lanes[h]), v8i),
                                                v8f)
                             w = builder.call(fma, [q, d, d8])  # (q - 8) d, exact in float32 (4 x 11 bits)
-                            w = builder.fpext(builder.fptrunc(w, v8h), v8f)  # rounded to FP16, as vlut16's table
-                            s = builder.call(fma, [xs[p], w, s])  # x w exact: one rounding, as multiply-then-add
-                        builder.store(s, acc)
-            orow = builder.gep(byte(out), [builder.mul(j, c64(4))])
-            for k, acc in enumerate(accs):
-                builder.store(builder.load(acc), at(orow, c64(32 * k), v8f), align=4)
+                            ws.append(builder.fpext(builder.fptrunc(w, v8h), v8f))  # rounded to FP16, as vlut16's
+                        for m in range(rows):
+                            acc = accs[m][2 * g + h]
+                            s = builder.load(acc)
+                            for p in (0, 1):  # k = 2r, then 2r + 1: each sum in k order
+                                s = builder.call(fma, [xs[m][p], ws[p], s])  # x w exact: one rounding, as mul + add
+                            builder.store(s, acc)
+            for m in range(rows):
+                for k, acc in enumerate(accs[m]):
+                    builder.store(builder.load(acc), at(orows[m], c64(32 * k), v8f), align=4)
             return context.get_dummy_value()
         return codegen
 
@@ -272,3 +284,11 @@ if F16C:
         if not _q4_cols_types(xh, codes, d16, out, n, j, kh):
             return None
         return types.none(xh, codes, d16, out, n, j, kh), _q4_cols_codegen(1)
+
+    @intrinsic
+    def q4_rows4_cols16_f16(typingctx, xh, codes, d16, out, n, j, kh, m0):
+        """q4_cols16_f16 for the 4 rows m0..m0 + 3 of xh into the same rows of out (a few decode candidates, the
+        NPU TTS paper's batch): each code dequantized once for the 4 rows, 8 sums in registers."""
+        if not _q4_cols_types(xh, codes, d16, out, n, j, kh) or not isinstance(m0, types.Integer):
+            return None
+        return types.none(xh, codes, d16, out, n, j, kh, m0), _q4_cols_codegen(1, 4)

@@ -36,7 +36,7 @@ def test_gemv_every_fp16_scale_bit_exact():
     blocks, N, K = _every_scale_weight()
     codes, d16 = tiles_q4_rows(blocks, N, K)
     wt = dequantize_tiles_t(blocks, N, K)
-    for M in (1, 2, 4):
+    for M in (1, 2, 4, 7, 16):  # one row; blocks of 4 rows (simd.q4_rows4_cols16_f16 where the CPU has F16C)
         x = (rng.standard_normal((M, K)) * rng.choice([1e-6, 1.0, 100.0], (M, K))).astype(np.float32)
         np.testing.assert_array_equal(_bits(gemv_q4_seq(x, codes, d16, N, K)), _bits(gemm_f16w_seq(x, wt)))
 
@@ -45,7 +45,7 @@ SHAPES = [(1, 1), (17, 1), (16, 31), (33, 33), (50, 70), (40, 64), (576, 576), (
 
 
 @pytest.mark.parametrize("N,K", SHAPES)
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 9, 16])
 def test_gemv_equals_the_k_ordered_gemm_bit_for_bit(N, K, M):
     w = (rng.standard_normal((N, K)) * rng.choice([1e-3, 1.0, 30.0], (N, 1))).astype(np.float32)
     blocks = quantize_tiles(w)
@@ -97,7 +97,7 @@ def test_gemv_refuses_a_wrong_shape():
 
 
 @pytest.mark.parametrize("scale", [1.0, 3e-7, "huge"])
-@pytest.mark.parametrize("M", [1, 3, 4, 5, 9])
+@pytest.mark.parametrize("M", [1, 3, 4, 5, 9, 16, 17])
 def test_npu_runner_is_the_k_ordered_gemm_on_either_path(scale, M):
     # the runner's GEMV (M <= GEMV_M), its per-call dequantization (more rows) and its float32 fallback for
     # scales past D_MAX all give gemm_f16w_seq's bits on the tile dequantizer's weight
@@ -127,7 +127,7 @@ def test_gemv_path_is_bit_exact_with_the_hexagon_kernel():
     dsp = hvx_bridge.HvxDsp(arena_mb=64, scratch_mb=16, timeout_s=60).start()
     try:
         hvx = hvx_linear.runner(rec, "all", store.get, dsp=dsp)
-        for M in (1, 4, 5):
+        for M in (1, 4, 5, 16, 17):
             x = (rng.standard_normal((M, 130)) * 4).astype(np.float32)
             np.testing.assert_array_equal(_bits(run(x, counters={})), _bits(hvx(x)))
     finally:

@@ -134,7 +134,9 @@ def test_q8_0_head_is_smollm2s_own_and_both_paths_agree(smollm):
     w = np.asarray(smollm.output_weight, np.float32)
     q, d = quantize_q8_0(w)
     assert np.array_equal(dequantize_q8_0(q, d), w)  # the GGUF's Q8_0 head, given back exactly
-    x = np.random.default_rng(0).standard_normal((9, w.shape[1])).astype(np.float32)
+    from edgeprobe_kernels.q8_0 import GEMV_M
+
+    x = np.random.default_rng(0).standard_normal((GEMV_M + 1, w.shape[1])).astype(np.float32)
     ref = x @ w.T
     fast = matmul_q8_0(x[:4], q, d)          # the decode kernel (numba)
     blas = matmul_q8_0(x, q, d)              # rows > GEMV_M: dequantized blocks through BLAS

@@ -42,6 +42,22 @@ def _shapes(text) -> list | None:
     return [ggml_dims(p) for p in text.split(" x ")]
 
 
+def records_and_names(path, raw: list, where: str, expected: str) -> tuple[dict, dict]:
+    """Check that every trace-event record is a map with a phase 'ph' (else a one-line error naming where[i]) ->
+    (thread names by (pid, tid), process names by pid) from the metadata records ("M")."""
+    bad = next((i for i, r in enumerate(raw) if not isinstance(r, dict) or "ph" not in r), None)
+    if bad is not None:
+        raise ForeignTraceError(path, f"{where}[{bad}]", f"a record without 'ph': {json.dumps(raw[bad])[:60]}",
+                                expected)
+    threads, procs = {}, {}
+    for r in raw:
+        if r["ph"] == "M" and r.get("name") == "thread_name":
+            threads[(r.get("pid"), r.get("tid"))] = str(r.get("args", {}).get("name", ""))
+        elif r["ph"] == "M" and r.get("name") == "process_name":
+            procs[r.get("pid")] = str(r.get("args", {}).get("name", ""))
+    return threads, procs
+
+
 def read(path) -> tuple[list, dict]:
     """The JSON at `path` -> (events, meta) of a Trace: one event per complete or begin/end-paired event, lanes
     from thread names."""
@@ -59,17 +75,7 @@ def read(path) -> tuple[list, dict]:
     if not isinstance(raw, list) or not raw:
         what = f"top-level keys {sorted(doc)[:6]}" if isinstance(doc, dict) else f"a {type(doc).__name__}"
         raise ForeignTraceError(path, "document", f"{what}: no list of trace events with 'ph'", EXPECTED)
-    bad = next((i for i, r in enumerate(raw) if not isinstance(r, dict) or "ph" not in r), None)
-    if bad is not None:
-        where = "traceEvents" if isinstance(doc, dict) else "document"
-        raise ForeignTraceError(path, f"{where}[{bad}]", f"a record without 'ph': {json.dumps(raw[bad])[:60]}",
-                                EXPECTED)
-    threads, procs = {}, {}
-    for r in raw:
-        if r["ph"] == "M" and r.get("name") == "thread_name":
-            threads[(r.get("pid"), r.get("tid"))] = str(r.get("args", {}).get("name", ""))
-        elif r["ph"] == "M" and r.get("name") == "process_name":
-            procs[r.get("pid")] = str(r.get("args", {}).get("name", ""))
+    threads, procs = records_and_names(path, raw, "traceEvents" if isinstance(doc, dict) else "document", EXPECTED)
     events, skipped, open_ = [], 0, {}
     for i, r in enumerate(raw):
         ph = r["ph"]

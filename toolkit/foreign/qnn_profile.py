@@ -32,7 +32,7 @@ import re
 from pathlib import Path
 
 from .base import ForeignTraceError, event, read_text
-from .chrome_json import lane_of
+from .chrome_json import lane_of, records_and_names
 
 FORMAT = "qnn-optrace"
 EXPECTED = ("QNN HTP optrace JSON from qnn-profile-viewer's optrace reader ({\"header\": {\"artifact_type\": "
@@ -166,16 +166,7 @@ def read(path, mhz: float | None = None) -> tuple[list, dict]:
     raw = doc.get("traceEvents")
     if not isinstance(raw, list) or not raw:
         raise ForeignTraceError(path, "document", "no list of trace events", EXPECTED)
-    bad = next((i for i, r in enumerate(raw) if not isinstance(r, dict) or "ph" not in r), None)
-    if bad is not None:
-        raise ForeignTraceError(path, f"traceEvents[{bad}]", f"a record without 'ph': {json.dumps(raw[bad])[:60]}",
-                                EXPECTED)
-    threads, procs = {}, {}
-    for r in raw:
-        if r["ph"] == "M" and r.get("name") == "thread_name":
-            threads[(r.get("pid"), r.get("tid"))] = str(r.get("args", {}).get("name", ""))
-        elif r["ph"] == "M" and r.get("name") == "process_name":
-            procs[r.get("pid")] = str(r.get("args", {}).get("name", ""))
+    threads, procs = records_and_names(path, raw, "traceEvents", EXPECTED)
     cores = {pid: int(m[1]) for pid, name in procs.items() if (m := _OVERVIEW.fullmatch(name))}
     if not cores:
         if 0 in procs:

@@ -260,11 +260,13 @@ def agent_prefill(dev, qm, tokens) -> tuple[float, float]:
     return time.perf_counter() - t, r.trace.metrics()["makespan_ms"] / 1e3
 
 
-def decode_profile(dec, steps: int) -> tuple[dict, float, float]:
+def decode_profile(dec, steps: int) -> tuple[dict, float, float, dict]:
     """Per-kind ms of one decode step (fused layers broken into their parts), the per-step time outside ops seen
-    from the host (the loop's wall time: request, reply and its trace included), and the same on the agent alone
-    (from step 1's first event to the last step's last: the gaps between a step's ops and between steps)."""
+    from the host (the loop's wall time: request, reply and its trace included), the same on the agent alone
+    (from step 1's first event to the last step's last: the gaps between a step's ops and between steps), and how
+    many of the steps' op events ran on how many threads (the thread policy's choice, the event's `threads`)."""
     by: dict = {}
+    threads: dict = {}
     n = 0
     lo, hi = float("inf"), 0.0
     for e in dec.trace.events:
@@ -272,6 +274,7 @@ def decode_profile(dec, steps: int) -> tuple[dict, float, float]:
         if not g.startswith("step") or g == "step0":
             continue
         n = max(n, int(g[4:]))
+        threads[e.get("threads", "?")] = threads.get(e.get("threads", "?"), 0) + 1
         lo, hi = min(lo, e["start_us"]), max(hi, e["end_us"])
         parts = e.get("parts_us") or {e["kind"]: e["end_us"] - e["start_us"]}
         for k, v in parts.items():
@@ -282,7 +285,7 @@ def decode_profile(dec, steps: int) -> tuple[dict, float, float]:
     in_ops = sum(by.values()) / max(n, 1)
     outside = dec.decode_s / steps * 1e3 - in_ops
     on_agent = (hi - lo) / 1e3 / max(n, 1) - in_ops if n else float("nan")
-    return {k: v / max(n, 1) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}, outside, on_agent
+    return {k: v / max(n, 1) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}, outside, on_agent, threads
 
 
 def batched_round(dev, qm, llama, prompt, batches: list, steps: int, temperature: float, rnd: int) -> dict:
@@ -422,8 +425,8 @@ def main():
                     best = min(runs, key=lambda x: x.decode_s)
                     rows.setdefault((f"decode@{loop}", s, 64, anchors[s]), []).append((args.steps / ll_s,
                                                                            args.steps / best.decode_s))
-                    prof, outside, on_agent = decode_profile(best, args.steps)
-                    extra.setdefault((s, loop), []).append((prof, outside, best.step_ms, on_agent))
+                    prof, outside, on_agent, threads = decode_profile(best, args.steps)
+                    extra.setdefault((s, loop), []).append((prof, outside, best.step_ms, on_agent, threads))
                 a, h, last = by_loop["agent+logits"][0], by_loop["host"][0], by_loop["agent"][0]
                 same_bits = (a.tokens == h.tokens).all() and all((x == y).all() for x, y in zip(a.logits, h.logits)) \
                     and (last.tokens == h.tokens).all() and (last.logits[-1] == h.logits[-1]).all()
@@ -473,9 +476,11 @@ def main():
             first_vs_warm = statistics.median(v[1] for v in warm) / statistics.median(v[1] for v in vals)
             print(f"   {what}, {s}, {n} tokens: {first_vs_warm:.2f}x the warm time")
     for (s, loop), runs in extra.items():
-        prof, outside, step_ms, _ = runs[len(runs) // 2]
+        prof, outside, step_ms, _, threads = runs[len(runs) // 2]
         print(f"\none decode step, {s}, loop on the {loop} (ms; fused layers broken into their parts): "
               + ", ".join(f"{k} {v:.2f}" for k, v in prof.items()))
+        print("   op events by the threads the policy gave them: "
+              + ", ".join(f"{t} thread(s) {c}" for t, c in sorted(threads.items(), key=str)))
         on_agent = (f", of which on the agent between its ops and steps {statistics.median(r[3] for r in runs):.2f} ms"
                     if loop.startswith("agent") else "")  # a host loop's steps are runs apart: round trips between
         print(f"   per-token time outside the agent's ops (round trips, sampling, dispatch between ops, the reply "

@@ -19,6 +19,8 @@ try:
 except ImportError:
     numba = None
 
+from .simd import F16C
+
 N_BLOCK = 512  # columns per task: one block of y (4 x 2 KiB) stays in L1 while w's rows stream past
 
 
@@ -84,8 +86,6 @@ def q4_rows_exact(d16: np.ndarray) -> bool:
     return bool(np.all(np.isfinite(d)) and np.all(np.abs(d) <= D_MAX))
 
 
-from .simd import F16C
-
 if numba is not None:
     from .lut import _bits_f32, _f32_bits
 
@@ -110,26 +110,31 @@ if numba is not None:
         w = n1 - n0
         wp = (w + 15) // 16 * 16  # whole groups: Np is a multiple of 32
         acc = np.zeros((xh.shape[0], wp), np.float32)
+        if F16C:  # a constant: numba compiles one branch (the intrinsics exist only where it is true)
+            if M == 1:  # 64 columns a pass over the rows, sums in registers (simd.q4_cols64_f16)
+                j = 0
+                while j + 64 <= wp:
+                    q4_cols64_f16(xh, codes, d16, acc, n0 + j, j, Kh)
+                    j += 64
+                while j < wp:
+                    q4_cols16_f16(xh, codes, d16, acc, n0 + j, j, Kh)
+                    j += 16
+            else:  # blocks of 4 rows (xh's zero rows past M add nothing), each code dequantized once a block
+                for m0 in range(0, M, 4):
+                    for j in range(0, wp, 16):
+                        q4_rows4_cols16_f16(xh, codes, d16, acc, n0 + j, j, Kh, m0)
+        else:
+            _gemv_q4_loop(xh, codes, d16, f16_of, acc, M, n0, wp)
+        for m in range(M):
+            y[m, n0:n1] = acc[m, :w]
+
+    @numba.njit(nogil=True, cache=True)
+    def _gemv_q4_loop(xh, codes, d16, f16_of, acc, M, n0, wp):
+        # acc[:M, :wp] += the columns n0.. of the GEMV, in numba (CPUs without F16C): each weight rounded on its bits
+        Kh = codes.shape[0]
         dcol = np.empty(wp, np.float32)
         g0 = n0 // 16
         a = acc[0]
-        if M == 1 and F16C:  # 64 columns a pass over the rows, sums in registers (simd.q4_cols64_f16)
-            j = 0
-            while j + 64 <= wp:
-                q4_cols64_f16(xh, codes, d16, acc, n0 + j, j, Kh)
-                j += 64
-            while j < wp:
-                q4_cols16_f16(xh, codes, d16, acc, n0 + j, j, Kh)
-                j += 16
-            y[0, n0:n1] = acc[0, :w]
-            return
-        if F16C:  # blocks of 4 rows (xh's zero rows past M add nothing), each code dequantized once a block
-            for m0 in range(0, M, 4):
-                for j in range(0, wp, 16):
-                    q4_rows4_cols16_f16(xh, codes, d16, acc, n0 + j, j, Kh, m0)
-            for m in range(M):
-                y[m, n0:n1] = acc[m, :w]
-            return
         for r in range(Kh):
             if M == 1:  # a group (16 columns, rows 2r and 2r + 1) at a time: its scale a scalar, k = 2r then 2r + 1
                 xa, xb = xh[0, 2 * r], xh[0, 2 * r + 1]
@@ -168,8 +173,6 @@ if numba is not None:
                     a2[j] += xb2 * vb
                     a3[j] += xa3 * va
                     a3[j] += xb3 * vb
-        for m in range(M):
-            y[m, n0:n1] = acc[m, :w]
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def _gemv_q4_nb(xh, codes, d16, f16_of, y, chunk):

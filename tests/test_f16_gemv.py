@@ -41,6 +41,23 @@ def test_gemv_every_fp16_scale_bit_exact():
         np.testing.assert_array_equal(_bits(gemv_q4_seq(x, codes, d16, N, K)), _bits(gemm_f16w_seq(x, wt)))
 
 
+@pytest.mark.parametrize("M", [1, 3, 4, 8])
+def test_the_numba_loop_of_cpus_without_f16c_gives_the_same_bits(M):
+    """The GEMV's numba loop (f16_gemm._gemv_q4_loop: the path of a CPU without F16C, which an F16C machine never
+    takes through gemv_q4_seq) called directly, over every FP16 scale with every code."""
+    from edgeprobe_kernels.lut import _f16_values
+
+    blocks, N, K = _every_scale_weight()
+    codes, d16 = tiles_q4_rows(blocks, N, K)
+    Kh = codes.shape[0]
+    x = (rng.standard_normal((M, K)) * rng.choice([1e-6, 1.0, 100.0], (M, K))).astype(np.float32)
+    xh = np.zeros((M if M == 1 else -(-M // 4) * 4, 2 * Kh), np.float32)
+    xh[:M, :K] = x.astype(np.float16)
+    acc = np.zeros((xh.shape[0], N), np.float32)
+    f16_gemm._gemv_q4_loop(xh, codes, d16, _f16_values(), acc, M, 0, N)
+    np.testing.assert_array_equal(_bits(acc[:M]), _bits(gemm_f16w_seq(x, dequantize_tiles_t(blocks, N, K))))
+
+
 SHAPES = [(1, 1), (17, 1), (16, 31), (33, 33), (50, 70), (40, 64), (576, 576), (192, 576), (576, 1536), (2100, 96)]
 
 

@@ -13,7 +13,7 @@ from edgeprobe_kernels.linear_records import SHADOW_SCHEMES, scheme_of, weight_b
 from .graph import NPU_KINDS, Weights, model_ops, order_by_schedule, place_by_kind, place_by_stage
 from .graph.place import fuse_layers, fuse_step, step_on_one_lane
 
-# q4_0-tile decode steps on the npu lane alone, one fused op (bench/decode_overhead.py --one-lane measures it): a
+# q4_0-tile decode steps on the npu lane alone, one fused op (bench/decode_overhead.py --split-lanes compares): a
 # step split between lanes pays ~330 cross-lane hand-offs (~20 ms), one lane under 1 ms
 ONE_LANE_DECODE = True
 

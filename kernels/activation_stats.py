@@ -73,6 +73,12 @@ def window_update_ref(act, tau, last, t0, K, fire, gap_hist, age_hist):
 
 if numba is not None:
     @numba.njit(nogil=True, cache=True)
+    def _ratio_bin(a, clip):
+        """The RATIO_EDGES bin of |x| = a (float32) over clip (float64): a/clip = m * 2^e, m in [0.5, 1), so
+        floor(log2) = e - 1, bin e. One definition for outlier_update and replay_outliers."""
+        return min(max(math.frexp(a / clip)[1], 0), N_RATIO_BINS - 1)
+
+    @numba.njit(nogil=True, cache=True)
     def _outlier_cols_nb(x, c0, c1, clip, fixed, chmax, count, count_fixed, hist, any_out, k):
         """outlier_update_ref's channel statistics over channels c0..c1-1 alone; k int64[N] += each row's outliers
         among them (the token histogram is made from the blocks' sums)."""
@@ -88,8 +94,7 @@ if numba is not None:
                     if a > fixed:
                         count_fixed[c] += 1
                     if a >= half:
-                        e = math.frexp(a / clip)[1]  # a/clip = m * 2^e, m in [0.5, 1): floor(log2) = e - 1
-                        hist[c, min(max(e, 0), N_RATIO_BINS - 1)] += 1
+                        hist[c, _ratio_bin(a, clip)] += 1
                         if a > clip:
                             count[c] += 1
                             any_out[c] = True
@@ -102,6 +107,42 @@ if numba is not None:
         k = np.zeros(x.shape[0], np.int64)
         _outlier_cols_nb(x, 0, x.shape[1], clip, fixed, chmax, count, count_fixed, hist, any_out, k)
         for n in range(x.shape[0]):
+            tok_hist[k[n]] += 1
+
+    @numba.njit(nogil=True, cache=True)
+    def _keep_above_nb(x, r0, r1, t, fixed, chmax, count_fixed):
+        """keep_above_ref over rows r0..r1-1: (flat indices n * C + c int32[k], |x| float32[k]), row-major."""
+        C = x.shape[1]
+        idx = np.empty((r1 - r0) * C, np.int32)
+        vals = np.empty((r1 - r0) * C, np.float32)
+        k = 0
+        for n in range(r0, r1):
+            for c in range(C):
+                a = abs(x[n, c])
+                chmax[c] = max(chmax[c], a)
+                if a > fixed:
+                    count_fixed[c] += 1
+                if a >= t:
+                    idx[k] = n * C + c
+                    vals[k] = a
+                    k += 1
+        return idx[:k].copy(), vals[:k].copy()
+
+    @numba.njit(nogil=True, cache=True)
+    def _replay_nb(idx, vals, rows, C, clip, count, hist, tok_hist, any_out):
+        """replay_outliers_ref with _outlier_cols_nb's arithmetic (the same comparisons and _ratio_bin)."""
+        k = np.zeros(rows, np.int64)
+        half = 0.5 * clip
+        for i in range(idx.size):
+            a = vals[i]
+            if a >= half:
+                c = idx[i] % C
+                hist[c, _ratio_bin(a, clip)] += 1
+                if a > clip:
+                    count[c] += 1
+                    any_out[c] = True
+                    k[idx[i] // C] += 1
+        for n in range(rows):
             tok_hist[k[n]] += 1
 
     @numba.njit(nogil=True, cache=True)
@@ -139,6 +180,72 @@ def outlier_update(x, clip, fixed, chmax, count, count_fixed, hist, tok_hist, an
         _outlier_cols_nb(x, a, b, float(clip), float(fixed), chmax, count, count_fixed, hist, any_out, k[index[a]])
     run_blocks(block, blocks)
     tok_hist += np.bincount(k.sum(axis=0), minlength=C + 1)
+
+
+def keep_above_ref(x, t, fixed, chmax, count_fixed):
+    """The part of outlier_update that needs no clip, plus the entries a later clip can count.
+
+    x: float32[N, C]; t: keep the entries with |x| >= t; fixed: LLM.int8()'s threshold. chmax float32[C] and
+    count_fixed int64[C] are updated as outlier_update updates them. Returns (flat index n * C + c int32[k], |x|
+    float32[k]) of the kept entries in row-major order: replay_outliers turns them into the clip's statistics.
+    """
+    a = np.abs(x)
+    np.maximum(chmax, a.max(axis=0), out=chmax)
+    count_fixed += (a > fixed).sum(axis=0)
+    flat = np.flatnonzero(a >= t)
+    return flat.astype(np.int32), a.ravel()[flat]
+
+
+def replay_outliers_ref(idx, vals, rows, C, clip, count, hist, tok_hist, any_out):
+    """outlier_update's clip statistics (count, hist, tok_hist, any_out) of an activation of `rows` x C entries from
+    keep_above's (idx, vals) of it: the same state whenever every entry with |x| >= clip / 2 was kept."""
+    n, c = idx // C, idx % C
+    r = vals / clip  # float32 / float, as outlier_update_ref's
+    b = np.clip(np.floor(np.log2(np.maximum(r, 1e-30))).astype(np.int64) + 1, 0, N_RATIO_BINS - 1)
+    keep = r >= 0.5
+    np.add.at(hist, (c[keep], b[keep]), 1)
+    out = vals > clip
+    count += np.bincount(c[out], minlength=C)
+    tok_hist += np.bincount(np.bincount(n[out], minlength=rows), minlength=C + 1)
+    any_out[c[out]] = True
+
+
+KEEP_PARTS = 8  # keep_above's fixed row blocks (as log2_histogram's)
+
+
+def keep_above(x, t, fixed, chmax, count_fixed):
+    """See keep_above_ref; numba when available. From SPLIT_ROWS rows, KEEP_PARTS fixed row blocks spread over a host
+    pass's threads, each with its own maxima and counts (combined after: the same state) and entries (concatenated
+    in block order: the same row-major order)."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    C = x.shape[1]
+    if chmax.shape != (C,) or count_fixed.shape != (C,):
+        raise ValueError(f"keep_above: state arrays do not match {C} channels")
+    if numba is None:
+        return keep_above_ref(x, t, fixed, chmax, count_fixed)
+    rows = x.shape[0]
+    if not _blocked(rows):
+        return _keep_above_nb(x, 0, rows, float(t), float(fixed), chmax, count_fixed)
+    edges = [round(rows * i / KEEP_PARTS) for i in range(KEEP_PARTS + 1)]
+    mx, cf = np.zeros((KEEP_PARTS, C), np.float32), np.zeros((KEEP_PARTS, C), np.int64)
+    parts = [None] * KEEP_PARTS
+
+    def block(i, j):
+        for p in range(i, j):
+            parts[p] = _keep_above_nb(x, edges[p], edges[p + 1], float(t), float(fixed), mx[p], cf[p])
+    run_blocks(block, [(p, p + 1) for p in range(KEEP_PARTS)])
+    np.maximum(chmax, mx.max(axis=0), out=chmax)
+    count_fixed += cf.sum(axis=0)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def replay_outliers(idx, vals, rows, C, clip, count, hist, tok_hist, any_out):
+    """See replay_outliers_ref; numba when available (the arithmetic of outlier_update's kernel)."""
+    if hist.shape != (C, N_RATIO_BINS) or tok_hist.shape != (C + 1,) or count.shape != (C,):
+        raise ValueError(f"replay_outliers: state arrays do not match {C} channels")
+    if numba is None:
+        return replay_outliers_ref(idx, vals, rows, C, clip, count, hist, tok_hist, any_out)
+    _replay_nb(idx, vals, int(rows), int(C), float(clip), count, hist, tok_hist, any_out)
 
 
 def pack_active(act: np.ndarray, tau: float) -> np.ndarray:

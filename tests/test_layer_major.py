@@ -169,8 +169,9 @@ def test_the_outliers_job_and_its_runners_take_the_order(smollm, monkeypatch):
     real = jobs.run
     monkeypatch.setattr(jobs, "run", lambda *a, **k: orders.append((k.get("desc"), k.get("order"))) or real(*a, **k))
     _equal(profile_outliers(smollm, ids, **kw), profile_outliers(smollm, ids, order="layer", **kw))
-    # layer-major: its calibration too (a window-major one would hold every layer's weights)
-    assert orders == [("outliers", "window"), ("calibrate", "layer"), ("outliers", "layer")]
+    # layer-major: its calibration too (a window-major one would hold every layer's weights); the calibration covers
+    # every window profiled, so its kept entries stand for the outlier pass (ClipHistograms keep) in either order
+    assert orders == [("calibrate", "window"), ("calibrate", "layer")]
     # a runner (RayRunner's place) is asked for both passes in that order; the CLI's layer-major profile on a real
     # Ray cluster: tests/e2e/test_ray_profile.py
     asked = []

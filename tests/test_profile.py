@@ -10,15 +10,19 @@ import pytest
 
 from edgeprobe.errors import StatsFileError, StatsMismatchError, TextError
 from edgeprobe.profile import OutlierStats, SparsityStats, calibrate_clips, calibrate_thresholds, run
-from edgeprobe.profile.outliers import TENSOR_POINTS, _percentile_from_hist
+from edgeprobe.profile.outliers import CHANNEL_CLIP_PERCENTILE, TENSOR_POINTS, _percentile_from_hist, calibrate_clips_at
 from edgeprobe.profile.predictor import train_predictors
 from edgeprobe_kernels.activation_stats import (
     N_RATIO_BINS,
     NEVER,
+    keep_above,
+    keep_above_ref,
     log2_histogram,
     outlier_update,
     outlier_update_ref,
     pack_active,
+    replay_outliers,
+    replay_outliers_ref,
     window_counts,
     window_update_ref,
 )
@@ -62,6 +66,39 @@ def test_outlier_kernel_matches_reference():
     assert a[1].sum() == 2 * (np.abs(x) > 2.5).sum() and a[2].sum() == 2 * (np.abs(x) > 6.0).sum()
     with pytest.raises(ValueError, match="channels"):
         outlier_update(x, 2.5, 6.0, *state(95))
+
+
+@pytest.mark.parametrize("rows", [200, 300])  # 300: keep_above's row blocks (SPLIT_ROWS)
+def test_kept_entries_replay_the_outlier_kernel(rows):
+    """keep_above then replay_outliers (the one-pass outlier profile's path) leave outlier_update's state exactly,
+    numba against numba and reference against reference, whenever the bar is at most clip / 2; a bar above it
+    loses entries the histogram counts."""
+    rng = np.random.default_rng(3)
+    C, clip, fixed = 96, 2.5, 6.0
+    x = (rng.standard_normal((rows, C)) * rng.exponential(1.0, C)).astype(np.float32)
+    x[0, :5] = [clip, clip / 2, fixed, -clip, -fixed]  # on every comparison's edge
+
+    def state():
+        return [np.zeros(C, np.float32), np.zeros(C, np.int64), np.zeros(C, np.int64),
+                np.zeros((C, N_RATIO_BINS), np.int64), np.zeros(C + 1, np.int64), np.zeros(C, bool)]
+
+    for keep, replay, update in ((keep_above, replay_outliers, outlier_update),
+                                 (keep_above_ref, replay_outliers_ref, outlier_update_ref)):
+        for t in (0.0, 0.3, clip / 2, clip / 2 * 1.01):
+            a, b = state(), state()
+            for _ in range(2):
+                update(x, clip, fixed, *a)
+                idx, vals = keep(x, t, fixed, b[0], b[2])
+                np.testing.assert_array_equal(idx, np.flatnonzero(np.abs(x) >= t))
+                np.testing.assert_array_equal(vals, np.abs(x).ravel()[idx])
+                any_out = np.zeros(C, bool)
+                replay(idx, vals, rows, C, clip, b[1], b[3], b[4], any_out)
+                b[5] |= any_out
+            same = [np.array_equal(p, q) for p, q in zip(a, b)]
+            if t <= clip / 2:
+                assert all(same), (keep.__name__, t, same)
+            else:  # |x| = clip / 2 (and any other in [clip/2, t)) is missing from the lowest bin
+                assert not same[3] and all(same[:3] + same[4:])
 
 
 def test_window_counts_match_reference_and_definition():
@@ -135,6 +172,36 @@ def test_outlier_merge_equals_one_pass_and_save_round_trip(smollm, ids, clips, t
     assert back == merged and back.corpus_sha256 == merged.corpus_sha256 and back.params == merged.params
     meta = json.loads(bytes(np.load(path)["__meta__"]).decode())
     assert meta["model"]["sha256"] == smollm.sha256 and meta["tokens"] == 4 * W and "edgeprobe_version" in meta
+
+
+@pytest.mark.parametrize("order", ["window", "layer"])
+def test_outlier_profile_counts_its_calibration_windows_from_one_pass(smollm, ids, monkeypatch, order):
+    """profile_outliers keeps, in the calibration pass, what the outlier pass counts: the windows both cover run
+    through the model once, not twice, and the profile is the two-pass one bit for bit (each window's counts, the
+    windows' hashes, both clip sets). Past KEEP_BYTES the outlier pass runs again: the same profile."""
+    from edgeprobe.profile import jobs, outliers
+    from edgeprobe.profile.runner import windows
+
+    passes = []
+    real = jobs.run
+
+    def counting(model, tokens, *profiles, **kw):
+        passes.append((type(profiles[0]).__name__, len(windows(tokens, kw["window"], kw.get("max_tokens")))))
+        return real(model, tokens, *profiles, **kw)
+    monkeypatch.setattr(jobs, "run", counting)
+    at = calibrate_clips_at(smollm, ids, {99.99, CHANNEL_CLIP_PERCENTILE}, W, 2 * W, progress=False)
+    ref = run(smollm, ids, OutlierStats.for_model(smollm, at[99.99], clips_at={CHANNEL_CLIP_PERCENTILE:
+                                                                             at[CHANNEL_CLIP_PERCENTILE]}),
+              window=W, max_tokens=3 * W, progress=False)
+    got = jobs.profile_outliers(smollm, ids, tokens=3 * W, window=W, calib_tokens=2 * W, progress=False, order=order)
+    assert passes == [("ClipHistograms", 2), ("OutlierStats", 1)]  # calibration windows 0-1; window 2 alone after
+    assert got == ref and got.corpus_sha256 == ref.corpus_sha256 and got.windows == 3
+    assert got.summary() == ref.summary()
+    passes.clear()
+    monkeypatch.setattr(outliers, "KEEP_BYTES", 1000)
+    again = jobs.profile_outliers(smollm, ids, tokens=3 * W, window=W, calib_tokens=2 * W, progress=False,
+                                  order=order)
+    assert passes == [("ClipHistograms", 2), ("OutlierStats", 3)] and again == ref
 
 
 def test_outlier_merge_mismatch(smollm, clips):

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..models import Model
 from .figures import OUTLIER_KINDS, SPARSITY_KINDS, write_html
-from .outliers import CHANNEL_CLIP_PERCENTILE, OutlierStats, calibrate_clips_at
+from .outliers import CHANNEL_CLIP_PERCENTILE, ClipHistograms, OutlierStats, calibrate_clips_at
 from .predictor import train_predictors
 from .runner import run, windows
 from .sparsity import SparsityStats, calibrate_thresholds
@@ -21,14 +21,32 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
                      calib_tokens: int = 8192, progress: bool = True, runner=None,
                      order: str = "window") -> OutlierStats:
     """Calibrate per-tensor clips on the first `calib_tokens`, then stream `tokens` into OutlierStats (order:
-    runner.run's, "window" or "layer"; a Ray runner runs each shard's windows in that order)."""
+    runner.run's, "window" or "layer"; a Ray runner runs each shard's windows in that order).
+
+    In this process the calibration keeps what the outlier pass counts of its windows (ClipHistograms keep), so
+    those windows are replayed instead of run again and only the tokens past calib_tokens take a second pass: the
+    same profile bit for bit, in about half the time when the two cover the same tokens (calibration_profile)."""
     windows(ids, window, tokens)  # validates before any work
-    # layer-major: the calibration too, else it holds every layer's weights (its histograms are counts: same bits)
-    calib = runner if order == "window" else functools.partial(runner or run, order=order)
-    at = calibrate_clips_at(model, ids, {percentile, CHANNEL_CLIP_PERCENTILE}, window,
-                            min(calib_tokens, tokens or len(ids)), progress, runner=calib)
+    calib_n = min(calib_tokens, tokens or len(ids))
+    hists = None
+    if runner is None:
+        hists = run(model, ids, ClipHistograms.for_model(model, keep=percentile), window=window, max_tokens=calib_n,
+                    progress=progress, desc="calibrate", order=order)
+        at = hists.clips_at({percentile, CHANNEL_CLIP_PERCENTILE})
+    else:  # layer-major: the calibration too, else it holds every layer's weights (its histograms are counts)
+        calib = runner if order == "window" else functools.partial(runner, order=order)
+        at = calibrate_clips_at(model, ids, {percentile, CHANNEL_CLIP_PERCENTILE}, window, calib_n, progress,
+                                runner=calib)
     st = OutlierStats.for_model(model, at[float(percentile)], percentile,
                                 clips_at={p: c for p, c in at.items() if p != float(percentile)})
+    if hists is not None and hists.replayable(st.params["clips"]):
+        done = windows(ids, window, calib_n)
+        st.replay(hists, done)
+        hists.kept = None  # the entries are spent: freed before the rest of the pass
+        rest = np.asarray(ids)[len(done) * window:tokens]
+        if len(rest) >= window:
+            run(model, rest, st, window=window, progress=progress, desc="outliers", order=order)
+        return st
     if runner is not None:
         return runner(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers",
                       order=order)

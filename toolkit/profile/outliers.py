@@ -16,7 +16,15 @@ from typing import ClassVar
 
 import numpy as np
 
-from edgeprobe_kernels.activation_stats import N_RATIO_BINS, RATIO_EDGES, log2_bin_edges, log2_histogram, outlier_update
+from edgeprobe_kernels.activation_stats import (
+    N_RATIO_BINS,
+    RATIO_EDGES,
+    keep_above,
+    log2_bin_edges,
+    log2_histogram,
+    outlier_update,
+    replay_outliers,
+)
 from edgeprobe_kernels.names import FFN_ACT_HOOK, LINEAR_HOOKS, layer_of
 
 from ..models import Model
@@ -77,23 +85,63 @@ def calibrate_clips_at(model: Model, ids, percentiles, window: int = 512, max_to
     return hists.clips_at(percentiles)
 
 
+# A calibration pass that keeps what the outlier pass would count (ClipHistograms.for_model(keep=...)) keeps every
+# |x| >= a quarter of the first window's clip: ~1.2% of SmolLM2's entries, 8 bytes each (~10 MB per 1,000 tokens).
+# Its counts stand for the outlier pass while the final clip is >= half the first window's (0.90x at least on
+# SmolLM2's 1,024 training tokens); past KEEP_BYTES, or below that, the outlier pass runs as before.
+KEEP_MARGIN = 4.0
+KEEP_BYTES = 256 << 20
+
+
 class ClipHistograms(Profile):
     """The calibration pass as a profile: |x| at every linear input in log-linear bins (32 per octave,
-    kernels/activation_stats.log2_histogram), so shards of it merge exactly like any profile."""
+    kernels/activation_stats.log2_histogram), so shards of it merge exactly like any profile.
+
+    keep (a percentile, with `fixed`): also keep what OutlierStats at that percentile would count of these same
+    windows, so that OutlierStats.replay gives the outlier pass's statistics without running it: per tensor the
+    running max |x| and the count beyond `fixed` (they need no clip), and each call's entries with |x| >= its
+    first window's percentile / KEEP_MARGIN (`kept`, not saved or merged: a pass's own, dropped past KEEP_BYTES)."""
 
     KIND: ClassVar[str] = "clip-histograms"
     FIELDS: ClassVar[dict] = {"hist": "sum"}  # hist int64[8192] per tensor
 
     @classmethod
-    def for_model(cls, model: Model) -> "ClipHistograms":
-        return cls(model_name=model.name, model_sha256=model.sha256, params={"names": tensor_names(model)})
+    def for_model(cls, model: Model, keep: float | None = None,
+                  fixed: float = LLM_INT8_THRESHOLD) -> "ClipHistograms":
+        h = cls(model_name=model.name, model_sha256=model.sha256, params={"names": tensor_names(model)})
+        # name -> {"t": kept from, "chmax", "count_fixed", "calls": [(rows, idx int32, |x| float32)]}; None: dropped
+        h.kept = {} if keep is not None else None
+        h.keep_at, h.keep_fixed, h.kept_bytes = keep, float(fixed), 0
+        return h
 
     def hooks(self, model: Model) -> dict:
         self._check_model(model)
 
         def observe(name, x):
-            log2_histogram(x, self.arrays.setdefault(name, {"hist": np.zeros(8192, np.int64)})["hist"])
+            hist = self.arrays.setdefault(name, {"hist": np.zeros(8192, np.int64)})["hist"]
+            log2_histogram(x, hist)
+            if getattr(self, "kept", None) is not None:
+                self._keep(name, x, hist)
         return {n: observe for n in self.params["names"]}
+
+    def _keep(self, name: str, x: np.ndarray, hist: np.ndarray) -> None:
+        k = self.kept.get(name)
+        if k is None:  # the first window: its own percentile (hist holds it alone) sets the bar
+            C = x.shape[1]
+            k = self.kept[name] = {"t": _percentile_from_hist(hist, self.keep_at) / KEEP_MARGIN, "calls": [],
+                                   "chmax": np.zeros(C, np.float32), "count_fixed": np.zeros(C, np.int64)}
+        idx, vals = keep_above(x, k["t"], self.keep_fixed, k["chmax"], k["count_fixed"])
+        k["calls"].append((x.shape[0], idx, vals))
+        self.kept_bytes += idx.nbytes + vals.nbytes
+        if self.kept_bytes > KEEP_BYTES:
+            self.kept = None  # too many to keep: the outlier pass runs
+
+    def replayable(self, clips: dict[str, float]) -> bool:
+        """Whether `kept` holds every entry OutlierStats with these clips counts (|x| >= clip / 2: hist's lowest
+        bin) for every tensor: OutlierStats.replay then gives the outlier pass's state exactly."""
+        kept = getattr(self, "kept", None)
+        return kept is not None and set(kept) == set(self.params["names"]) \
+            and all(kept[n]["t"] <= 0.5 * float(clips[n]) for n in kept)
 
     def clips_at(self, percentiles) -> dict[float, dict[str, float]]:
         """{percentile: {tensor: the percentile of |x|}}, log-interpolated inside its bin."""
@@ -135,6 +183,26 @@ class OutlierStats(Profile):
             raise ValueError(f"this outlier profile has clips at percentiles {have}, not {percentile:g}; profile the "
                              f"model again with this edgeprobe (calibration_profile calibrates {percentile:g} too)")
         return got
+
+    def replay(self, hists: ClipHistograms, chunks: list) -> None:
+        """What a pass over `chunks` (the windows the calibration `hists` kept entries of, in order) adds, from those
+        entries instead of a forward pass: the same state bit for bit (tests/test_profile.py). Refused (ValueError)
+        unless hists.replayable(these clips)."""
+        clips = self.params["clips"]
+        if not hists.replayable(clips):
+            raise ValueError("the calibration kept too few entries for these clips; run the outlier pass")
+        for chunk in chunks:
+            self.begin_window(chunk)
+            self.end_window(len(chunk))
+        for name, k in hists.kept.items():
+            C = len(k["chmax"])
+            st = self._state(name, C)
+            np.maximum(st["chmax"], k["chmax"], out=st["chmax"])
+            st["count_fixed"] += k["count_fixed"]
+            for rows, idx, vals in k["calls"]:
+                any_out = np.zeros(C, dtype=bool)
+                replay_outliers(idx, vals, rows, C, clips[name], st["count"], st["hist"], st["tok_hist"], any_out)
+                st["win_channels"] += int(any_out.sum())
 
     def _state(self, name: str, C: int) -> dict:
         st = self.arrays.get(name)

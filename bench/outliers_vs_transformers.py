@@ -4,8 +4,9 @@ Both sides start as a new process on the same Hugging Face folder of SmolLM2-135
 from the shipped GGUF by transformers, as tests/test_reference.py writes one; kept in $EDGEPROBE_CACHE/hf, else
 ~/.cache/edgeprobe/hf) and the same tokens (edgeprobe's tokenization of the bundled training corpus, its first
 --tokens in --window windows), and are timed wall clock, loading included:
-  ours          `edgeprobe profile outliers --model FOLDER --tokens N --window W` (a calibration pass, then the
-                profile pass; it also tokenizes the corpus and writes its figures);
+  ours          `edgeprobe profile outliers --model FOLDER --tokens N --window W` (one pass: the calibration keeps
+                the entries the outlier statistics count, ClipHistograms keep; it also tokenizes the corpus and
+                writes its figures);
   transformers  float32, torch.set_num_threads(2), a forward hook on every nn.Linear keeping the running per-channel
                 max |x| of its input (SmoothQuant's get_act_scales), the same windows under torch.no_grad().
 Rounds alternate the two (A/B/A/B). Prints tok/s of each, the ratio (ours / transformers), the load average, and the
@@ -158,8 +159,8 @@ def main():
     print(f"\nprofile outliers on {n} tokens ({n // args.window} windows of {args.window}) of {folder}, wall clock "
           f"with loading, medians of {args.rounds} round(s); load average {', '.join(f'{x:.2f}' for x in loads)} "
           f"(start, after each round)")
-    print(f"   edgeprobe profile outliers: {ours_tps:7.1f} tok/s ({statistics.median(ours_s):.1f} s; calibration + "
-          f"profile passes, kept layers {summary.get('kept_layers')})")
+    print(f"   edgeprobe profile outliers: {ours_tps:7.1f} tok/s ({statistics.median(ours_s):.1f} s; the "
+          f"calibration pass, its kept entries counted, kept layers {summary.get('kept_layers')})")
     print(f"   transformers fp32, 2 threads, hooks on every Linear: {hf_tps:7.1f} tok/s "
           f"({statistics.median(hf_s):.1f} s)")
     print(f"   ratio ours / transformers: {ours_tps / hf_tps:.2f}x; per-channel max |x| of every linear input agree "

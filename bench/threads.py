@@ -22,7 +22,12 @@ split's parts run in turn and timed in CPU time; prints the serial share (time o
 two-core bound T1 / (serial + the slowest part of each split), row splits on and off. It ignores waking the pool,
 shared caches and clocks, so a quiet machine's ratio stays below it.
 
-    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 256] [--window 128] [--ab | --bound]
+--gemms: the passes' GEMMs alone (every layer weight of the model against --window rows, each GEMM in the fixed
+column blocks of matmul_wt that keep a pass's bits whatever its thread count) on one thread and on every core, and
+the same GEMMs as one OpenBLAS call each on its own one and two threads (whose bits change with the count),
+interleaved: how far two cores can take a pass made of these GEMMs on this machine.
+
+    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 256] [--window 128] [--ab | --bound | --gemms]
 """
 from __future__ import annotations
 
@@ -75,6 +80,7 @@ def main():
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--ab", action="store_true", help="quiet only, row-wise ops split and not, side by side")
     ap.add_argument("--bound", action="store_true", help="the two-core bound from CPU times on one thread")
+    ap.add_argument("--gemms", action="store_true", help="the passes' GEMMs alone on one thread and on every core")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # a killed bench still stops its neighbour (finally)
 
@@ -98,12 +104,14 @@ def main():
 
     def calibration_pass():  # what prepared() runs before quantizing a scheme that needs a profile (w8a8)
         calibration_profile(m, train, tokens=T, window=W, progress=False)
-        return 2 * T
+        return T  # one forward pass: the clips' pass keeps what the outlier statistics count (ClipHistograms keep)
 
     def outliers_pass():
         profile_outliers(m, train, tokens=T, window=W, calib_tokens=W, progress=False)
-        return T + W
+        return T  # the first window calibrates and is replayed, the others run once
 
+    if args.gemms:
+        return gemms(m, args.rounds, W)
     passes = {"eval": eval_pass, "calibration": calibration_pass, "outliers": outliers_pass}
     for fn in passes.values():  # warm-up: kernels loaded, weights touched
         fn()
@@ -149,6 +157,49 @@ def main():
         picks = ", ".join(f"{v} x {k}" for k, v in sorted(chosen[name].items()) if v)
         goal = f"  (goal >= {GOALS[name]})" if name in GOALS else ""
         print(f"{name:<23s}{cells}{statistics.mean(loads[name]):>8.2f}  {picks}{goal}")
+
+
+def gemms(m, rounds: int, W: int) -> None:
+    """--gemms: GFLOP/s of the model's layer GEMMs at W rows, matmul_wt's blocks at one thread and at every core
+    (inside a host pass: BLAS one thread a call) and one OpenBLAS call a weight at its own 1 and CORES threads,
+    interleaved per round; medians and the ratios."""
+    import numpy as np
+
+    from edgeprobe_kernels import threads
+    from edgeprobe_kernels.threads import CORES, POLICY, host_pass, matmul_wt
+
+    ws = [np.asarray(m.weights[n], dtype=np.float32) for n in m.weights.keys()
+          if n.startswith("blk.") and np.ndim(m.weights[n]) == 2]
+    rng = np.random.default_rng(0)
+    xs = {k: rng.standard_normal((W, k), dtype=np.float32) for k in {w.shape[1] for w in ws}}
+    flop = sum(2 * W * w.shape[0] * w.shape[1] for w in ws)
+    setn = threads._openblas()[0] if threads._openblas() else None
+    rates: dict = {}
+
+    def timed(key, fn):
+        t = time.perf_counter()
+        for w in ws:
+            fn(xs[w.shape[1]], w)
+        rates.setdefault(key, []).append(flop / (time.perf_counter() - t) / 1e9)
+
+    for _ in range(rounds):
+        with host_pass():
+            for k in (1, CORES):
+                POLICY.width = k
+                timed(("blocks", k), matmul_wt)
+        if setn is not None:
+            for k in (1, CORES):
+                setn(k)
+                timed(("openblas", k), lambda x, w: x @ w.T)
+            setn(1)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"the passes' GEMMs alone: {len(ws)} layer weights of {m.name} at {W} rows, GFLOP/s, median of {rounds} "
+          f"rounds; load1 {os.getloadavg()[0]:.2f}")
+    for how in ("blocks", "openblas"):
+        if (how, 1) in med:
+            what = "fixed column blocks (a pass's)" if how == "blocks" else "one OpenBLAS call a weight, its threads"
+            print(f"  {what:<40s} 1 thread {med[(how, 1)]:6.1f}   {CORES} threads {med[(how, CORES)]:6.1f}   "
+                  f"{med[(how, CORES)] / med[(how, 1)]:.2f}x")
 
 
 def bound(passes: dict, rounds: int, T: int, W: int) -> None:

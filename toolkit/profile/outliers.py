@@ -28,6 +28,7 @@ from edgeprobe_kernels.activation_stats import (
 from edgeprobe_kernels.names import FFN_ACT_HOOK, LINEAR_HOOKS, layer_of
 
 from ..models import Model
+from ..models.config import memory_limit
 from .base import Profile
 from .runner import run
 
@@ -88,7 +89,8 @@ def calibrate_clips_at(model: Model, ids, percentiles, window: int = 512, max_to
 # A calibration pass that keeps what the outlier pass would count (ClipHistograms.for_model(keep=...)) keeps every
 # |x| >= a quarter of the first window's clip: ~1.2% of SmolLM2's entries, 8 bytes each (~10 MB per 1,000 tokens).
 # Its counts stand for the outlier pass while the final clip is >= half the first window's (0.90x at least on
-# SmolLM2's 1,024 training tokens); past KEEP_BYTES, or below that, the outlier pass runs as before.
+# SmolLM2's 1,024 training tokens); past KEEP_BYTES (or an eighth of the memory limit), or below that, the outlier
+# pass runs as before.
 KEEP_MARGIN = 4.0
 KEEP_BYTES = 256 << 20
 
@@ -104,14 +106,22 @@ class ClipHistograms(Profile):
 
     KIND: ClassVar[str] = "clip-histograms"
     FIELDS: ClassVar[dict] = {"hist": "sum"}  # hist int64[8192] per tensor
+    # a pass's own, never saved or merged (not dataclass fields): name -> {"t": kept from, "chmax", "count_fixed",
+    # "calls": [(rows, idx int32, |x| float32)]}, or None (not keeping, or dropped past the budget)
+    kept: ClassVar[dict | None] = None
+    keep_at: ClassVar[float] = 99.99
+    keep_fixed: ClassVar[float] = LLM_INT8_THRESHOLD
+    keep_budget: ClassVar[int] = KEEP_BYTES
+    kept_bytes: ClassVar[int] = 0
 
     @classmethod
     def for_model(cls, model: Model, keep: float | None = None,
                   fixed: float = LLM_INT8_THRESHOLD) -> "ClipHistograms":
         h = cls(model_name=model.name, model_sha256=model.sha256, params={"names": tensor_names(model)})
-        # name -> {"t": kept from, "chmax", "count_fixed", "calls": [(rows, idx int32, |x| float32)]}; None: dropped
-        h.kept = {} if keep is not None else None
-        h.keep_at, h.keep_fixed, h.kept_bytes = keep, float(fixed), 0
+        if keep is not None:
+            limit = memory_limit()[0]
+            h.kept, h.keep_at, h.keep_fixed = {}, float(keep), float(fixed)
+            h.keep_budget = KEEP_BYTES if limit is None else min(KEEP_BYTES, limit // 8)
         return h
 
     def hooks(self, model: Model) -> dict:
@@ -120,7 +130,7 @@ class ClipHistograms(Profile):
         def observe(name, x):
             hist = self.arrays.setdefault(name, {"hist": np.zeros(8192, np.int64)})["hist"]
             log2_histogram(x, hist)
-            if getattr(self, "kept", None) is not None:
+            if self.kept is not None:
                 self._keep(name, x, hist)
         return {n: observe for n in self.params["names"]}
 
@@ -133,13 +143,13 @@ class ClipHistograms(Profile):
         idx, vals = keep_above(x, k["t"], self.keep_fixed, k["chmax"], k["count_fixed"])
         k["calls"].append((x.shape[0], idx, vals))
         self.kept_bytes += idx.nbytes + vals.nbytes
-        if self.kept_bytes > KEEP_BYTES:
+        if self.kept_bytes > self.keep_budget:
             self.kept = None  # too many to keep: the outlier pass runs
 
     def replayable(self, clips: dict[str, float]) -> bool:
         """Whether `kept` holds every entry OutlierStats with these clips counts (|x| >= clip / 2: hist's lowest
         bin) for every tensor: OutlierStats.replay then gives the outlier pass's state exactly."""
-        kept = getattr(self, "kept", None)
+        kept = self.kept
         return kept is not None and set(kept) == set(self.params["names"]) \
             and all(kept[n]["t"] <= 0.5 * float(clips[n]) for n in kept)
 

@@ -197,6 +197,10 @@ def test_outlier_profile_counts_its_calibration_windows_from_one_pass(smollm, id
     assert passes == [("ClipHistograms", 2), ("OutlierStats", 1)]  # calibration windows 0-1; window 2 alone after
     assert got == ref and got.corpus_sha256 == ref.corpus_sha256 and got.windows == 3
     assert got.summary() == ref.summary()
+    kept = outliers.ClipHistograms.for_model(smollm, keep=99.99)
+    run(smollm, ids, kept, window=W, max_tokens=2 * W, progress=False)
+    with pytest.raises(ValueError, match="other windows than these 3"):
+        OutlierStats.for_model(smollm, kept.clips_at([99.99])[99.99]).replay(kept, windows(ids, W, 3 * W))
     passes.clear()
     monkeypatch.setattr(outliers, "KEEP_BYTES", 1000)
     again = jobs.profile_outliers(smollm, ids, tokens=3 * W, window=W, calib_tokens=2 * W, progress=False,

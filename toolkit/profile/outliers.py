@@ -201,6 +201,10 @@ class OutlierStats(Profile):
         clips = self.params["clips"]
         if not hists.replayable(clips):
             raise ValueError("the calibration kept too few entries for these clips; run the outlier pass")
+        shape = [len(chunks), sum(len(c) for c in chunks)]
+        if any([len(k["calls"]), sum(r for r, _, _ in k["calls"])] != shape for k in hists.kept.values()):
+            raise ValueError(f"the calibration kept entries of other windows than these {len(chunks)} "
+                             f"({shape[1]} tokens); replay the windows it ran")
         for chunk in chunks:
             self.begin_window(chunk)
             self.end_window(len(chunk))

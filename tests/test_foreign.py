@@ -2,6 +2,8 @@
 template and the cost model fitted from them. Numbers are hand-computed from the fixtures' own lines."""
 import json
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -597,6 +599,35 @@ def test_etdump_ticks_to_us_checked_against_the_bytes():
     assert execute["end_us"] - execute["start_us"] == (2324134 - 425313) / 1e3  # 0x2376a6 - 0x067d61 ns
     inner = [e for e in t.events if e["run"] == 1 and e is not execute]
     assert all(execute["start_us"] <= e["start_us"] <= e["end_us"] <= execute["end_us"] for e in inner)
+
+
+# ExecuTorch's reader in its own process: importing executorch loads its torch ops and dialects, kept out of the suite's
+_EXECUTORCH_READS = """
+import json, sys
+from executorch.devtools.etdump.serialize import deserialize_from_etdump_flatcc
+et = deserialize_from_etdump_flatcc(open(sys.argv[1], "rb").read())
+runs = [{"name": r.name, "bundled_input_index": r.bundled_input_index} for r in et.run_data]
+events = [(r, k, pe.name, pe.start_time, pe.end_time, pe.chain_index, pe.instruction_id,
+           pe.delegate_debug_id_str or (pe.delegate_debug_id_int if pe.delegate_debug_id_int != -1 else None))
+          for r, run in enumerate(et.run_data) for k, pe in enumerate(ev.profile_event for ev in run.events)
+          if pe is not None]
+print(json.dumps({"version": et.version, "runs": runs, "events": events}))
+"""
+
+
+def test_etdump_reads_as_executorchs_own_deserializer():
+    """ExecuTorch's own reader (executorch 1.5.1's deserialize_from_etdump_flatcc: its flatc and its schema, a test-only
+    reference installed by the test setup) finds the fixture's runs and profile events as edgeprobe's reader does,
+    field for field."""
+    r = subprocess.run([sys.executable, "-W", "ignore", "-c", _EXECUTORCH_READS, str(ETDP)], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    et = json.loads(r.stdout.strip().splitlines()[-1])
+    t = load_foreign(ETDP)
+    assert et["version"] == t.meta["source"]["version"] == 0 and et["runs"] == t.meta["runs"]
+    ours = [[e["run"], e["record"], e["name"], e["start_ticks"], e["end_ticks"], e["chain_index"], e["instruction_id"],
+             e.get("delegate_debug_id")] for e in t.events]
+    assert len(et["events"]) == 31 and ours == et["events"]
 
 
 def test_etdump_writes_perfetto_and_imports_through_the_cli(tmp_path, capsys):

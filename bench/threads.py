@@ -173,7 +173,8 @@ def gemms(m, rounds: int, W: int) -> None:
     rng = np.random.default_rng(0)
     xs = {k: rng.standard_normal((W, k), dtype=np.float32) for k in {w.shape[1] for w in ws}}
     flop = sum(2 * W * w.shape[0] * w.shape[1] for w in ws)
-    setn = threads._openblas()[0] if threads._openblas() else None
+    blas = threads._openblas()
+    setn = blas[0] if blas else None
     rates: dict = {}
 
     def timed(key, fn):

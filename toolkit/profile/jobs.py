@@ -1,7 +1,6 @@
 """The profile jobs behind `edgeprobe profile ...` and the notebooks: calibrate, stream, summarize, draw."""
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import numpy as np
 
 from ..models import Model
 from .figures import OUTLIER_KINDS, SPARSITY_KINDS, write_html
-from .outliers import CHANNEL_CLIP_PERCENTILE, ClipHistograms, OutlierStats, calibrate_clips_at
+from .outliers import CHANNEL_CLIP_PERCENTILE, ClipHistograms, OutlierStats
 from .predictor import train_predictors
 from .runner import run, windows
 from .sparsity import SparsityStats, calibrate_thresholds
@@ -28,18 +27,14 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
     same profile bit for bit, in about half the time when the two cover the same tokens (calibration_profile)."""
     windows(ids, window, tokens)  # validates before any work
     calib_n = min(calib_tokens, tokens or len(ids))
-    hists = None
-    if runner is None:
-        hists = run(model, ids, ClipHistograms.for_model(model, keep=percentile), window=window, max_tokens=calib_n,
-                    progress=progress, desc="calibrate", order=order)
-        at = hists.clips_at({percentile, CHANNEL_CLIP_PERCENTILE})
-    else:  # layer-major: the calibration too, else it holds every layer's weights (its histograms are counts)
-        calib = runner if order == "window" else functools.partial(runner, order=order)
-        at = calibrate_clips_at(model, ids, {percentile, CHANNEL_CLIP_PERCENTILE}, window, calib_n, progress,
-                                runner=calib)
+    # layer-major: the calibration too, else it holds every layer's weights (its histograms are counts: same bits);
+    # a runner's shards keep nothing (their entries would have to travel back): it runs both passes
+    hists = (runner or run)(model, ids, ClipHistograms.for_model(model, keep=percentile if runner is None else None),
+                            window=window, max_tokens=calib_n, progress=progress, desc="calibrate", order=order)
+    at = hists.clips_at({percentile, CHANNEL_CLIP_PERCENTILE})
     st = OutlierStats.for_model(model, at[float(percentile)], percentile,
                                 clips_at={p: c for p, c in at.items() if p != float(percentile)})
-    if hists is not None and hists.replayable(st.params["clips"]):
+    if hists.replayable(st.params["clips"]):
         done = windows(ids, window, calib_n)
         st.replay(hists, done)
         hists.kept = None  # the entries are spent: freed before the rest of the pass
@@ -47,10 +42,8 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
         if len(rest) >= window:
             run(model, rest, st, window=window, progress=progress, desc="outliers", order=order)
         return st
-    if runner is not None:
-        return runner(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers",
-                      order=order)
-    return run(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers", order=order)
+    return (runner or run)(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers",
+                           order=order)
 
 
 def profile_sparsity(model: Model, ids, tokens: int | None = 16384, window: int = 512, eps: float = 0.01,

@@ -113,8 +113,6 @@ if numba is not None:
     def _keep_above_nb(x, r0, r1, t, fixed, chmax, count_fixed):
         """keep_above_ref over rows r0..r1-1: (flat indices n * C + c int32[k], |x| float32[k]), row-major."""
         C = x.shape[1]
-        idx = np.empty((r1 - r0) * C, np.int32)
-        vals = np.empty((r1 - r0) * C, np.float32)
         k = 0
         for n in range(r0, r1):
             for c in range(C):
@@ -123,10 +121,20 @@ if numba is not None:
                 if a > fixed:
                     count_fixed[c] += 1
                 if a >= t:
+                    k += 1
+        # sized by a count first: a buffer the size of the block (8 bytes an entry) was mapped fresh and faulted in
+        # on every call, and two threads' page faults serialise
+        idx = np.empty(k, np.int32)
+        vals = np.empty(k, np.float32)
+        k = 0
+        for n in range(r0, r1):
+            for c in range(C):
+                a = abs(x[n, c])
+                if a >= t:
                     idx[k] = n * C + c
                     vals[k] = a
                     k += 1
-        return idx[:k].copy(), vals[:k].copy()
+        return idx, vals
 
     @numba.njit(nogil=True, cache=True)
     def _replay_nb(idx, vals, rows, C, clip, count, hist, tok_hist, any_out):

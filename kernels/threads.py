@@ -288,17 +288,28 @@ def spread(fn, parts: list) -> None:
 
 
 def run_blocks(fn, blocks) -> None:
-    """fn(start, stop) for every block, spread over the current host pass's threads (POLICY.width) in contiguous
-    shares. The blocks must write disjoint outputs; their grouping never changes a bit."""
+    """fn(start, stop) for every block, spread over the current host pass's threads (POLICY.width): each thread takes
+    the next block not yet taken, so a thread slowed by a neighbour process or by waiting for the GIL takes fewer
+    (with contiguous shares the pass waited for its slowest share). The blocks must write disjoint outputs; which
+    thread runs a block never changes a bit."""
     blocks = list(blocks)
     k = min(POLICY.width, len(blocks))
-
-    def run(part):
-        for a, b in part:
+    if k < 2:
+        for a, b in blocks:
             fn(a, b)
+        return
+    taken = iter(blocks)
+    lock = threading.Lock()
 
-    cuts = [round(len(blocks) * i / max(k, 1)) for i in range(max(k, 1) + 1)]
-    spread(run, [blocks[cuts[i]:cuts[i + 1]] for i in range(max(k, 1))])
+    def run(_):
+        while True:
+            with lock:
+                block = next(taken, None)
+            if block is None:
+                return
+            fn(*block)
+
+    spread(run, [None] * k)
 
 
 SMALL_M = 32  # up to this many rows a block is (w x^T)^T: OpenBLAS's small-M GEMM is 2-5x slower on them
@@ -310,6 +321,8 @@ def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
     not depend on the thread count; for few rows (decode) each of column_blocks(N) is (w_block @ x^T)^T
     (bench/decode.py)."""
     y = np.empty((x.shape[0], w.shape[0]), dtype=np.result_type(x, w))
+    if isinstance(w, np.memmap):  # a block's slice of a memmap runs Python (__array_finalize__) under the GIL
+        w = w.view(np.ndarray)
     if x.shape[0] <= SMALL_M:  # a decode step's GEMM is too short to pay for a second block
         def block(a, b):
             y[:, a:b] = (w[a:b] @ x.T).T

@@ -33,6 +33,8 @@ CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (o
 BUSY_SHARE = 0.4      # a core that other processes use more than this share of the time is theirs
 INTERVAL_S = 0.25     # the shortest interval a measurement averages over (/proc/stat counts in 10 ms ticks)
 FIRST_S = 0.08        # a pass starts after a measurement this long (its own: the load may have changed since)
+STALE_S = 1.0         # a pass starting longer than this after the last sample measures anew: the average since
+                      # then would still count a neighbour that has gone (or miss one that came)
 # row-wise ops outside the GEMMs split their rows over a pass's threads (ROW_SPLITS = False: bench/threads.py's A/B)
 ROW_SPLITS = os.environ.get("EDGEPROBE_ROW_SPLITS", "1").strip() != "0"
 
@@ -131,7 +133,7 @@ class ThreadPolicy:
     def others(self, fresh: bool = False) -> float:
         """Cores other processes keep busy: the last measurement, renewed once INTERVAL_S have passed. fresh: a
         pass starts, so the interval since the last sample counts once FIRST_S long; the process's first pass
-        measures FIRST_S itself (this process idle meanwhile)."""
+        measures FIRST_S itself (this process idle meanwhile), as does a pass STALE_S or more after the last sample."""
         load = self.load
         if load is None:
             return 0.0
@@ -144,7 +146,7 @@ class ThreadPolicy:
             return self._others  # another lane is measuring: its result serves this op too
         try:
             s = self._sample
-            if s is None:
+            if s is None or (fresh and time.monotonic() - s[0] > STALE_S):
                 s = self._sample = load.sample()
                 if s is None or not fresh:
                     return self._others  # no /proc/stat, or a lane's first op: the next one has an interval

@@ -254,6 +254,27 @@ def test_only_the_outermost_pass_takes_a_fresh_measurement(monkeypatch):
     assert asked == [True, False, False, False, True]
 
 
+def test_a_pass_long_after_the_last_sample_measures_the_present(monkeypatch):
+    """A neighbour kept both cores busy from 0.5 s to 4.9 s; a pass starting at 5.0 s measures FIRST_S anew (quiet:
+    2 threads), where the average since the last sample (0.5 s) counted the neighbour that had gone (1 thread)."""
+    clock, busy_until = [0.0], 4.9
+
+    class Load(T.CpuLoad):
+        def sample(self):  # (now, busy CPU-seconds of both CPUs: the neighbour's 2 cores while it ran, ours 0)
+            t = clock[0]
+            return t, 2 * max(0.0, min(t, busy_until) - 0.5), 0.0
+    monkeypatch.setattr(T.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(T.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    p = T.ThreadPolicy(2, load=Load(cpus=[0, 1]), env=False)
+    assert p.threads(fresh=True) == 2  # the first pass at 0: FIRST_S of a quiet machine
+    clock[0] = 0.5
+    assert p.threads() == 2  # sampled at 0.5 (the neighbour starts)
+    clock[0] = 2.0
+    assert p.threads() == 1  # inside a pass, the neighbour's 1.5 s seen
+    clock[0] = 5.0
+    assert p.threads(fresh=True) == 2 and p._sample[0] == pytest.approx(5.0 + T.FIRST_S)
+
+
 def test_a_forked_child_spreads_on_its_own_pool():
     """A child forked after the pool started has none of its threads: without a pool of its own its first split
     would wait forever."""

@@ -122,8 +122,8 @@ if numba is not None:
                     count_fixed[c] += 1
                 if a >= t:
                     k += 1
-        # sized by a count first: a buffer the size of the block (8 bytes an entry) was mapped fresh and faulted in
-        # on every call, and two threads' page faults serialise
+        # sized by a count first: allocating for every entry (8 bytes each, ~1% kept) and copying out cost more than
+        # reading the rows twice (512 x 1536 in 8 blocks, one thread: 2.0 -> 1.5 ms)
         idx = np.empty(k, np.int32)
         vals = np.empty(k, np.float32)
         k = 0

@@ -10,7 +10,9 @@ per window); the agent's lanes ask `POLICY.threads()` for an op that computes al
 
 Inside a host pass BLAS runs one thread a call, and the host's GEMMs (`matmul_wt`) and row splits spread fixed
 blocks over a pool whose threads block rather than spin, on every core: beside a busy core each still adds its fair
-share of time. The blocks depend on the shapes alone, so a pass's bits do not depend on the count or the load.
+share of time; each thread takes the next block as it comes free. The blocks depend on the shapes alone, so a pass's
+bits do not depend on the count or the load. A profile's statistics of an activation run `beside` the pass on a pool
+thread (over the next GEMM's blocks), done by the pass's exit (`settle`).
 EDGEPROBE_THREADS=N fixes the count at N (no measuring); unset or `auto`, it is measured. EDGEPROBE_ROW_SPLITS=0 runs
 the row-wise ops outside the GEMMs (norms, RoPE, residual adds, the profiles' statistics) whole on the calling thread,
 as before they ran in row blocks over the pool (a bench knob: the bits are the same either way).
@@ -199,7 +201,12 @@ class ThreadPolicy:
         numba_before = numba.get_num_threads() if numba is not None else None
         try:
             self.tick(fresh=outer)  # a nested pass (a plan inside a decode loop) takes the outer one's recent decision
-            yield self
+            try:
+                yield self
+            except BaseException:
+                settle(raising=False)  # the pass's own error wins; nothing is left running
+                raise
+            settle()  # what ran beside the pass is done before its results are read
         finally:
             if numba_before is not None:
                 numba.set_num_threads(numba_before)
@@ -287,6 +294,36 @@ def spread(fn, parts: list) -> None:
     finally:
         for f in futures:
             f.result()
+
+
+_PENDING = threading.local()  # .future: the calling thread's task running beside it (beside), or None
+
+
+def beside(fn) -> None:
+    """fn() on one of the pool's threads while the calling thread goes on, inside a host pass on two or more
+    threads; else fn() now. For observers (a profile's statistics of an activation): the next op's GEMM blocks run
+    meanwhile and the pool's thread joins them once fn is done, where the statistics alone, split in blocks of
+    ~0.5 ms, scaled poorly (waking the pool's thread costs ~0.1 ms). fn must not write what the pass computes and
+    nothing may write what fn reads until it is done. One at a time per calling thread (a second waits for the
+    first): settle(), called at every host pass's exit, waits for it and raises its error."""
+    settle()
+    if POLICY._depth and POLICY.width > 1 and ROW_SPLITS and not getattr(_WORKER, "busy", False):
+        _PENDING.future = _pool().submit(fn)
+    else:
+        fn()
+
+
+def settle(raising: bool = True) -> None:
+    """Wait for the calling thread's task running beside it (beside); raise its error (raising)."""
+    f = getattr(_PENDING, "future", None)
+    if f is None:
+        return
+    _PENDING.future = None
+    try:
+        f.result()
+    except BaseException:
+        if raising:
+            raise
 
 
 def run_blocks(fn, blocks) -> None:

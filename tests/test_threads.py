@@ -1,6 +1,7 @@
 """The one thread policy (edgeprobe_kernels.threads): its decision from the measured busy cores, the BLAS and numba
 counts it sets and gives back, that host passes and the agent's lanes both take their counts from it, and that a host
 pass's bits do not depend on the count it chose (matmul_wt's fixed column blocks)."""
+import time
 from types import SimpleNamespace
 
 import numba
@@ -252,6 +253,51 @@ def test_only_the_outermost_pass_takes_a_fresh_measurement(monkeypatch):
     with p.host_pass():
         pass
     assert asked == [True, False, False, False, True]
+
+
+def test_a_statistic_runs_beside_the_pass_and_is_done_at_its_exit(monkeypatch):
+    """beside(fn) in a pass on two threads: fn runs on the pool's thread while the caller goes on (fn waits for the
+    caller's next step: run in turn it would time out), and is done when the pass exits; at one thread it runs at
+    once, on the caller's thread."""
+    import threading
+
+    monkeypatch.setattr(T.POLICY, "fixed", 2)
+    went_on, ran = threading.Event(), []
+
+    def observe():
+        ran.append((went_on.wait(10), threading.current_thread().name))
+    with T.host_pass():
+        T.beside(observe)
+        went_on.set()
+    assert ran == [(True, ran[0][1])] and ran[0][1].startswith("edgeprobe-gemm")
+    monkeypatch.setattr(T.POLICY, "fixed", 1)
+    went_on.clear()
+    with T.host_pass():
+        T.beside(lambda: ran.append(threading.current_thread().name))
+        assert ran[-1] == threading.current_thread().name
+
+
+def test_an_error_beside_a_pass_is_raised_at_its_exit_and_the_pass_s_own_wins(monkeypatch):
+    import threading
+
+    monkeypatch.setattr(T.POLICY, "fixed", 2)
+
+    def fails():
+        raise ValueError("the statistic failed")
+    with pytest.raises(ValueError, match="the statistic failed"):
+        with T.host_pass():
+            T.beside(fails)
+    done = threading.Event()
+
+    def slow_fail():
+        time.sleep(0.2)
+        done.set()
+        raise ValueError("the statistic failed")
+    with pytest.raises(KeyError):
+        with T.host_pass():
+            T.beside(slow_fail)
+            raise KeyError("the pass failed")
+    assert done.is_set() and getattr(T._PENDING, "future", None) is None  # waited for, nothing left running
 
 
 def test_a_pass_long_after_the_last_sample_measures_the_present(monkeypatch):

@@ -33,7 +33,7 @@ from edgeprobe_kernels.names import (
     FFN_LINEARS,
     ROUTERS,  # noqa: F401  (re-exported: router linears stay float)
 )
-from edgeprobe_kernels.threads import host_pass, matmul_wt
+from edgeprobe_kernels.threads import host_pass, matmul_wt, settle
 
 from .errors import TokenRangeError
 from .graph.local import HostContext, HostRaised, float_plan, run_float, run_float_part
@@ -386,9 +386,11 @@ def forward_layers(model: Model, chunks: list, done: Callable[[int, np.ndarray],
             for w in range(len(chunks)):
                 threads.tick()
                 if at_window is not None:
+                    settle()  # the last window's statistics, before the profiles switch windows
                     at_window(w)
                 run_float_part(plan, seg, tokens[w], ctx, results[w], unread[w])
                 if s == len(segments) - 1:
+                    settle()
                     done(w, results[w].pop(out).reshape(T, -1))
                     results[w].clear()
                 if bar is not None:

@@ -26,6 +26,7 @@ from edgeprobe_kernels.activation_stats import (
     replay_outliers,
 )
 from edgeprobe_kernels.names import FFN_ACT_HOOK, LINEAR_HOOKS, layer_of
+from edgeprobe_kernels.threads import beside
 
 from ..models import Model
 from ..models.config import memory_limit
@@ -128,10 +129,12 @@ class ClipHistograms(Profile):
         self._check_model(model)
 
         def observe(name, x):
-            hist = self.arrays.setdefault(name, {"hist": np.zeros(8192, np.int64)})["hist"]
-            log2_histogram(x, hist)
-            if self.kept is not None:
-                self._keep(name, x, hist)
+            def count():
+                hist = self.arrays.setdefault(name, {"hist": np.zeros(8192, np.int64)})["hist"]
+                log2_histogram(x, hist)
+                if self.kept is not None:
+                    self._keep(name, x, hist)
+            beside(count)  # beside the next linear's GEMM (x is only read from here on)
         return {n: observe for n in self.params["names"]}
 
     def _keep(self, name: str, x: np.ndarray, hist: np.ndarray) -> None:
@@ -232,11 +235,13 @@ class OutlierStats(Profile):
         clips, fixed = self.params["clips"], self.params["fixed_threshold"]
 
         def observe(name, x):
-            st = self._state(name, x.shape[1])
-            any_out = np.zeros(x.shape[1], dtype=bool)
-            outlier_update(np.ascontiguousarray(x, dtype=np.float32), clips[name], fixed, st["chmax"],
-                           st["count"], st["count_fixed"], st["hist"], st["tok_hist"], any_out)
-            st["win_channels"] += int(any_out.sum())
+            def count():
+                st = self._state(name, x.shape[1])
+                any_out = np.zeros(x.shape[1], dtype=bool)
+                outlier_update(np.ascontiguousarray(x, dtype=np.float32), clips[name], fixed, st["chmax"],
+                               st["count"], st["count_fixed"], st["hist"], st["tok_hist"], any_out)
+                st["win_channels"] += int(any_out.sum())
+            beside(count)  # beside the next linear's GEMM (x is only read from here on)
         return {n: observe for n in clips}
 
     # ---- derived: Fig. 10 ----------------------------------------------------------------------

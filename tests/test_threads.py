@@ -405,6 +405,7 @@ def test_a_slowed_thread_takes_fewer_blocks(monkeypatch):
     assert ran[0] == threading.current_thread().name
     assert {ran[i] for i in range(1, 8)} == {ran[1]} and ran[1].startswith("edgeprobe-gemm")
 
+
 def _at_widths(monkeypatch, fn):
     """fn() with the row splits off (the ops as they were), then split over 1, 2 and 3 threads -> (outputs, the
     largest number of parts a spread ran at each of those four settings)."""

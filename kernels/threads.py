@@ -216,6 +216,10 @@ class ThreadPolicy:
                     self.width = 1
                     if self._blas is not None and self._blas_before != 1:
                         self._blas[0](self._blas_before)
+            if outer and self.fixed is None:
+                # the load over the pass's last stretch, sampled now: a pass right after it starts from that, where
+                # a sample older than STALE_S (a 512-token window's tick, ~1.5 s) cost it FIRST_S of sleep
+                self.others()
 
 
 POLICY = ThreadPolicy(load=CpuLoad())

@@ -252,7 +252,7 @@ def test_only_the_outermost_pass_takes_a_fresh_measurement(monkeypatch):
                 pass
     with p.host_pass():
         pass
-    assert asked == [True, False, False, False, True]
+    assert asked == [True, False, False, False, False, True, False]  # and the outermost samples at its exit
 
 
 def test_a_statistic_runs_beside_the_pass_and_is_done_at_its_exit(monkeypatch):
@@ -319,6 +319,28 @@ def test_a_pass_long_after_the_last_sample_measures_the_present(monkeypatch):
     assert p.threads() == 1  # inside a pass, the neighbour's 1.5 s seen
     clock[0] = 5.0
     assert p.threads(fresh=True) == 2 and p._sample[0] == pytest.approx(5.0 + T.FIRST_S)
+
+
+def test_a_pass_right_after_another_starts_from_the_load_at_its_end(monkeypatch):
+    """A host pass samples the load as it exits: the next pass, starting within FIRST_S, takes the load of the
+    first pass's last stretch and does not sleep FIRST_S to measure, though the first pass's last tick (its long
+    window's start) is over STALE_S old. A neighbour kept both cores from 0.5 s on."""
+    clock, slept = [0.0], []
+
+    class Load(T.CpuLoad):
+        def sample(self):
+            t = clock[0]
+            return t, 2 * max(0.0, t - 0.5), 0.0
+    monkeypatch.setattr(T.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(T.time, "sleep", lambda s: (slept.append(s), clock.__setitem__(0, clock[0] + s)))
+    p = T.ThreadPolicy(2, load=Load(cpus=[0, 1]), env=False)
+    with p.host_pass():  # a pass of one 1.6 s window, ticked at its start
+        assert p.last == 2 and slept == [T.FIRST_S]
+        p.tick()
+        clock[0] += 1.6
+    clock[0] += 0.01
+    with p.host_pass():
+        assert slept == [T.FIRST_S] and p.last == 1  # no sleep; the neighbour seen over the first pass's window
 
 
 def test_a_forked_child_spreads_on_its_own_pool():

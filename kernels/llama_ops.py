@@ -388,17 +388,29 @@ def _attention_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, wi
 def swiglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """silu(g) * u: the input of an FFN's down projection (Shazeer 2020). Rows split over the op's cores from
     SPLIT_ROWS rows (numpy's float32 exp is ~1.8 ns an element here, 0.2 s of a 1024-token prefill)."""
-    if g.ndim != 2 or g.shape[0] < SPLIT_ROWS or g.shape != u.shape:
+    if g.ndim != 2 or g.shape != u.shape:
         return g / (1.0 + np.exp(-g)) * u
     out = np.empty(g.shape, np.result_type(g, u))
+    if g.shape[0] < SPLIT_ROWS:
+        _silu_mul(g, u, out)
+        return out
     step = -(-g.shape[0] // 8)
 
     def rows(r0s):
         for r0 in r0s:
-            gr, ur = g[r0:r0 + step], u[r0:r0 + step]
-            out[r0:r0 + step] = gr / (1.0 + np.exp(-gr)) * ur
+            _silu_mul(g[r0:r0 + step], u[r0:r0 + step], out[r0:r0 + step])
     _split(rows, list(range(0, g.shape[0], step)))
     return out
+
+
+def _silu_mul(g: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:
+    """out = g / (1.0 + np.exp(-g)) * u, the same ufuncs in the same order (the same bits) on one temporary
+    instead of four: a 64 x 1536 block in ~180 us where the expression took ~230-350 (tests/test_llama_ops.py)."""
+    t = np.negative(g)
+    np.exp(t, out=t)
+    t += 1.0
+    np.divide(g, t, out=t)
+    np.multiply(t, u, out=out)
 
 
 def geglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:

@@ -370,7 +370,7 @@ def matmul_wt(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         def block(a, b):
             y[:, a:b] = (w[a:b] @ x.T).T
     else:
-        def block(a, b):
-            y[:, a:b] = x @ w[a:b].T
+        def block(a, b):  # BLAS writes y's columns in place (their row stride is y's): no [M, b - a] temporary
+            np.matmul(x, w[a:b].T, out=y[:, a:b])
     run_blocks(block, column_blocks(w.shape[0], 1 if x.shape[0] <= SMALL_M else 2))
     return y

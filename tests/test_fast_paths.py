@@ -434,6 +434,23 @@ def test_an_op_alone_splits_attention_blocks_and_swiglu_rows_over_the_cores_with
     assert len(calls) == (3 if llama_ops._op_cores() >= 2 else 0)  # one split per op where the op has 2+ cores
 
 
+def test_swiglu_on_one_temporary_is_the_expression_bit_for_bit():
+    """swiglu_act computes g / (1.0 + exp(-g)) * u in place on one temporary (_silu_mul): the same float32 bits,
+    signed zeros (exp overflowing to inf), infinities and NaN included, at decode, prompt and split row counts."""
+    from edgeprobe_kernels import llama_ops
+
+    rng = np.random.default_rng(5)
+    for rows in (1, 7, 64, 255, 256, 600):
+        g = (rng.standard_normal((rows, 96)) * 40).astype(np.float32)
+        u = rng.standard_normal((rows, 96)).astype(np.float32)
+        g[0, :4] = [-200.0, np.inf, -np.inf, np.nan]
+        u[0, 4] = -0.0
+        want = g / (1.0 + np.exp(-g)) * u
+        got = llama_ops.swiglu_act(g, u)
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), rows
+
+
 def test_a_kernel_compiled_by_another_process_gives_the_same_bits(tmp_path):
     """numba compiles a kernel once per array type (a blob is read-only, an activation writable) and caches each
     compilation from whichever process met it first. Under fastmath LLVM chose each compilation's order of a sum:

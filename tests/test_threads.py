@@ -177,6 +177,10 @@ def test_matmul_wt_gives_the_same_bits_at_every_width(monkeypatch, m, k, n):
             ys.append(T.matmul_wt(x, w))
     assert ys[0].dtype == np.float32 and ys[0].shape == (m, n)
     assert all(np.array_equal(ys[0], y) for y in ys[1:])
+    if m > T.SMALL_M:  # each block is one BLAS call written in place: the bits of that block's product alone
+        with threadpool_limits(limits=1, user_api="blas"):
+            blocks = [x @ w[a:b].T for a, b in T.column_blocks(n, 2)]
+        assert np.array_equal(ys[0], np.concatenate(blocks, axis=1))
     np.testing.assert_allclose(ys[0], ref, rtol=0, atol=1e-5 * np.sqrt(k) * float(np.abs(ref).max()))
 
 

@@ -17,17 +17,18 @@ printed as it ends.
 statistics) in row blocks (numba kernels, spread over the threads where large enough) and as before, whole on the
 calling thread (threads.ROW_SPLITS; EDGEPROBE_ROW_SPLITS=0 in any run), interleaved: side by side on one machine.
 
---bound: no speeds (a busy machine's are noise): each pass on one thread, taking the two-thread paths with every
-split's parts run in turn and timed in CPU time; prints the serial share (time outside the splits) and the
-two-core bound T1 / (serial + the slowest part of each split), row splits on and off. It ignores waking the pool,
-shared caches and clocks, so a quiet machine's ratio stays below it.
+--bound: no speeds (a busy machine's are noise): each pass on one thread, every GEMM block, split part and
+statistic beside the pass timed in CPU time and laid out on two threads as the pool deals them; prints the serial
+share (time outside them) and the two-thread bound T1 / that layout's makespan, row splits on and off. It ignores
+waking the pool, shared caches, memory bandwidth and clocks (--gemms measures what two threads give the GEMMs
+alone), so a quiet machine's ratio stays below it.
 
 --gemms: the passes' GEMMs alone (every layer weight of the model against --window rows, each GEMM in the fixed
 column blocks of matmul_wt that keep a pass's bits whatever its thread count) on one thread and on every core, and
 the same GEMMs as one OpenBLAS call each on its own one and two threads (whose bits change with the count),
 interleaved: how far two cores can take a pass made of these GEMMs on this machine.
 
-    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 256] [--window 128] [--ab | --bound | --gemms]
+    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 1024] [--window 512] [--ab | --bound | --gemms]
 """
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ def neighbour(kind: str | None):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=256, help="tokens per pass (eval, each calibration pass, outliers)")
-    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per pass (eval, each calibration pass, outliers)")
+    ap.add_argument("--window", type=int, default=512, help="the passes' own default (eval, calibration, profiles)")
     ap.add_argument("--ab", action="store_true", help="quiet only, row-wise ops split and not, side by side")
     ap.add_argument("--bound", action="store_true", help="the two-core bound from CPU times on one thread")
     ap.add_argument("--gemms", action="store_true", help="the passes' GEMMs alone on one thread and on every core")
@@ -204,52 +205,100 @@ def gemms(m, rounds: int, W: int) -> None:
 
 
 def bound(passes: dict, rounds: int, T: int, W: int) -> None:
-    """--bound: each pass with POLICY.width 2 and threads.spread running the parts in turn on the calling thread,
-    each timed with time.thread_time (others' load does not count): serial = the pass's CPU time outside spreads."""
-    from edgeprobe_kernels import llama_ops, threads
+    """--bound: each pass on the calling thread alone with POLICY.width 2, every GEMM block, split part and task
+    beside the pass timed in CPU time (time.thread_time: others' load does not count), then laid out on two threads
+    as the pool runs them: blocks dealt to whichever thread is free first, a split's first part on the caller and
+    the others on the pool's thread, a task beside the pass on the pool's thread until the next one or the pass's
+    end. The bound is T1 / that layout's makespan; serial = the CPU time outside blocks, parts and tasks."""
+    import importlib
 
-    acc = {"in": 0.0, "crit": 0.0, "depth": 0}
+    from edgeprobe_kernels import threads
+
+    sim = {"main": 0.0, "side": 0.0, "mark": 0.0, "serial": 0.0, "depth": 0}
+
+    def catch_up():  # the caller's own work since the last event: on the critical path
+        now = time.thread_time()
+        gap = now - sim["mark"]
+        sim["main"] += gap
+        sim["serial"] += gap
+
+    def timed(fn, *args):
+        t = time.thread_time()
+        fn(*args)
+        return time.thread_time() - t
+
+    def event(run):  # run() -> the event's part times, run in turn on this thread
+        if sim["depth"]:  # inside a part: timed with it
+            run()
+            return
+        catch_up()
+        sim["depth"] = 1
+        try:
+            layout(run())
+        finally:
+            sim["depth"] = 0
+            sim["mark"] = time.thread_time()
+
+    def layout(parts):
+        kind, times = parts
+        main, side = sim["main"], max(sim["side"], sim["main"])
+        if kind == "beside":
+            sim["side"] = side + times[0]
+            return
+        if kind == "blocks":
+            for d in times:  # the next block to whichever thread is free first
+                if main <= side:
+                    main += d
+                else:
+                    side += d
+        else:  # a split: part 0 on the caller, the rest on the pool's thread
+            main += times[0]
+            side += sum(times[1:])
+        sim["main"] = sim["side"] = max(main, side)
+
+    def serial_blocks(fn, blocks):
+        event(lambda: ("blocks", [timed(fn, a, b) for a, b in list(blocks)]))
 
     def serial_spread(fn, parts):
-        if acc["depth"]:  # a spread inside a part: timed with it
-            for part in parts:
-                fn(part)
-            return
-        acc["depth"] = 1
-        times = []
-        try:
-            for part in parts:
-                t = time.thread_time()
-                fn(part)
-                times.append(time.thread_time() - t)
-        finally:
-            acc["depth"] = 0
-        acc["in"] += sum(times)
-        acc["crit"] += max(times, default=0.0)
+        event(lambda: ("split", [timed(fn, part) for part in parts]))
 
-    saved = threads.spread, llama_ops.spread, threads.POLICY.fixed, threads.ROW_SPLITS
-    threads.spread = llama_ops.spread = serial_spread
+    def serial_beside(fn):
+        event(lambda: ("beside", [timed(fn)]))
+
+    def serial_settle(raising=True):
+        sim["main"] = max(sim["main"], sim["side"])
+
+    holders = [threads] + [importlib.import_module(m) for m in (
+        "edgeprobe_kernels.llama_ops", "edgeprobe_kernels.q8_0", "edgeprobe_kernels.activation_stats",
+        "edgeprobe.evaluate", "edgeprobe.profile.outliers", "edgeprobe.forward")]
+    patches = {"run_blocks": serial_blocks, "spread": serial_spread, "beside": serial_beside, "settle": serial_settle}
+    saved = [(mod, k, getattr(mod, k)) for mod in holders for k in patches if hasattr(mod, k)]
+    for mod, k, _ in saved:
+        setattr(mod, k, patches[k])
+    fixed, splits = threads.POLICY.fixed, threads.ROW_SPLITS
     threads.POLICY.fixed = 2
-    best: dict = {}  # (pass, row splits) -> [(CPU s, serial CPU s, two-core path s)] per round
+    best: dict = {}  # (pass, row splits) -> [(CPU s, serial CPU s, two-thread makespan s)] per round
     try:
         for _ in range(rounds):
-            for splits in (False, True):
-                threads.ROW_SPLITS = splits
+            for on in (False, True):
+                threads.ROW_SPLITS = on
                 for name, fn in passes.items():
-                    acc.update({"in": 0.0, "crit": 0.0})
+                    sim.update(main=0.0, side=0.0, serial=0.0, mark=time.thread_time())
                     t = time.thread_time()
                     fn()
+                    catch_up()
                     t1 = time.thread_time() - t
-                    best.setdefault((name, splits), []).append((t1, t1 - acc["in"], t1 - acc["in"] + acc["crit"]))
+                    best.setdefault((name, on), []).append((t1, sim["serial"], max(sim["main"], sim["side"])))
     finally:
-        threads.spread, llama_ops.spread, threads.POLICY.fixed, threads.ROW_SPLITS = saved
-    print(f"two-core bound from one thread's CPU times, SmolLM2-135M, {T} tokens per pass, window {W}, best of "
+        for mod, k, v in saved:
+            setattr(mod, k, v)
+        threads.POLICY.fixed, threads.ROW_SPLITS = fixed, splits
+    print(f"two-thread bound from one thread's CPU times, SmolLM2-135M, {T} tokens per pass, window {W}, best of "
           f"{rounds} rounds; load1 {os.getloadavg()[0]:.2f}")
-    print(f"{'pass':<14s}{'row splits':>11s}{'CPU s':>8s}{'serial':>9s}{'2-core path s':>15s}{'bound':>8s}")
-    for (name, splits), rows in best.items():
+    print(f"{'pass':<14s}{'row splits':>11s}{'CPU s':>8s}{'serial':>9s}{'2-thread s':>12s}{'bound':>8s}")
+    for (name, on), rows in best.items():
         t1, serial, path = max(rows, key=lambda r: r[0] / r[2])  # the round least disturbed by its neighbours
-        print(f"{name:<14s}{'on' if splits else 'off':>11s}{t1:8.2f}{100 * serial / t1:8.1f}%{path:15.2f}"
-              f"{t1 / path:7.2f}x")
+        print(f"{name:<14s}{'on' if on else 'off':>11s}{t1:8.2f}{100 * serial / t1:8.1f}%{path:12.2f}{t1 / path:7.2f}x")
 
 
 if __name__ == "__main__":

@@ -388,7 +388,7 @@ def _attention_block(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, wi
 def swiglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:
     """silu(g) * u: the input of an FFN's down projection (Shazeer 2020). Rows split over the op's cores from
     SPLIT_ROWS rows (numpy's float32 exp is ~1.8 ns an element here, 0.2 s of a 1024-token prefill)."""
-    if g.ndim != 2 or g.shape != u.shape:
+    if g.ndim != 2 or g.shape != u.shape or g.shape[0] <= FEW_ROWS:  # decode: KB temporaries, one call fewer
         return g / (1.0 + np.exp(-g)) * u
     out = np.empty(g.shape, np.result_type(g, u))
     if g.shape[0] < SPLIT_ROWS:
@@ -405,7 +405,7 @@ def swiglu_act(g: np.ndarray, u: np.ndarray) -> np.ndarray:
 
 def _silu_mul(g: np.ndarray, u: np.ndarray, out: np.ndarray) -> None:
     """out = g / (1.0 + np.exp(-g)) * u, the same ufuncs in the same order (the same bits) on one temporary
-    instead of four: a 64 x 1536 block in ~180 us where the expression took ~230-350 (tests/test_llama_ops.py)."""
+    instead of four: a 64 x 1536 block in ~180 us where the expression took ~230-350 (tests/test_fast_paths.py)."""
     t = np.negative(g)
     np.exp(t, out=t)
     t += 1.0

@@ -23,12 +23,17 @@ share (time outside them) and the two-thread bound T1 / that layout's makespan, 
 waking the pool, shared caches, memory bandwidth and clocks (--gemms measures what two threads give the GEMMs
 alone), so a quiet machine's ratio stays below it.
 
+--cpu: where the quiet two-thread ratio goes: each pass on one thread and on every core (quiet), its wall time and
+the process's CPU time; the ratio T1 / Tk is k x busy / growth (times T1's own busy share, ~1): busy = CPU / (k x
+wall), the share of the cores the pass kept busy (the rest waited: serial code, joins, waking the pool), growth =
+the CPU time on k threads over one thread's (the same work costing more: shared caches, memory, clocks).
+
 --gemms: the passes' GEMMs alone (every layer weight of the model against --window rows, each GEMM in the fixed
 column blocks of matmul_wt that keep a pass's bits whatever its thread count) on one thread and on every core, and
 the same GEMMs as one OpenBLAS call each on its own one and two threads (whose bits change with the count),
 interleaved: how far two cores can take a pass made of these GEMMs on this machine.
 
-    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 1024] [--window 512] [--ab | --bound | --gemms]
+    .venv/bin/python bench/threads.py [--rounds 2] [--tokens 1024] [--window 512] [--ab | --bound | --cpu | --gemms]
 """
 from __future__ import annotations
 
@@ -84,6 +89,7 @@ def main():
     ap.add_argument("--window", type=int, default=512, help="the passes' own default (eval, calibration, profiles)")
     ap.add_argument("--ab", action="store_true", help="quiet only, row-wise ops split and not, side by side")
     ap.add_argument("--bound", action="store_true", help="the two-core bound from CPU times on one thread")
+    ap.add_argument("--cpu", action="store_true", help="quiet only: the ratio split into busy share and CPU growth")
     ap.add_argument("--gemms", action="store_true", help="the passes' GEMMs alone on one thread and on every core")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # a killed bench still stops its neighbour (finally)
@@ -121,6 +127,8 @@ def main():
         fn()
     if args.bound:
         return bound(passes, args.rounds, T, W)
+    if args.cpu:
+        return cpu_split(passes, args.rounds, T, W)
 
     settings = AB_SETTINGS if args.ab else [(*s, threads.ROW_SPLITS) for s in SETTINGS]
     splits_before = threads.ROW_SPLITS
@@ -206,6 +214,39 @@ def gemms(m, rounds: int, W: int) -> None:
             what = "fixed column blocks (a pass's)" if how == "blocks" else "one OpenBLAS call a weight, its threads"
             print(f"  {what:<40s} 1 thread {med[(how, 1)]:6.1f}   {CORES} threads {med[(how, CORES)]:6.1f}   "
                   f"{med[(how, CORES)] / med[(how, 1)]:.2f}x")
+
+
+def cpu_split(passes: dict, rounds: int, T: int, W: int) -> None:
+    """--cpu: per pass, wall and process CPU seconds on one thread and on every core (EDGEPROBE_THREADS-style fixed
+    counts, quiet), interleaved per round; medians, and the ratio split into busy share and CPU growth."""
+    import resource
+
+    from edgeprobe_kernels.threads import CORES, POLICY
+
+    def cpu_s():
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    runs: dict = {}  # (pass, threads) -> [(wall s, CPU s)]
+    try:
+        for _ in range(rounds):
+            for k in (1, CORES):
+                POLICY.fixed = k
+                for name, fn in passes.items():
+                    c, t = cpu_s(), time.perf_counter()
+                    fn()
+                    runs.setdefault((name, k), []).append((time.perf_counter() - t, cpu_s() - c))
+    finally:
+        POLICY.fixed = None
+    med = {key: [statistics.median(r[i] for r in rows) for i in (0, 1)] for key, rows in runs.items()}
+    print(f"where the quiet ratio goes, SmolLM2-135M, {T} tokens per pass, window {W}, median of {rounds} rounds; "
+          f"load1 {os.getloadavg()[0]:.2f}")
+    print(f"{'pass':<14s}{'1 thread s':>11s}{'CPU s':>7s}{f'{CORES} threads s':>13s}{'CPU s':>7s}{'ratio':>8s}"
+          f"{'busy':>7s}{'growth':>8s}")
+    for name in passes:
+        (w1, c1), (wk, ck) = med[(name, 1)], med[(name, CORES)]
+        print(f"{name:<14s}{w1:11.2f}{c1:7.2f}{wk:13.2f}{ck:7.2f}{w1 / wk:7.2f}x{ck / (CORES * wk):7.2f}"
+              f"{ck / c1:7.2f}x")
 
 
 def bound(passes: dict, rounds: int, T: int, W: int) -> None:

@@ -54,6 +54,7 @@ class StderrTail:
                 self._buf += chunk
                 if len(self._buf) > self.limit:
                     del self._buf[:len(self._buf) - self.limit]
+        stream.close()  # this thread is its only reader: closed at the end, not left to the garbage collector
 
     def text(self, wait_s: float = 0.0) -> str:
         """The tail so far; wait_s: first wait that long for the stream's end (after the process exited)."""

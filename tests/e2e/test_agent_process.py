@@ -61,3 +61,4 @@ def test_hello_and_runs_without_numba(tmp_path, tiny):
         assert proc.wait(timeout=10) == 0
     finally:
         proc.kill()
+        proc.communicate()  # its pipes closed here, not left to the garbage collector

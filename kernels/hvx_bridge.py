@@ -12,6 +12,7 @@ The results are real (the machine code computed them); the host's wall time unde
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import mmap
 import os
@@ -438,16 +439,27 @@ def _check_x(x, smooth) -> np.ndarray:
 
 
 _SHARED: HvxDsp | None = None
+_SHARED_PID = 0  # the process that made _SHARED: a forked child inherits the object, not the QEMU process
 _SHARED_LOCK = threading.Lock()
 
 
 def shared() -> HvxDsp:
-    """This process's DSP (one per agent); its process starts on first use."""
-    global _SHARED
+    """This process's DSP (one per agent); its process starts on first use and is stopped at this interpreter's
+    exit (_close_shared)."""
+    global _SHARED, _SHARED_PID
     with _SHARED_LOCK:
         if _SHARED is None:
             why = unavailable_reason()
             if why:
                 raise HvxUnavailable(why)
-            _SHARED = HvxDsp()
+            _SHARED, _SHARED_PID = HvxDsp(), os.getpid()
+            atexit.register(_close_shared)
         return _SHARED
+
+
+def _close_shared() -> None:
+    """At exit, the shared DSP's QEMU is told to exit and its pipes closed (else the interpreter's teardown finds a
+    running child and three open pipes); a forked child leaves its parent's alone."""
+    with _SHARED_LOCK:
+        if _SHARED is not None and os.getpid() == _SHARED_PID:
+            _SHARED.close()

@@ -164,3 +164,24 @@ def test_q4_0_tile_is_bit_exact_between_the_npu_backends(dsp):
 def test_numba_kernel_check_includes_the_k_order_gemm():
     r = check("numba")
     assert r["ok"] and r["kernels"]["gemm_f16w_seq"]["bit_exact"] and r["kernels"]["gemm_f16w_seq"]["cases"] >= 3
+
+
+@needs_hvx
+def test_the_shared_dsp_is_stopped_at_exit_by_its_own_process_only():
+    """A process that used the shared DSP (`kernels check --backend hvx` in process) stops its QEMU at exit: no
+    running child and no open pipes at the interpreter's teardown (-X dev reports them). A forked child, which
+    inherits the object but not the process, leaves it running."""
+    import subprocess
+    import sys
+
+    code = ("from edgeprobe_kernels import hvx_bridge\n"
+            "d = hvx_bridge.shared().start()\nassert d.proc.poll() is None\nprint(d.pid)\n")
+    r = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(r.stdout) > 0 and "ResourceWarning" not in r.stderr, r.stderr
+    code += ("hvx_bridge._SHARED_PID = -1  # as in a forked child\nhvx_bridge._close_shared()\n"
+             "assert d.proc is not None and d.proc.poll() is None\n"
+             "hvx_bridge._SHARED_PID = __import__('os').getpid()\nhvx_bridge._close_shared()\n"
+             "assert d.proc is None\n")
+    r = subprocess.run([sys.executable, "-X", "dev", "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ResourceWarning" not in r.stderr, r.stderr

@@ -694,11 +694,11 @@ def test_a_killed_host_leaves_no_agent_holding_the_store(tmp_path):
             while time.monotonic() < deadline:
                 try:
                     os.kill(agent_pid, 0)
-                except ProcessLookupError:
+                    with open(f"/proc/{agent_pid}/stat") as f:
+                        if f.read().split()[2] == "Z":
+                            break  # exited; only its zombie waits for init to reap it
+                except (ProcessLookupError, FileNotFoundError):  # reaped, maybe between the two calls
                     break
-                with open(f"/proc/{agent_pid}/stat") as f:
-                    if f.read().split()[2] == "Z":
-                        break  # exited; only its zombie waits for init to reap it
                 time.sleep(0.2)
             else:
                 raise AssertionError("the orphaned agent kept running after its host was killed")

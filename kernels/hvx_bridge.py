@@ -440,6 +440,7 @@ def _check_x(x, smooth) -> np.ndarray:
 
 _SHARED: HvxDsp | None = None
 _SHARED_PID = 0  # the process that made _SHARED: a forked child inherits the object, not the QEMU process
+EXIT_WAIT_S = 1.0  # at exit, how long a call in flight may keep the shared DSP's lock before its process is killed
 _SHARED_LOCK = threading.Lock()
 
 
@@ -459,7 +460,18 @@ def shared() -> HvxDsp:
 
 def _close_shared() -> None:
     """At exit, the shared DSP's QEMU is told to exit and its pipes closed (else the interpreter's teardown finds a
-    running child and three open pipes); a forked child leaves its parent's alone."""
+    running child and three open pipes); a forked child leaves its parent's alone. A call still running on a daemon
+    thread (an agent's lane) holds the DSP's lock: then the process is killed, not waited for."""
     with _SHARED_LOCK:
-        if _SHARED is not None and os.getpid() == _SHARED_PID:
-            _SHARED.close()
+        dsp = _SHARED if os.getpid() == _SHARED_PID else None
+    if dsp is None:
+        return
+    if dsp.lock.acquire(timeout=EXIT_WAIT_S):
+        try:
+            dsp.close()
+        finally:
+            dsp.lock.release()
+    else:
+        proc = dsp.proc  # read once: the call's thread may drop it meanwhile
+        if proc is not None:
+            proc.kill()

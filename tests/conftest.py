@@ -1,5 +1,6 @@
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -8,6 +9,28 @@ import pytest
 # Nothing in the suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def _exited(pid: int, wait_s: float = 10.0) -> str:
+    """Process pid's state once it has exited: "gone" (reaped) or "Z" (a zombie nobody has reaped yet), polled from
+    /proc; a process still running after wait_s gives its state letter ("R", "S", ...). For a process that is not
+    the test's child (an orphaned agent, a killed host's QEMU): the test asserts the state, not a time."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]  # the name in parentheses may hold spaces
+        except FileNotFoundError:
+            return "gone"
+        if state == "Z" or time.monotonic() >= deadline:
+            return state
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="session")
+def exited():
+    """_exited: wait for a process that is not the test's child to exit."""
+    return _exited
 
 
 @pytest.fixture(scope="module")

@@ -188,7 +188,7 @@ def test_the_shared_dsp_is_stopped_at_exit_by_its_own_process_only():
 
 
 @needs_hvx
-def test_a_call_in_flight_at_exit_gets_the_shared_dsp_killed_not_waited_for():
+def test_a_call_in_flight_at_exit_gets_the_shared_dsp_killed_not_waited_for(exited):
     """A daemon thread (an agent's lane) holds the DSP's lock when the interpreter exits: the exit does not wait for
     it, and the QEMU process is killed rather than left running."""
     import subprocess
@@ -200,14 +200,6 @@ def test_a_call_in_flight_at_exit_gets_the_shared_dsp_killed_not_waited_for():
             "threading.Thread(target=call, daemon=True).start()\nheld.wait()\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    qemu, state = int(r.stdout), "R"
-    for _ in range(100):  # SIGKILL lands asynchronously: wait for the state, not for a time
-        try:
-            with open(f"/proc/{qemu}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            state = "gone"  # killed and reaped
-        if state in ("Z", "gone"):
-            break
-        time.sleep(0.1)
+    qemu = int(r.stdout)
+    state = exited(qemu)  # SIGKILL lands asynchronously
     assert state in ("Z", "gone"), f"QEMU (pid {qemu}) still {state} after its host exited"

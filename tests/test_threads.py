@@ -535,3 +535,118 @@ def test_profile_statistics_split_over_threads_give_the_unsplit_state(monkeypatc
         assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(outs[0], got))
     assert all(np.array_equal(a, b) for a, b in zip(ref, outs[0]))
     assert outs[0][-1].sum() == 2 * rows * channels and outs[0][4].sum() == 2 * rows
+
+
+def _in_turn(n, compute, fixed=2):
+    """T.in_turn over n items in a host pass fixed at `fixed` threads, on a thread of its own (a hang fails the
+    test instead of the suite) -> (commits [(i, result)], error raised or None)."""
+    import threading
+
+    commits, raised = [], []
+
+    def work():
+        try:
+            with T.host_pass():
+                T.in_turn(n, compute, lambda i, r: commits.append((i, r)))
+        except Exception as e:  # noqa: BLE001  (the test reads it)
+            raised.append(e)
+    old = T.POLICY.fixed
+    T.POLICY.fixed = fixed
+    try:
+        t = threading.Thread(target=work, daemon=True)
+        t.start()
+        t.join(60)
+    finally:
+        T.POLICY.fixed = old
+    assert not t.is_alive(), "in_turn hung"
+    return commits, (raised[0] if raised else None)
+
+
+def test_in_turn_computes_windows_side_by_side_and_commits_them_in_order():
+    """Two computes at once (window 0 waits until window 1 has started: run in turn it would time out), each alone on
+    its thread (a spread inside runs there: its blocks are not split); the commits come in order, each with its own
+    compute's result. A single window spreads its blocks as a pass in turn does."""
+    import threading
+
+    started = [threading.Event() for _ in range(4)]
+    seen = {}
+
+    def compute(i):
+        started[i].set()
+        if i == 0:
+            seen["1 started while 0 ran"] = started[1].wait(10)
+        here = []
+        T.spread(lambda part: here.append(threading.current_thread().name), [0, 1])
+        seen[i] = (T._WORKER.busy, len(set(here)))
+        return i * 10
+
+    commits, err = _in_turn(4, compute)
+    assert err is None and commits == [(0, 0), (1, 10), (2, 20), (3, 30)]
+    assert seen["1 started while 0 ran"] is True
+    assert all(seen[i] == (True, 1) for i in (0, 1))  # alone: the spread ran both parts on the computing thread
+    commits, err = _in_turn(1, lambda i: (getattr(T._WORKER, "busy", False), i))
+    assert err is None and commits == [(0, (False, 0))]  # one window: its blocks spread as in a pass in turn
+
+
+def test_in_turn_raises_the_first_error_and_commits_nothing_after_it():
+    """A compute's error stops the taking of windows and is raised by in_turn; the windows before it are committed,
+    none after it, and no thread is left waiting for a turn that will not come."""
+    taken = []
+
+    def compute(i):
+        taken.append(i)
+        if i == 2:
+            raise ValueError("window 2 is bad")
+        return i
+
+    commits, err = _in_turn(8, compute)
+    assert isinstance(err, ValueError) and str(err) == "window 2 is bad"
+    assert [i for i, _ in commits] == sorted(i for i, _ in commits) and all(i < 2 for i, _ in commits)
+    assert len(taken) < 8  # the windows after it were not all computed
+
+
+def test_at_one_thread_in_turn_is_a_plain_loop_on_the_calling_thread():
+    import threading
+
+    names = []
+    commits, err = _in_turn(3, lambda i: names.append(threading.current_thread().name) or i, fixed=1)
+    assert err is None and commits == [(0, 0), (1, 1), (2, 2)] and len(set(names)) == 1
+
+
+def test_windows_side_by_side_give_the_bits_of_windows_in_turn(monkeypatch, smollm, heldout_ids):
+    """At two threads, windows side by side (in_turn) and in turn: what a profile sees (windows begun, hook calls and
+    their values, windows ended, in that order), an outlier profile (its calibration's kept entries replayed, then an
+    outlier pass) array for array and a perplexity's NLL, all bit for bit equal; the side by side runs did go
+    through in_turn."""
+    from edgeprobe import evaluate
+    from edgeprobe.profile import jobs, runner
+
+    ids = np.asarray(heldout_ids[:640])
+    monkeypatch.setattr(T.POLICY, "fixed", 2)
+    calls = []
+    in_turn = T.in_turn
+    for module in (runner, evaluate):
+        monkeypatch.setattr(module, "in_turn", lambda *a, **k: calls.append(a[0]) or in_turn(*a, **k))
+
+    def passes():
+        seen = []  # what a profile sees, in order: each window's begin and end, and every hook call between
+        order = SimpleNamespace(begin_window=lambda c: seen.append(("begin", int(c[0]))),
+                                end_window=lambda n: seen.append(("end", n)),
+                                hooks=lambda m: {n: lambda name, x: seen.append((name, float(x[-1, -1])))
+                                                 for n in ("blk.0.attn_in", "blk.29.ffn_act", "out_norm")})
+        runner.run(smollm, ids, order, window=128, progress=False)
+        prof = jobs.profile_outliers(smollm, ids, tokens=640, window=128, calib_tokens=256, progress=False)
+        nll = evaluate.perplexity(smollm, ids, window=128, max_windows=3, progress=False).nll
+        return prof, nll, seen
+
+    side = passes()
+    # five windows, the calibration (2), the outlier pass (the 3 others), perplexity (3)
+    assert calls == [5, 2, 3, 3] and len(side[2]) == 5 * 5
+    monkeypatch.setattr(runner, "side_by_side_budget", lambda: -1)  # no window may keep its activations
+    monkeypatch.setattr(evaluate, "fits", lambda *a, **k: False)    # nor two windows' logits fit
+    turn = passes()
+    assert calls == [5, 2, 3, 3]
+    assert side[2] == turn[2] and side[1] == turn[1] and side[0].arrays.keys() == turn[0].arrays.keys()
+    for name, fields in turn[0].arrays.items():
+        for f, a in fields.items():
+            assert np.array_equal(side[0].arrays[name][f], a), (name, f)

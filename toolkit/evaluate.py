@@ -8,12 +8,12 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from edgeprobe_kernels.sampling import log_softmax  # noqa: F401  (re-exported: evaluate.log_softmax)
-from edgeprobe_kernels.threads import host_pass, run_blocks
+from edgeprobe_kernels.threads import host_pass, in_turn, run_blocks
 
 from .errors import TextError, WindowError
 from .forward import Hooks, LinearFn, forward, forward_layers
 from .models import Model
-from .models.config import check_fits
+from .models.config import check_fits, fits
 
 NLL_ROWS = 64  # logit rows a block of window_nll: a [512, 49152] window's exp is ~0.1 s, shared by the threads
 
@@ -61,7 +61,8 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
     (window - 1) text tokens and all window - 1 text tokens are scored, as llama.cpp's perplexity does; a
     leading BOS in `ids` (from encode) is dropped first. A model whose one layer, a window's activations and
     logits exceed the memory limit is refused first (models.config.check_fits). Threads: the cores other
-    processes leave free, decided again per window (edgeprobe_kernels.threads).
+    processes leave free (edgeprobe_kernels.threads); where the pass starts with two or more, the float model's
+    windows run side by side (threads.in_turn), else in turn, the count decided again per window.
     order="layer" runs every window through layer i before layer i+1 (forward.forward_layers): each layer's weights
     read once, the windows' hidden states held between layers; the same NLL bits, summed in the same window order.
     """
@@ -104,10 +105,27 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
         for x in nll:
             total += x
     else:
-        with host_pass() as threads:
-            for chunk in tqdm(chunks, desc="perplexity", unit="win", disable=not progress, leave=False):
-                threads.tick()
-                total += float(window_nll(forward(model, chunk, hooks=hooks, linear=linear), chunk).sum())
+        sums: list = []
+
+        def compute(w):
+            return float(window_nll(forward(model, chunks[w], hooks=hooks, linear=linear), chunks[w]).sum())
+
+        def commit(w, s):
+            sums.append(s)
+            bar.update(1)
+        with host_pass() as threads, tqdm(total=n, desc="perplexity", unit="win", disable=not progress,
+                                          leave=False) as bar:
+            k = threads.tick()  # beside other processes (one thread) the windows run in turn, their GEMMs spread
+            # windows side by side on the float model alone (a caller's hooks may replace activations, its linears
+            # run their own threads), where k windows' logits fit too
+            if k > 1 and n > 1 and hooks is None and linear is None and fits(model.config, window, True, k):
+                in_turn(n, compute, commit, most=k)
+            else:
+                for w in range(n):
+                    threads.tick()
+                    commit(w, compute(w))
+        for s in sums:  # the window-major total's additions, in window order
+            total += s
     secs = time.perf_counter() - t0
     scored = n * (window - 1)
     nll = total / scored

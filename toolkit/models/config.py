@@ -174,6 +174,13 @@ def _mib(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
 
+def fits(cfg: ModelConfig, window: int, logits: bool = False, windows: int = 1) -> bool:
+    """Whether `windows` windows computed at once (side by side, each inside one layer) fit under memory_limit():
+    one layer's weights plus each window's activations (activation_bytes); True where the limit is unknown."""
+    limit = memory_limit()[0]
+    return limit is None or layer_bytes(cfg) + int(windows) * activation_bytes(cfg, window, logits) <= limit
+
+
 def check_fits(cfg: ModelConfig, window: int, what: str = "pass", logits: bool = False,
                windows_held: int = 1, name: str = "") -> dict:
     """Refuse (MemoryLimitError, one line with the numbers) a pass whose one layer's weights plus its activations

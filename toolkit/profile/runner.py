@@ -6,12 +6,12 @@ from collections import defaultdict
 import numpy as np
 from tqdm.auto import tqdm
 
-from edgeprobe_kernels.threads import host_pass
+from edgeprobe_kernels.threads import host_pass, in_turn
 
 from ..errors import TextError, WindowError
 from ..forward import forward, forward_layers
 from ..models import Model
-from ..models.config import check_fits
+from ..models.config import check_fits, memory_limit
 from .base import Profile
 
 
@@ -51,7 +51,10 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
     Each window is one sequence from an empty cache; the LM head is skipped (profiles read hidden
     activations only). Memory does not grow with the number of tokens; a model whose one layer and a window's
     activations exceed the memory limit is refused first (models.config.check_fits). Returns the profiles.
-    Threads: the cores other processes leave free, decided again per window (edgeprobe_kernels.threads).
+    Threads: the cores other processes leave free (edgeprobe_kernels.threads). Where the pass starts with two or
+    more, windows run side by side (threads.in_turn): each keeps its hooked activations (at most
+    side_by_side_budget() a window, else the windows run in turn) until the profiles see it, in window order: the
+    same bits. Otherwise the windows run in turn, the count decided again per window.
     order "layer": every window through layer i, then layer i + 1 (run_layers; the same
     result, bit for bit, for profiles without per-window state).
     """
@@ -62,15 +65,54 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
     chunks = windows(ids, window, max_tokens)
     check_fits(model.config, window, what=f"{desc} pass", name=model.name)  # one line, not the OOM killer
     hooks = combine_hooks(p.hooks(model) for p in profiles)
-    with host_pass() as threads:
-        for chunk in tqdm(chunks, desc=desc, unit="win", disable=not progress, leave=False):
+
+    def compute(w):  # the window's forward pass; its hooks' calls kept for the window's turn
+        calls: list = []
+        forward(model, chunks[w], hooks={n: lambda name, x: calls.append((name, x)) for n in hooks}, logits="none")
+        return calls
+
+    def commit(w, calls):  # the profiles see the windows in order, each window's hook calls in op order
+        for p in profiles:
+            p.begin_window(chunks[w])
+        for name, x in calls:
+            hooks[name](name, x)
+        for p in profiles:
+            p.end_window(len(chunks[w]))
+        bar.update(1)
+
+    with host_pass() as threads, tqdm(total=len(chunks), desc=desc, unit="win", disable=not progress,
+                                      leave=False) as bar:
+        k = threads.tick()  # beside other processes (one thread) the windows run in turn, their GEMMs spread
+        if k > 1 and len(chunks) > 1 and _kept_bytes(model, hooks, window) <= side_by_side_budget():
+            in_turn(len(chunks), compute, commit, most=k)  # windows side by side (edgeprobe_kernels.threads.in_turn)
+            return profiles if len(profiles) != 1 else profiles[0]
+        for chunk in chunks:
             threads.tick()
             for p in profiles:
                 p.begin_window(chunk)
             forward(model, chunk, hooks=hooks, logits="none")
             for p in profiles:
                 p.end_window(len(chunk))
+            bar.update(1)
     return profiles if len(profiles) != 1 else profiles[0]
+
+
+SIDE_BY_SIDE_BYTES = 1 << 30  # at most this many bytes of hooked activations a window keeps for its turn
+
+
+def side_by_side_budget() -> int:
+    """Bytes of activations a window-major pass may keep per window to run windows side by side: SIDE_BY_SIDE_BYTES,
+    or an eighth of memory_limit() where that is less."""
+    limit = memory_limit()[0]
+    return SIDE_BY_SIDE_BYTES if limit is None else min(SIDE_BY_SIDE_BYTES, limit // 8)
+
+
+def _kept_bytes(model: Model, hooks: dict, window: int) -> int:
+    """An upper bound on the bytes a window's hooked activations take (float32[window, width] per hook, width the
+    widest activation of the model): what a window computed beside another keeps until its turn."""
+    c = model.config
+    widest = max(c.hidden, c.n_heads * c.head_dim, c.ffn, c.expert_ffn, c.shared_expert_ffn, c.n_experts)
+    return 4 * window * widest * len(hooks)
 
 
 def _layer_major_ready(p: Profile) -> bool:

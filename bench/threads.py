@@ -15,7 +15,10 @@ printed as it ends.
 
 --ab: quiet settings only, each with the row-wise ops outside the GEMMs (norms, RoPE, residual adds, the profiles'
 statistics) in row blocks (numba kernels, spread over the threads where large enough) and as before, whole on the
-calling thread (threads.ROW_SPLITS; EDGEPROBE_ROW_SPLITS=0 in any run), interleaved: side by side on one machine.
+calling thread (threads.ROW_SPLITS; EDGEPROBE_ROW_SPLITS=0 in any run); and with a pass's windows side by side, one a
+thread, and in turn, their GEMMs' blocks spread (threads.SIDE_BY_SIDE; EDGEPROBE_SIDE_BY_SIDE=0): interleaved, on one
+machine. Side by side needs two windows in a pass: at the default 1,024 tokens the outlier pass has one calibration
+window and one outlier window (--tokens 4096: one and seven).
 
 --bound: no speeds (a busy machine's are noise): each pass on one thread, every GEMM block, split part and
 statistic beside the pass timed in CPU time and laid out on two threads as the pool deals them; prints the serial
@@ -60,13 +63,15 @@ SETTINGS = [  # (name, fixed thread count or None for the policy, neighbour): th
 # threads in "policy, quiet" in 13 of 15 rounds (1.12-1.74x against 1.45-1.81x, docs/benchmarks.md)
 SETTLE_S = 2.0
 GOALS = {"policy, quiet": 1.6, "policy + hog": 0.8, "policy + blas2": 0.5}
-AB_SETTINGS = [  # --ab: (name, fixed count or None, neighbour, row splits)
-    ("1 thread, quiet", 1, None, True),
-    ("1 thread, no row split", 1, None, False),
-    ("fixed 2, no row split", 2, None, False),
-    ("fixed 2, quiet", 2, None, True),
-    ("policy, no row split", None, None, False),
-    ("policy, quiet", None, None, True),
+AB_SETTINGS = [  # --ab: (name, fixed count or None, neighbour, row splits, windows side by side)
+    ("1 thread, quiet", 1, None, True, True),
+    ("1 thread, no row split", 1, None, False, True),
+    ("fixed 2, no row split", 2, None, False, True),
+    ("fixed 2, quiet", 2, None, True, True),
+    ("policy, no row split", None, None, False, True),
+    ("policy, quiet", None, None, True, True),
+    ("fixed 2, windows in turn", 2, None, True, False),
+    ("policy, windows in turn", None, None, True, False),
 ]
 
 
@@ -87,7 +92,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per pass (eval, each calibration pass, outliers)")
     ap.add_argument("--window", type=int, default=512, help="the passes' own default (eval, calibration, profiles)")
-    ap.add_argument("--ab", action="store_true", help="quiet only, row-wise ops split and not, side by side")
+    ap.add_argument("--ab", action="store_true", help="quiet only: row-wise ops split and not, windows side by side "
+                    "and in turn, interleaved")
     ap.add_argument("--bound", action="store_true", help="the two-core bound from CPU times on one thread")
     ap.add_argument("--cpu", action="store_true", help="quiet only: the ratio split into busy share and CPU growth")
     ap.add_argument("--gemms", action="store_true", help="the passes' GEMMs alone on one thread and on every core")
@@ -130,17 +136,17 @@ def main():
     if args.cpu:
         return cpu_split(passes, args.rounds, T, W)
 
-    settings = AB_SETTINGS if args.ab else [(*s, threads.ROW_SPLITS) for s in SETTINGS]
-    splits_before = threads.ROW_SPLITS
+    settings = AB_SETTINGS if args.ab else [(*s, threads.ROW_SPLITS, threads.SIDE_BY_SIDE) for s in SETTINGS]
+    splits_before, side_before = threads.ROW_SPLITS, threads.SIDE_BY_SIDE
     rates = {(p, s[0]): [] for p in passes for s in settings}
     loads = {s[0]: [] for s in settings}
     chosen = {s[0]: {} for s in settings}
     for r in range(args.rounds):
-        for name, fixed, kind, splits in settings:
+        for name, fixed, kind, splits, side in settings:
             proc = neighbour(kind)
             try:
                 POLICY.fixed = fixed
-                threads.ROW_SPLITS = splits
+                threads.ROW_SPLITS, threads.SIDE_BY_SIDE = splits, side
                 before = dict(POLICY.chosen)
                 for pname, fn in passes.items():
                     t = time.perf_counter()
@@ -153,7 +159,7 @@ def main():
                     chosen[name][k] = chosen[name].get(k, 0) + v - before.get(k, 0)
             finally:
                 POLICY.fixed = None
-                threads.ROW_SPLITS = splits_before
+                threads.ROW_SPLITS, threads.SIDE_BY_SIDE = splits_before, side_before
                 if proc is not None:
                     proc.kill()
                     proc.wait()

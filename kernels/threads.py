@@ -16,6 +16,9 @@ thread (over the next GEMM's blocks), done by the pass's exit (`settle`).
 EDGEPROBE_THREADS=N fixes the count at N (no measuring); unset or `auto`, it is measured. EDGEPROBE_ROW_SPLITS=0 runs
 the row-wise ops outside the GEMMs (norms, RoPE, residual adds, the profiles' statistics) whole on the calling thread,
 as before they ran in row blocks over the pool (a bench knob: the bits are the same either way).
+A window-major pass that starts with two or more threads computes its windows side by side, one a thread, and
+commits them in window order (side_by_side); EDGEPROBE_SIDE_BY_SIDE=0 runs them in turn, their GEMMs' blocks spread
+(a bench knob too: the same bits).
 """
 from __future__ import annotations
 
@@ -39,6 +42,8 @@ STALE_S = 1.0         # a pass starting longer than this after the last sample m
                       # then would still count a neighbour that has gone (or miss one that came)
 # row-wise ops outside the GEMMs split their rows over a pass's threads (ROW_SPLITS = False: bench/threads.py's A/B)
 ROW_SPLITS = os.environ.get("EDGEPROBE_ROW_SPLITS", "1").strip() != "0"
+# a window-major pass computes its windows side by side (side_by_side; False: in turn, bench/threads.py's A/B)
+SIDE_BY_SIDE = os.environ.get("EDGEPROBE_SIDE_BY_SIDE", "1").strip() != "0"
 
 
 def threads_for(cores: int, others: float) -> int:
@@ -181,7 +186,7 @@ class ThreadPolicy:
         self.width = self.fixed or self.cores
         numba = sys.modules.get("numba")  # not imported for it: a pass that runs no numba kernel pays nothing
         if numba is not None:
-            # a thread computing one window beside others (in_turn) keeps to itself
+            # a thread computing one window beside others (side_by_side) keeps to itself
             n = 1 if getattr(_WORKER, "busy", False) else min(k, numba.config.NUMBA_NUM_THREADS)
             if numba.get_num_threads() != n:
                 numba.set_num_threads(n)  # per calling thread
@@ -356,7 +361,7 @@ def run_blocks(fn, blocks) -> None:
     spread(run, [None] * k)
 
 
-def in_turn(n: int, compute, commit, most: int | None = None) -> None:
+def side_by_side(n: int, compute, commit, most: int | None = None) -> None:
     """commit(i, compute(i)) for i in range(n), the commits in order of i, with up to POLICY.width (and `most`)
     computes at once inside a host pass: a window-major pass's windows side by side, one thread each.
 
@@ -368,7 +373,7 @@ def in_turn(n: int, compute, commit, most: int | None = None) -> None:
     result already there, each alone on its thread (a profile's statistics: in window order, as one thread would run
     them). At most `k` results wait at once (k: the computes at once), so at most 2k are held. The first error stops
     the taking of windows and is raised here."""
-    k = min(POLICY.width, n, most or n) if POLICY._depth else 1
+    k = min(POLICY.width, n, most or n) if POLICY._depth and SIDE_BY_SIDE else 1
     if k < 2 or getattr(_WORKER, "busy", False):
         for i in range(n):
             commit(i, compute(i))

@@ -537,8 +537,8 @@ def test_profile_statistics_split_over_threads_give_the_unsplit_state(monkeypatc
     assert outs[0][-1].sum() == 2 * rows * channels and outs[0][4].sum() == 2 * rows
 
 
-def _in_turn(n, compute, fixed=2):
-    """T.in_turn over n items in a host pass fixed at `fixed` threads, on a thread of its own (a hang fails the
+def _side_by_side(n, compute, fixed=2):
+    """T.side_by_side over n items in a host pass fixed at `fixed` threads, on a thread of its own (a hang fails the
     test instead of the suite) -> (commits [(i, result)], error raised or None)."""
     import threading
 
@@ -547,7 +547,7 @@ def _in_turn(n, compute, fixed=2):
     def work():
         try:
             with T.host_pass():
-                T.in_turn(n, compute, lambda i, r: commits.append((i, r)))
+                T.side_by_side(n, compute, lambda i, r: commits.append((i, r)))
         except Exception as e:  # noqa: BLE001  (the test reads it)
             raised.append(e)
     old = T.POLICY.fixed
@@ -558,14 +558,15 @@ def _in_turn(n, compute, fixed=2):
         t.join(60)
     finally:
         T.POLICY.fixed = old
-    assert not t.is_alive(), "in_turn hung"
+    assert not t.is_alive(), "side_by_side hung"
     return commits, (raised[0] if raised else None)
 
 
-def test_in_turn_computes_windows_side_by_side_and_commits_them_in_order():
+def test_side_by_side_computes_windows_side_by_side_and_commits_them_in_order():
     """Two computes at once (window 0 waits until window 1 has started: run in turn it would time out), each alone on
-    its thread (a spread inside runs there: its blocks are not split); the commits come in order, each with its own
-    compute's result. A single window spreads its blocks as a pass in turn does."""
+    its thread (a spread inside runs there: its blocks are not split; a pass inside runs numba on one thread); the
+    commits come in order, each with its own compute's result. A single window spreads its blocks as a pass in turn
+    does."""
     import threading
 
     started = [threading.Event() for _ in range(4)]
@@ -577,19 +578,20 @@ def test_in_turn_computes_windows_side_by_side_and_commits_them_in_order():
             seen["1 started while 0 ran"] = started[1].wait(10)
         here = []
         T.spread(lambda part: here.append(threading.current_thread().name), [0, 1])
-        seen[i] = (T._WORKER.busy, len(set(here)))
+        with T.host_pass():  # a pass inside (forward's own) gives its numba kernels this thread alone
+            seen[i] = (T._WORKER.busy, len(set(here)), numba.get_num_threads())
         return i * 10
 
-    commits, err = _in_turn(4, compute)
+    commits, err = _side_by_side(4, compute)
     assert err is None and commits == [(0, 0), (1, 10), (2, 20), (3, 30)]
     assert seen["1 started while 0 ran"] is True
-    assert all(seen[i] == (True, 1) for i in (0, 1))  # alone: the spread ran both parts on the computing thread
-    commits, err = _in_turn(1, lambda i: (getattr(T._WORKER, "busy", False), i))
+    assert all(seen[i] == (True, 1, 1) for i in (0, 1))  # alone: the spread ran both parts on the computing thread
+    commits, err = _side_by_side(1, lambda i: (getattr(T._WORKER, "busy", False), i))
     assert err is None and commits == [(0, (False, 0))]  # one window: its blocks spread as in a pass in turn
 
 
-def test_in_turn_raises_the_first_error_and_commits_nothing_after_it():
-    """A compute's error stops the taking of windows and is raised by in_turn; the windows before it are committed,
+def test_side_by_side_raises_the_first_error_and_commits_nothing_after_it():
+    """A compute's error stops the taking of windows and is raised by side_by_side; the windows before it are committed,
     none after it, and no thread is left waiting for a turn that will not come."""
     taken = []
 
@@ -599,34 +601,38 @@ def test_in_turn_raises_the_first_error_and_commits_nothing_after_it():
             raise ValueError("window 2 is bad")
         return i
 
-    commits, err = _in_turn(8, compute)
+    commits, err = _side_by_side(8, compute)
     assert isinstance(err, ValueError) and str(err) == "window 2 is bad"
     assert [i for i, _ in commits] == sorted(i for i, _ in commits) and all(i < 2 for i, _ in commits)
     assert len(taken) < 8  # the windows after it were not all computed
 
 
-def test_at_one_thread_in_turn_is_a_plain_loop_on_the_calling_thread():
+@pytest.mark.parametrize("fixed, knob", [(1, True), (2, False)])
+def test_at_one_thread_or_with_the_knob_off_side_by_side_is_a_plain_loop(monkeypatch, fixed, knob):
+    """One thread, or EDGEPROBE_SIDE_BY_SIDE=0 (threads.SIDE_BY_SIDE, the bench's A/B): every window computed and
+    committed in turn on the calling thread."""
     import threading
 
+    monkeypatch.setattr(T, "SIDE_BY_SIDE", knob)
     names = []
-    commits, err = _in_turn(3, lambda i: names.append(threading.current_thread().name) or i, fixed=1)
+    commits, err = _side_by_side(3, lambda i: names.append(threading.current_thread().name) or i, fixed=fixed)
     assert err is None and commits == [(0, 0), (1, 1), (2, 2)] and len(set(names)) == 1
 
 
 def test_windows_side_by_side_give_the_bits_of_windows_in_turn(monkeypatch, smollm, heldout_ids):
-    """At two threads, windows side by side (in_turn) and in turn: what a profile sees (windows begun, hook calls and
-    their values, windows ended, in that order), an outlier profile (its calibration's kept entries replayed, then an
-    outlier pass) array for array and a perplexity's NLL, all bit for bit equal; the side by side runs did go
-    through in_turn."""
+    """At two threads, windows side by side (threads.side_by_side) and in turn: what a profile sees (windows begun,
+    hook calls and their values, windows ended, in that order), an outlier profile (its calibration's kept entries
+    replayed, then an outlier pass) array for array and a perplexity's NLL, all bit for bit equal; the side by side
+    runs did go through side_by_side."""
     from edgeprobe import evaluate
     from edgeprobe.profile import jobs, runner
 
     ids = np.asarray(heldout_ids[:640])
     monkeypatch.setattr(T.POLICY, "fixed", 2)
     calls = []
-    in_turn = T.in_turn
+    side_by_side = T.side_by_side
     for module in (runner, evaluate):
-        monkeypatch.setattr(module, "in_turn", lambda *a, **k: calls.append(a[0]) or in_turn(*a, **k))
+        monkeypatch.setattr(module, "side_by_side", lambda *a, **k: calls.append(a[0]) or side_by_side(*a, **k))
 
     def passes():
         seen = []  # what a profile sees, in order: each window's begin and end, and every hook call between

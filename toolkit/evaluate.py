@@ -8,7 +8,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from edgeprobe_kernels.sampling import log_softmax  # noqa: F401  (re-exported: evaluate.log_softmax)
-from edgeprobe_kernels.threads import host_pass, in_turn, run_blocks
+from edgeprobe_kernels.threads import host_pass, run_blocks, side_by_side
 
 from .errors import TextError, WindowError
 from .forward import Hooks, LinearFn, forward, forward_layers
@@ -62,7 +62,7 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
     leading BOS in `ids` (from encode) is dropped first. A model whose one layer, a window's activations and
     logits exceed the memory limit is refused first (models.config.check_fits). Threads: the cores other
     processes leave free (edgeprobe_kernels.threads); where the pass starts with two or more, the float model's
-    windows run side by side (threads.in_turn), else in turn, the count decided again per window.
+    windows run side by side (threads.side_by_side), else in turn, the count decided again per window.
     order="layer" runs every window through layer i before layer i+1 (forward.forward_layers): each layer's weights
     read once, the windows' hidden states held between layers; the same NLL bits, summed in the same window order.
     """
@@ -119,7 +119,7 @@ def perplexity(model: Model, ids, window: int = 512, hooks: Hooks = None, linear
             # windows side by side on the float model alone (a caller's hooks may replace activations, its linears
             # run their own threads), where k windows' logits fit too
             if k > 1 and n > 1 and hooks is None and linear is None and fits(model.config, window, True, k):
-                in_turn(n, compute, commit, most=k)
+                side_by_side(n, compute, commit, most=k)
             else:
                 for w in range(n):
                     threads.tick()

@@ -6,7 +6,7 @@ from collections import defaultdict
 import numpy as np
 from tqdm.auto import tqdm
 
-from edgeprobe_kernels.threads import host_pass, in_turn
+from edgeprobe_kernels.threads import host_pass, side_by_side
 
 from ..errors import TextError, WindowError
 from ..forward import forward, forward_layers
@@ -52,7 +52,7 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
     activations only). Memory does not grow with the number of tokens; a model whose one layer and a window's
     activations exceed the memory limit is refused first (models.config.check_fits). Returns the profiles.
     Threads: the cores other processes leave free (edgeprobe_kernels.threads). Where the pass starts with two or
-    more, windows run side by side (threads.in_turn): each keeps its hooked activations (at most
+    more, windows run side by side (threads.side_by_side): each keeps its hooked activations (at most
     side_by_side_budget() a window, else the windows run in turn) until the profiles see it, in window order: the
     same bits. Otherwise the windows run in turn, the count decided again per window.
     order "layer": every window through layer i, then layer i + 1 (run_layers; the same
@@ -84,16 +84,16 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
                                       leave=False) as bar:
         k = threads.tick()  # beside other processes (one thread) the windows run in turn, their GEMMs spread
         if k > 1 and len(chunks) > 1 and _kept_bytes(model, hooks, window) <= side_by_side_budget():
-            in_turn(len(chunks), compute, commit, most=k)  # windows side by side (edgeprobe_kernels.threads.in_turn)
-            return profiles if len(profiles) != 1 else profiles[0]
-        for chunk in chunks:
-            threads.tick()
-            for p in profiles:
-                p.begin_window(chunk)
-            forward(model, chunk, hooks=hooks, logits="none")
-            for p in profiles:
-                p.end_window(len(chunk))
-            bar.update(1)
+            side_by_side(len(chunks), compute, commit, most=k)  # edgeprobe_kernels.threads.side_by_side
+        else:
+            for chunk in chunks:  # the hooks live: a profile's statistics run beside the next GEMM (threads.beside)
+                threads.tick()
+                for p in profiles:
+                    p.begin_window(chunk)
+                forward(model, chunk, hooks=hooks, logits="none")
+                for p in profiles:
+                    p.end_window(len(chunk))
+                bar.update(1)
     return profiles if len(profiles) != 1 else profiles[0]
 
 

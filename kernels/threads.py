@@ -401,7 +401,9 @@ def side_by_side(n: int, compute, commit, most: int | None = None) -> None:
         try:
             while True:
                 with cv:
-                    while len(due) >= k and not st["failed"]:  # bounded memory: wait for the commits to catch up
+                    # bounded memory: wait for the commits to catch up, but never with nothing left to take (the
+                    # last window's spread may wait for this thread to leave)
+                    while len(due) >= k and st["next"] < n and not st["failed"]:
                         cv.wait()
                     i = st["next"]
                     if st["failed"] or i >= n:

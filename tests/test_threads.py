@@ -607,6 +607,27 @@ def test_side_by_side_raises_the_first_error_and_commits_nothing_after_it():
     assert len(taken) < 8  # the windows after it were not all computed
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_side_by_side_keeps_order_and_finishes_whatever_the_windows_take(seed):
+    """Windows that take random times, each spreading blocks inside (run_blocks: on its own thread when alone, over
+    the pool for a last window with none beside it): every commit in order with its own window's result, and the
+    pass ends (a thread waiting on a commit, or on the pool another thread holds, would hang it)."""
+    import time
+
+    rng = np.random.default_rng(seed)
+    naps = rng.uniform(0, 0.02, size=(9, 2))
+
+    def compute(i):
+        out = np.zeros(4)
+        time.sleep(naps[i, 0])
+        T.run_blocks(lambda a, b: out[a:b].__iadd__(i), [(0, 2), (2, 4)])
+        time.sleep(naps[i, 1])
+        return out.sum()
+
+    commits, err = _side_by_side(9, compute)
+    assert err is None and commits == [(i, 4.0 * i) for i in range(9)]
+
+
 @pytest.mark.parametrize("fixed, knob", [(1, True), (2, False)])
 def test_at_one_thread_or_with_the_knob_off_side_by_side_is_a_plain_loop(monkeypatch, fixed, knob):
     """One thread, or EDGEPROBE_SIDE_BY_SIDE=0 (threads.SIDE_BY_SIDE, the bench's A/B): every window computed and

@@ -17,8 +17,8 @@ printed as it ends.
 statistics) in row blocks (numba kernels, spread over the threads where large enough) and as before, whole on the
 calling thread (threads.ROW_SPLITS; EDGEPROBE_ROW_SPLITS=0 in any run); and with a pass's windows side by side, one a
 thread, and in turn, their GEMMs' blocks spread (threads.SIDE_BY_SIDE; EDGEPROBE_SIDE_BY_SIDE=0): interleaved, on one
-machine. Side by side needs two windows in a pass: at the default 1,024 tokens the outlier pass has one calibration
-window and one outlier window (--tokens 4096: one and seven).
+machine. Side by side needs two windows in a pass: at the default 1,024 tokens the calibration has two windows and the
+outlier pass one calibration window and one outlier window, in one pass (profile.runner.Handover).
 
 --bound: no speeds (a busy machine's are noise): each pass on one thread, every GEMM block, split part and
 statistic beside the pass timed in CPU time and laid out on two threads as the pool deals them; prints the serial
@@ -124,7 +124,7 @@ def main():
 
     def outliers_pass():
         profile_outliers(m, train, tokens=T, window=W, calib_tokens=W, progress=False)
-        return T  # the first window calibrates and is replayed, the others run once
+        return T  # the first window calibrates and is replayed, the others run once, in the same pass
 
     if args.gemms:
         return gemms(m, args.rounds, W)

@@ -667,13 +667,64 @@ def test_windows_side_by_side_give_the_bits_of_windows_in_turn(monkeypatch, smol
         return prof, nll, seen
 
     side = passes()
-    # five windows, the calibration (2), the outlier pass (the 3 others), perplexity (3)
-    assert calls == [5, 2, 3, 3] and len(side[2]) == 5 * 5
+    # five windows, the outlier profile's 2 calibration windows and 3 others in one pass (Handover), perplexity (3)
+    assert calls == [5, 5, 3] and len(side[2]) == 5 * 5
     monkeypatch.setattr(runner, "side_by_side_budget", lambda: -1)  # no window may keep its activations
     monkeypatch.setattr(evaluate, "fits", lambda *a, **k: False)    # nor two windows' logits fit
     turn = passes()
-    assert calls == [5, 2, 3, 3]
+    assert calls == [5, 5, 3]
     assert side[2] == turn[2] and side[1] == turn[1] and side[0].arrays.keys() == turn[0].arrays.keys()
     for name, fields in turn[0].arrays.items():
         for f, a in fields.items():
             assert np.array_equal(side[0].arrays[name][f], a), (name, f)
+
+
+@pytest.mark.parametrize("side", [True, False])
+def test_a_handover_feeds_two_profiles_from_one_pass_across_the_windows_side_by_side(monkeypatch, smollm,
+                                                                                     heldout_ids, side):
+    """runner.Handover: windows 0-1 reach the first profile and 2-4 the second, each with its own hook calls in order;
+    then() runs once, after the first saw its last window end, and with windows side by side the handover's window
+    was computed before it (the pass did not drain there); in turn, before it. A then() that raises stops the pass
+    with its error and no window past the handover is seen; a second profile hooking what the first does not is
+    refused in one line."""
+    from edgeprobe.profile import runner
+
+    ids = np.asarray(heldout_ids[:640])
+    monkeypatch.setattr(T.POLICY, "fixed", 2)
+    if not side:
+        monkeypatch.setattr(runner, "side_by_side_budget", lambda: -1)
+    done, real = [], runner.forward
+    monkeypatch.setattr(runner, "forward", lambda m, chunk, **k: (real(m, chunk, **k), done.append(int(chunk[0])))[0])
+
+    def seer(names):
+        seen = []
+        return seen, SimpleNamespace(begin_window=lambda c: seen.append(("begin", int(c[0]))),
+                                     end_window=lambda n: seen.append(("end", n)),
+                                     hooks=lambda m: {n: lambda name, x: seen.append((name, float(x[-1, -1])))
+                                                      for n in names})
+    names = ("blk.0.attn_in", "blk.29.ffn_act")
+    (first_seen, first), (second_seen, second) = seer(names), seer(names[1:])
+    at_then = []
+
+    def then(p):
+        at_then.append((p, list(first_seen), len(done)))
+        return second
+    h = runner.run(smollm, ids, runner.Handover(first, 2, then), window=128, progress=False)
+    assert h.second is second and len(at_then) == 1 and at_then[0][0] is first
+    starts = [int(ids[w * 128]) for w in range(5)]
+    assert [e[1] for e in first_seen if e[0] == "begin"] == starts[:2] and at_then[0][1] == first_seen
+    assert first_seen[-1] == ("end", 128) and len(first_seen) == 2 * 4
+    assert [e[1] for e in second_seen if e[0] == "begin"] == starts[2:] and len(second_seen) == 3 * 3
+    assert at_then[0][2] >= 3 if side else at_then[0][2] == 2
+    # the same values as a plain pass's: the hooks' calls went to the profile of their window
+    all_seen, plain = seer(names)
+    runner.run(smollm, ids, plain, window=128, progress=False)
+    assert first_seen == all_seen[:8] and second_seen == [e for e in all_seen[8:] if e[0] != names[0]]
+
+    stopped_seen, stopped = seer(names)
+    with pytest.raises(KeyError, match="stop here"):
+        runner.run(smollm, ids, runner.Handover(stopped, 2, lambda p: {}["stop here"]), window=128, progress=False)
+    assert [e[1] for e in stopped_seen if e[0] == "begin"] == starts[:2]
+    wider = seer(names + ("out_norm",))[1]
+    with pytest.raises(ValueError, match="second profile hooks \\['out_norm'\\], which the first does not"):
+        runner.run(smollm, ids, runner.Handover(seer(names)[1], 2, lambda p: wider), window=128, progress=False)

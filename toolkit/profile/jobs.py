@@ -10,7 +10,7 @@ from ..models import Model
 from .figures import OUTLIER_KINDS, SPARSITY_KINDS, write_html
 from .outliers import CHANNEL_CLIP_PERCENTILE, ClipHistograms, OutlierStats
 from .predictor import train_predictors
-from .runner import run, windows
+from .runner import Handover, run, windows
 from .sparsity import SparsityStats, calibrate_thresholds
 
 # runner: how a streaming pass over windows runs — runner.run in this process (None), or a
@@ -23,27 +23,55 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
     runner.run's, "window" or "layer"; a Ray runner runs each shard's windows in that order).
 
     In this process the calibration keeps what the outlier pass counts of its windows (ClipHistograms keep), so
-    those windows are replayed instead of run again and only the tokens past calib_tokens take a second pass: the
-    same profile bit for bit, in about half the time when the two cover the same tokens (calibration_profile)."""
+    those windows are replayed instead of run again: the same profile bit for bit, in about half the time when the
+    two cover the same tokens (calibration_profile). Window-major, the tokens past calib_tokens then stream in the
+    same pass (runner.Handover), so its windows run side by side across the handover; where too few entries were
+    kept to replay, the outlier pass runs every window again."""
     windows(ids, window, tokens)  # validates before any work
     calib_n = min(calib_tokens, tokens or len(ids))
-    # layer-major: the calibration too, else it holds every layer's weights (its histograms are counts: same bits);
-    # a runner's shards keep nothing (their entries would have to travel back): it runs both passes
-    hists = (runner or run)(model, ids, ClipHistograms.for_model(model, keep=percentile if runner is None else None),
-                            window=window, max_tokens=calib_n, progress=progress, desc="calibrate", order=order)
-    at = hists.clips_at({percentile, CHANNEL_CLIP_PERCENTILE})
-    st = OutlierStats.for_model(model, at[float(percentile)], percentile,
-                                clips_at={p: c for p, c in at.items() if p != float(percentile)})
+    keep = runner is None  # a runner's shards keep nothing (their entries would have to travel back): two passes
+    hists = ClipHistograms.for_model(model, keep=percentile if keep else None)
+
+    def outlier_stats(h: ClipHistograms) -> OutlierStats:
+        at = h.clips_at({percentile, CHANNEL_CLIP_PERCENTILE})
+        return OutlierStats.for_model(model, at[float(percentile)], percentile,
+                                      clips_at={p: c for p, c in at.items() if p != float(percentile)})
+
+    done = windows(ids, window, calib_n)
+    if keep and order == "window" and len(windows(ids, window, tokens)) > len(done):
+        # one pass: the calibration's windows, then the outlier pass's, side by side across the handover
+        made = {}
+
+        def then(h: ClipHistograms) -> OutlierStats:
+            st = made["st"] = outlier_stats(h)
+            if not h.replayable(st.params["clips"]):
+                raise _Rerun
+            st.replay(h, done)
+            h.kept = None  # the entries are spent: freed before the rest of the pass
+            return st
+        try:
+            return run(model, ids, Handover(hists, len(done), then), window=window, max_tokens=tokens,
+                       progress=progress, desc="calibrate, outliers").second
+        except _Rerun:
+            return run(model, ids, made["st"], window=window, max_tokens=tokens, progress=progress, desc="outliers",
+                       order=order)
+    # layer-major: the calibration too, else it holds every layer's weights (its histograms are counts: same bits)
+    hists = (runner or run)(model, ids, hists, window=window, max_tokens=calib_n, progress=progress,
+                            desc="calibrate", order=order)
+    st = outlier_stats(hists)
     if hists.replayable(st.params["clips"]):
-        done = windows(ids, window, calib_n)
         st.replay(hists, done)
-        hists.kept = None  # the entries are spent: freed before the rest of the pass
+        hists.kept = None
         rest = np.asarray(ids)[len(done) * window:tokens]
         if len(rest) >= window:
             run(model, rest, st, window=window, progress=progress, desc="outliers", order=order)
         return st
     return (runner or run)(model, ids, st, window=window, max_tokens=tokens, progress=progress, desc="outliers",
                            order=order)
+
+
+class _Rerun(Exception):
+    """The calibration kept too few entries to replay: the outlier pass runs every window (profile_outliers)."""
 
 
 def profile_sparsity(model: Model, ids, tokens: int | None = 16384, window: int = 512, eps: float = 0.01,

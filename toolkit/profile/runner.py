@@ -6,7 +6,7 @@ from collections import defaultdict
 import numpy as np
 from tqdm.auto import tqdm
 
-from edgeprobe_kernels.threads import host_pass, side_by_side
+from edgeprobe_kernels.threads import host_pass, settle, side_by_side
 
 from ..errors import TextError, WindowError
 from ..forward import forward, forward_layers
@@ -95,6 +95,47 @@ def run(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None 
                     p.end_window(len(chunk))
                 bar.update(1)
     return profiles if len(profiles) != 1 else profiles[0]
+
+
+class Handover:
+    """Two profiles fed by one window-major pass: its first `n` windows go to `first`; as window n begins,
+    then(first) makes the second profile (what it needs of the first is settled: every window of it has ended)
+    and the rest go to that one. One pass, not two, so windows side by side run across the handover (a
+    calibration's last windows beside an outlier pass's first ones) where two passes would each drain.
+    then may raise to stop the pass (run raises it); the second profile's hooks must be among the first's (the
+    windows computed ahead recorded the first's). Window-major only: it keeps no per-window state for at_window."""
+
+    def __init__(self, first: Profile, n: int, then):
+        self.first, self.n, self.then = first, n, then
+        self.second: Profile | None = None
+        self._current, self._begun, self._model, self._hooks = first, 0, None, {}
+
+    def hooks(self, model: Model) -> dict:
+        self._model, self._hooks = model, self.first.hooks(model)
+        return {name: self._hook for name in self._hooks}
+
+    def _hook(self, name, x):
+        self._hooks[name](name, x)
+
+    def begin_window(self, ids: np.ndarray) -> None:
+        if self._begun == self.n:
+            settle()  # the first's last statistics, if they ran beside (threads.beside)
+            self.second = self.then(self.first)
+            hooks = self.second.hooks(self._model)
+            if not set(hooks) <= set(self._hooks):
+                raise ValueError(f"a handover's second profile hooks {sorted(set(hooks) - set(self._hooks))[:3]}, "
+                                 "which the first does not")
+            self._hooks = {name: hooks.get(name, _ignore) for name in self._hooks}
+            self._current = self.second
+        self._begun += 1
+        self._current.begin_window(ids)
+
+    def end_window(self, n_tokens: int) -> None:
+        self._current.end_window(n_tokens)
+
+
+def _ignore(name, x) -> None:
+    """A hook the second profile of a Handover does not have."""
 
 
 SIDE_BY_SIDE_BYTES = 1 << 30  # at most this many bytes of hooked activations a window keeps for its turn

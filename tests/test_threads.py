@@ -725,6 +725,8 @@ def test_a_handover_feeds_two_profiles_from_one_pass_across_the_windows_side_by_
     with pytest.raises(KeyError, match="stop here"):
         runner.run(smollm, ids, runner.Handover(stopped, 2, lambda p: {}["stop here"]), window=128, progress=False)
     assert [e[1] for e in stopped_seen if e[0] == "begin"] == starts[:2]
+    with pytest.raises(ValueError, match="Handover keeps per-window state .* profile it with order='window'"):
+        runner.run(smollm, ids, runner.Handover(seer(names)[1], 2, then), window=128, order="layer", progress=False)
     wider = seer(names + ("out_norm",))[1]
     with pytest.raises(ValueError, match="second profile hooks \\['out_norm'\\], which the first does not"):
         runner.run(smollm, ids, runner.Handover(seer(names)[1], 2, lambda p: wider), window=128, progress=False)

@@ -161,7 +161,7 @@ def _layer_major_ready(p: Profile) -> bool:
     that keep it per window and switch in at_window (sparsity's resident neurons, co-activation's routing)."""
     t = type(p)
     free = t.begin_window is Profile.begin_window and t.end_window is Profile.end_window
-    return free or t.at_window is not Profile.at_window
+    return free or getattr(t, "at_window", Profile.at_window) is not Profile.at_window  # Handover has none
 
 
 def run_layers(model: Model, ids, *profiles, window: int = 512, max_tokens: int | None = None,

@@ -27,7 +27,7 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
     two cover the same tokens (calibration_profile). Window-major, the tokens past calib_tokens then stream in the
     same pass (runner.Handover), so its windows run side by side across the handover; where too few entries were
     kept to replay, the outlier pass runs every window again."""
-    windows(ids, window, tokens)  # validates before any work
+    n_windows = len(windows(ids, window, tokens))  # validates before any work
     calib_n = min(calib_tokens, tokens or len(ids))
     keep = runner is None  # a runner's shards keep nothing (their entries would have to travel back): two passes
     hists = ClipHistograms.for_model(model, keep=percentile if keep else None)
@@ -37,17 +37,24 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
         return OutlierStats.for_model(model, at[float(percentile)], percentile,
                                       clips_at={p: c for p, c in at.items() if p != float(percentile)})
 
+    def replayed(h: ClipHistograms, st: OutlierStats) -> bool:
+        """st given what the outlier pass counts of the calibration's windows, from h's kept entries, and those
+        freed; False (nothing done) where h kept too few for st's clips."""
+        if not h.replayable(st.params["clips"]):
+            return False
+        st.replay(h, done)
+        h.kept = None  # the entries are spent: freed before the rest of the pass
+        return True
+
     done = windows(ids, window, calib_n)
-    if keep and order == "window" and len(windows(ids, window, tokens)) > len(done):
+    if keep and order == "window" and n_windows > len(done):
         # one pass: the calibration's windows, then the outlier pass's, side by side across the handover
         made = {}
 
         def then(h: ClipHistograms) -> OutlierStats:
             st = made["st"] = outlier_stats(h)
-            if not h.replayable(st.params["clips"]):
+            if not replayed(h, st):
                 raise _Rerun
-            st.replay(h, done)
-            h.kept = None  # the entries are spent: freed before the rest of the pass
             return st
         try:
             return run(model, ids, Handover(hists, len(done), then), window=window, max_tokens=tokens,
@@ -59,9 +66,7 @@ def profile_outliers(model: Model, ids, tokens: int | None = 32768, window: int 
     hists = (runner or run)(model, ids, hists, window=window, max_tokens=calib_n, progress=progress,
                             desc="calibrate", order=order)
     st = outlier_stats(hists)
-    if hists.replayable(st.params["clips"]):
-        st.replay(hists, done)
-        hists.kept = None
+    if replayed(hists, st):
         rest = np.asarray(ids)[len(done) * window:tokens]
         if len(rest) >= window:
             run(model, rest, st, window=window, progress=progress, desc="outliers", order=order)

@@ -158,9 +158,12 @@ def test_quantized_models_carry_a_q8_0_head_the_float_one_does_not():
 
 @pytest.mark.parametrize("scheme", ["w8a8", "w8a8c-shadow"])
 def test_a_fused_decode_step_computes_what_its_ops_compute(scheme, monkeypatch):
-    """Bit for bit, with each layer's sibling linears (q, k, v; gate, up) computed in one grouped call."""
+    """Bit for bit, with each layer's sibling linears (q, k, v; gate, up) computed in one grouped call (the sub-op
+    path: w8a8 layers otherwise run as one compiled call, tests/test_compiled_layer.py)."""
+    from edgeprobe_agent.ops import compiled
     from edgeprobe_kernels import int8_gemm
 
+    monkeypatch.setattr(compiled, "ENABLED", False)
     grouped = []
     real = int8_gemm.linear_w8a8_gemv_group
     monkeypatch.setattr(int8_gemm, "linear_w8a8_gemv_group", lambda *a: grouped.append(a[3].shape) or real(*a))
@@ -305,11 +308,14 @@ def test_rope_at_every_row_count_is_the_numpy_formula_bit_for_bit(monkeypatch, r
 def test_the_agent_warms_every_kernel_it_calls():
     from edgeprobe_kernels.warm import warm
 
+    from edgeprobe_kernels.decode_layer import layer_w8a8
+
     gemm = ["linear_w8a8_gemm"] if int8_gemm.GEMM_INT8 else []
+    layer = ["decode_layer"] if layer_w8a8 is not None else []
     assert warm() == ["build_team", "linear_w8a8_gemv", "linear_w8a8_gemv_group", "as_f32", "rows_major", *gemm,
                       "matmul_q8_0", "shadow_gemm", "shadow_delta_onepass", "gemm_f16w_seq",
                       "gemv_q4_seq, q4_rows_t", "rms_norm, apply_rope", "prompt rows: rms_norm, add, apply_rope",
-                      "attention (decode rows)"]
+                      "attention (decode rows)", *layer]
 
 
 def test_the_parallel_float32_copy_of_an_int8_weight_holds_its_values():

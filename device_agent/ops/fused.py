@@ -12,6 +12,7 @@ from edgeprobe_kernels.linear_records import W8A8_SCHEMES, scheme_of
 from edgeprobe_kernels.names import layer_of
 from edgeprobe_kernels.numerics import CaptureError
 
+from . import compiled
 from .linear import group_linear, runner
 from .registry import OPS, OpError, bytes_in, flops, op
 
@@ -75,6 +76,11 @@ def op_fused(inp, attrs, ctx):
     hvx = ctx.lane == "npu" and ctx.backends.get("npu") == "hvx"
     runners = ctx.runners
     steps, step_op = runners.per_object(attrs, "steps", _compile_fused)
+    if not step_op and cap is None and not hvx and ctx.lane != "gpu":  # a decode layer as one compiled call
+        m = compiled.matched(runners, attrs)
+        out = compiled.run(m, inp, ctx) if m is not None else None
+        if out is not None:
+            return out
     t = perf_counter_ns()
     for group, subs in steps:
         if group is not None:

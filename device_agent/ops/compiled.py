@@ -1,0 +1,151 @@
+"""A fused decode layer run as one compiled call (edgeprobe_kernels.decode_layer): a Llama-style W8A8 layer's 15
+sub-ops, recognized once per plan (match) and run for one decode row (run), bit for bit what op_fused computes
+sub-op by sub-op. Anything else, and any run the compiled call cannot take as it comes (a numerics capture, rows
+other than one, a KV session that would refuse the write), goes the sub-op path, which also gives the errors.
+EDGEPROBE_COMPILED_LAYERS=0 turns it off (A/B runs: bench/decode_overhead.py).
+"""
+from __future__ import annotations
+
+import os
+from time import perf_counter_ns
+
+import numpy as np
+
+from edgeprobe_kernels import decode_layer
+from edgeprobe_kernels.linear_records import scheme_of
+from edgeprobe_kernels.llama_ops import _scale64
+
+from .dense import _rope_tables
+from .linear import _group_weights
+from .registry import RunnerCache
+
+ENABLED = os.environ.get("EDGEPROBE_COMPILED_LAYERS", "1") != "0"
+
+# the layer's sub-ops: kind, inputs as ("arg", which of the layer's args: x, norm 1, norm 2) or ("op", sub-op index)
+PATTERN = (
+    ("rms_norm", (("arg", "x"), ("arg", "n1"))),
+    ("linear", (("op", 0),)), ("linear", (("op", 0),)), ("linear", (("op", 0),)),
+    ("rope", (("op", 1),)), ("rope", (("op", 2),)),
+    ("attention", (("op", 4), ("op", 5), ("op", 3))),
+    ("linear", (("op", 6),)),
+    ("add", (("arg", "x"), ("op", 7))),
+    ("rms_norm", (("op", 8), ("arg", "n2"))),
+    ("linear", (("op", 9),)), ("linear", (("op", 9),)),
+    ("swiglu", (("op", 10), ("op", 11))),
+    ("linear", (("op", 12),)),
+    ("add", (("op", 8), ("op", 13))),
+)
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def match(attrs: dict) -> dict | None:
+    """The compiled layer's constants if attrs' sub-ops are PATTERN with one-row W8A8 linears (no shadow GEMM:
+    w8a8), plain RMSNorms and RoPE, and attention over a batch-1 KV session; else None."""
+    subs = attrs.get("ops")
+    if not decode_layer.layer_w8a8 or not isinstance(subs, list) or len(subs) != len(PATTERN):
+        return None
+    names = [s.get("name") for s in subs]
+    args: dict = {}
+    for sub, (kind, refs) in zip(subs, PATTERN):
+        ins = sub.get("inputs")
+        if sub.get("kind") != kind or not isinstance(ins, list) or len(ins) != len(refs):
+            return None
+        for r, (src, want) in zip(ins, refs):
+            if src == "op" and r != {"op": names[want]}:
+                return None
+            if src == "arg" and (not isinstance(r, dict) or list(r) != ["arg"] or args.setdefault(want, r["arg"])
+                                 != r["arg"]):
+                return None
+    a = [s.get("attrs", {}) for s in subs]
+    lin = [i for i, (k, _) in enumerate(PATTERN) if k == "linear"]
+    for i in lin:
+        rec = a[i].get("rec")
+        if not isinstance(rec, dict) or scheme_of(rec) != "w8a8" or a[i].get("part", "all") != "all" \
+                or any(k in a[i] for k in ("rows", "cols", "pad_to")) or not isinstance(rec.get("shape"), list) \
+                or len(rec["shape"]) != 2 or not all(_int(v) and v > 0 for v in rec["shape"]):
+            return None
+    rq, rk, at = a[4], a[5], a[6]
+    H, KV, d = at.get("n_heads"), at.get("n_kv_heads"), at.get("head_dim")
+    if not all(_int(v) and v > 0 for v in (H, KV, d)) or H % KV or d % 2:
+        return None
+    for r, heads in ((rq, H), (rk, KV)):
+        if r.get("heads") != heads or r.get("head_dim") != d or r.get("batch", 1) != 1 or r.get("session") is not True \
+                or r.get("freq_factors") or r.get("theta") != rq.get("theta") \
+                or not isinstance(r.get("theta"), (int, float)) or isinstance(r.get("theta"), bool):
+            return None
+    if at.get("session") is not True or at.get("batch", 1) != 1 or at.get("parts", 1) != 1 \
+            or not _int(at.get("kv_layer")) or not _int(at.get("window", 0)) or at.get("window", 0) < 0 \
+            or not all(isinstance(at.get(k, 0.0), (int, float)) for k in ("scale", "softcap")):
+        return None
+    if any("head_dim" in a[i] or not isinstance(a[i].get("eps"), (int, float)) for i in (0, 9)):
+        return None
+    D = a[1]["rec"]["shape"][1]
+    F = a[10]["rec"]["shape"][0]
+    want = {1: [H * d, D], 2: [KV * d, D], 3: [KV * d, D], 7: [D, H * d], 10: [F, D], 11: [F, D], 13: [D, F]}
+    if any(a[i]["rec"]["shape"] != s for i, s in want.items()):
+        return None
+    groups = ([subs[1], subs[2], subs[3]], [subs[7]], [subs[10], subs[11]], [subs[13]])
+    flops = 2 * D * ((H + 2 * KV) * d + H * d + 3 * F) + 2 * D + (H + KV) * d + 2 * D + F
+    return {"args": args, "H": H, "KV": KV, "d": d, "D": D, "groups": groups, "layer": at["kv_layer"],
+            "theta": float(rq["theta"]), "window": at.get("window", 0),
+            "scale64": _scale64(d, float(at.get("scale", 0.0))),
+            "softcap": float(at.get("softcap", 0.0)), "eps": (np.float32(a[0]["eps"]), np.float32(a[9]["eps"])),
+            "flops": flops}
+
+
+def _vec(v, D: int) -> bool:
+    return isinstance(v, np.ndarray) and v.dtype == np.float32 and v.shape == (D,) and v.flags.c_contiguous
+
+
+def _weights(m: dict, groups, ctx):
+    """The four GEMVs' (sa, part, w, scale), stacked once as group_linear stacks them (the q/k/v and gate/up stacks
+    are the same arrays), or None where a blob's shape is not the one its record names."""
+    D, H, KV, d = m["D"], m["H"], m["KV"], m["d"]
+    F = groups[2][0]["attrs"]["rec"]["shape"][0]
+    ws = tuple(_group_weights(g, ctx)[:4] for g in groups)
+    for (sa, part, w, scale), g, rows, k in zip(ws, groups, ((H + 2 * KV) * d, D, 2 * F, D), (D, H * d, D, F)):
+        if w.shape != (rows, k) or part.shape != (rows,) or scale.shape != (rows,) or sa.shape != (len(g),):
+            return None
+    return ws
+
+
+def run(m: dict, inp: list, ctx) -> np.ndarray | None:
+    """The layer's output float32[1, D] for the one row inp[x] (its event gets flops, parts_us split by the parts'
+    cycles, fused_ops and compiled_layer), or None where the sub-op path must run it."""
+    D, H, KV, d = m["D"], m["H"], m["KV"], m["d"]
+    x, n1, n2 = (inp[m["args"][k]] for k in ("x", "n1", "n2"))
+    sess = ctx.session
+    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == (1, D) and _vec(n1, D)
+            and _vec(n2, D) and sess is not None and sess.batch == 1 and 0 <= m["layer"] < sess.n_layers):
+        return None
+    pos = sess.length + ctx.offset
+    kc, vc = sess.k[m["layer"]], sess.v[m["layer"]]
+    if not (0 <= pos < sess.capacity and kc.shape == vc.shape == (1, KV, sess.capacity, d) and kc.dtype == np.float32
+            and vc.dtype == np.float32 and kc.flags.c_contiguous and vc.flags.c_contiguous):
+        return None
+    ws = ctx.runners.per_object(m["groups"], "compiled-weights", lambda gs: _weights(m, gs, ctx))
+    if ws is None:
+        return None
+    cos, sin = _rope_tables(d, m["theta"], pos, 1, None)
+    ticks = np.zeros(len(decode_layer.PARTS), np.int64)
+    (sa3, p3, w3, s3), (sao, po, wo, so), (sa2, p2, w2, s2), (sad, pd, wd, sd) = ws
+    t0 = perf_counter_ns()
+    out, exp_ns = decode_layer.layer_w8a8(np.ascontiguousarray(x), n1, m["eps"][0], w3, sa3, p3, s3, H, KV, cos, sin,
+                                          kc, vc, pos, m["window"], m["scale64"], m["softcap"], wo, sao, po, so, n2,
+                                          m["eps"][1], w2, sa2, p2, s2, wd, sad, pd, sd, ticks)
+    us = (perf_counter_ns() - t0) / 1000.0
+    if ctx.event is not None:  # the compiled parts' share of the time outside numpy's exp, by their cycles
+        total, rest = max(int(ticks.sum()), 1), max(us - exp_ns / 1000.0, 0.0)
+        parts = {k: rest * int(t) / total for k, t in zip(decode_layer.PARTS, ticks)}
+        parts["swiglu"] += exp_ns / 1000.0
+        ctx.event.update({"flops": m["flops"] + 4 * H * (1 + pos) * d, "fused_ops": len(PATTERN),
+                          "parts_us": parts, "compiled_layer": True})
+    return out
+
+
+def matched(runners: RunnerCache, attrs: dict) -> dict | None:
+    """match(attrs), once per attrs object (a validated plan's, kept by the runner cache)."""
+    return runners.per_object(attrs, "compiled-layer", match) if ENABLED else None

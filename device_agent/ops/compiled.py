@@ -138,8 +138,9 @@ def run(m: dict, inp: list, ctx) -> np.ndarray | None:
                                           m["eps"][1], w2, sa2, p2, s2, wd, sad, pd, sd, ticks)
     us = (perf_counter_ns() - t0) / 1000.0
     if ctx.event is not None:  # the compiled parts' share of the time outside numpy's exp, by their cycles
-        total, rest = max(int(ticks.sum()), 1), max(us - exp_ns / 1000.0, 0.0)
-        parts = {k: rest * int(t) / total for k, t in zip(decode_layer.PARTS, ticks)}
+        tl = ticks.tolist()
+        f = max(us - exp_ns / 1000.0, 0.0) / (sum(tl) or 1)
+        parts = dict(zip(decode_layer.PARTS, [t * f for t in tl]))
         parts["swiglu"] += exp_ns / 1000.0
         ctx.event.update({"flops": m["flops"] + 4 * H * (1 + pos) * d, "fused_ops": len(PATTERN),
                           "parts_us": parts, "compiled_layer": True})

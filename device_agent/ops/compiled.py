@@ -17,7 +17,6 @@ from edgeprobe_kernels.llama_ops import _scale64
 
 from .dense import _rope_tables
 from .linear import _group_weights
-from .registry import RunnerCache
 
 ENABLED = os.environ.get("EDGEPROBE_COMPILED_LAYERS", "1") != "0"
 
@@ -116,18 +115,26 @@ def run(m: dict, inp: list, ctx) -> np.ndarray | None:
     """The layer's output float32[1, D] for the one row inp[x] (its event gets flops, parts_us split by the parts'
     cycles, fused_ops and compiled_layer), or None where the sub-op path must run it."""
     D, H, KV, d = m["D"], m["H"], m["KV"], m["d"]
-    x, n1, n2 = (inp[m["args"][k]] for k in ("x", "n1", "n2"))
+    args = m["args"]
+    x, n1, n2 = inp[args["x"]], inp[args["n1"]], inp[args["n2"]]
     sess = ctx.session
-    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == (1, D) and _vec(n1, D)
-            and _vec(n2, D) and sess is not None and sess.batch == 1 and 0 <= m["layer"] < sess.n_layers):
+    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == (1, D) and sess is not None
+            and sess.batch == 1 and 0 <= m["layer"] < sess.n_layers):
         return None
+    norms = m.get("norms")  # the norms' weights are the same blobs every step: checked once
+    if norms is None or norms[0] is not n1 or norms[1] is not n2:
+        if not (_vec(n1, D) and _vec(n2, D)):
+            return None
+        m["norms"] = (n1, n2)
     pos = sess.length + ctx.offset
     kc, vc = sess.k[m["layer"]], sess.v[m["layer"]]
     if not (0 <= pos < sess.capacity and kc.shape == vc.shape == (1, KV, sess.capacity, d) and kc.dtype == np.float32
             and vc.dtype == np.float32 and kc.flags.c_contiguous and vc.flags.c_contiguous):
         return None
-    ws = ctx.runners.per_object(m["groups"], "compiled-weights", lambda gs: _weights(m, gs, ctx))
+    ws = m.get("weights")  # m is kept per plan by the run's runner cache, whose weights these are
     if ws is None:
+        ws = m["weights"] = _weights(m, m["groups"], ctx) or False
+    if not ws:
         return None
     cos, sin = _rope_tables(d, m["theta"], pos, 1, None)
     ticks = np.zeros(len(decode_layer.PARTS), np.int64)
@@ -147,6 +154,3 @@ def run(m: dict, inp: list, ctx) -> np.ndarray | None:
     return out
 
 
-def matched(runners: RunnerCache, attrs: dict) -> dict | None:
-    """match(attrs), once per attrs object (a validated plan's, kept by the runner cache)."""
-    return runners.per_object(attrs, "compiled-layer", match) if ENABLED else None

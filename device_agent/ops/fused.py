@@ -49,9 +49,10 @@ def _plain_linear(sub: dict) -> bool:
         and not any(k in a for k in ("rows", "cols", "pad_to")) and len(sub.get("inputs", [])) == 1
 
 
-def _compile_fused(attrs: dict) -> tuple[list, bool]:
+def _compile_fused(attrs: dict) -> tuple[list, bool, dict | None]:
     """attrs ops as steps: (a list of sibling linears or None, [(sub-op, its input refs as ("arg", i) | ("op", name),
-    whether it is a plain linear)]), and whether the op is a step op (has fused sub-ops: each sub-op its own event)."""
+    whether it is a plain linear)]), whether the op is a step op (has fused sub-ops: each sub-op its own event), and
+    the compiled layer it is (compiled.match) or None."""
     steps = []
     step_op = any(s["kind"] == "fused" for s in attrs["ops"])
     for step in ([s] for s in attrs["ops"]) if step_op else _sibling_groups(attrs["ops"]):
@@ -59,7 +60,7 @@ def _compile_fused(attrs: dict) -> tuple[list, bool]:
         steps.append((step if isinstance(step, list) and not step_op else None,
                       [(sub, [("arg", r["arg"]) if "arg" in r else ("op", r["op"]) for r in sub["inputs"]],
                         _plain_linear(sub)) for sub in subs]))
-    return steps, step_op
+    return steps, step_op, None if step_op else compiled.match(attrs)
 
 
 @op("fused")
@@ -75,10 +76,9 @@ def op_fused(inp, attrs, ctx):
     nested = []
     hvx = ctx.lane == "npu" and ctx.backends.get("npu") == "hvx"
     runners = ctx.runners
-    steps, step_op = runners.per_object(attrs, "steps", _compile_fused)
-    if not step_op and cap is None and not hvx and ctx.lane != "gpu":  # a decode layer as one compiled call
-        m = compiled.matched(runners, attrs)
-        out = compiled.run(m, inp, ctx) if m is not None else None
+    steps, step_op, layer = runners.per_object(attrs, "steps", _compile_fused)
+    if layer is not None and compiled.ENABLED and cap is None and not hvx and ctx.lane != "gpu":
+        out = compiled.run(layer, inp, ctx)  # a decode layer as one compiled call, or None: the sub-ops below
         if out is not None:
             return out
     t = perf_counter_ns()

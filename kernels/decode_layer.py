@@ -10,6 +10,8 @@ let the caller split the layer's measured time into the op kinds' shares, as dis
 """
 from __future__ import annotations
 
+import threading
+import warnings
 from time import perf_counter_ns
 
 import numpy as np
@@ -121,5 +123,44 @@ if numba is not None and AVX2:
         np.exp(e, out=e)  # numpy's float32 exp: swiglu_act's bits
         t = perf_counter_ns() - t
         return _layer_tail(r1, gu, e, wd, sad, partd, scd, ticks), t
+
+    @numba.njit(nogil=True, cache=True)
+    def _layers_nb(x, n1s, n2s, eps, w3s, sa3s, p3s, s3s, wos, saos, pos_, sos, w2s, sa2s, p2s, s2s, wds, sads, pds,
+                   sds, kcs, vcs, H, KV, cos, sin, pos, window, scale64, softcap, ticks, marks):
+        for l in range(len(w3s)):
+            marks[l, 0] = _cycles()
+            r1, gu, e = _layer_head(x, n1s[l], eps[l, 0], w3s[l], sa3s[l], p3s[l], s3s[l], H, KV, cos, sin, kcs[l],
+                                    vcs[l], pos, window, scale64, softcap, wos[l], saos[l], pos_[l], sos[l], n2s[l],
+                                    eps[l, 1], w2s[l], sa2s[l], p2s[l], s2s[l], ticks[l])
+            t = _cycles()
+            with numba.objmode():
+                np.exp(e, out=e)  # numpy's float32 exp: swiglu_act's bits
+            ticks[l, 5] += _cycles() - t
+            x = _layer_tail(r1, gu, e, wds[l], sads[l], pds[l], sds[l], ticks[l])
+            marks[l, 1] = _cycles()
+        return x
+
+    _first = threading.Lock()
+    _called: list = []
+
+    def layers_w8a8(x, n1s, n2s, eps, w3s, sa3s, p3s, s3s, wos, saos, pos_, sos, w2s, sa2s, p2s, s2s, wds, sads, pds,
+                    sds, kcs, vcs, H, KV, cos, sin, pos, window, scale64, softcap, ticks, marks):
+        """Consecutive decode layers, each layer_w8a8's, in one call: x float32[1, D] into the first; n1s, n2s
+        float32[L, D]; eps float32[L, 2] the two norms'; the rest typed lists of each layer's layer_w8a8 arrays
+        (w3s its wqkv, ...; kcs, vcs its KV cache) and the layers' shared H, KV, cos, sin, pos, window, scale64,
+        softcap. ticks int64[L, len(PARTS)] += each layer's parts' cycles, numpy's exp in SwiGLU's; marks int64[L, 2]
+        = each layer's first and last cycle count. -> the last layer's output float32[1, D]. numpy's exp runs in an
+        object-mode block (the GIL taken for it alone); numba warns at compiling one in a function that releases the
+        GIL, which here is the point: that warning is silenced, once, for this function."""
+        args = (x, n1s, n2s, eps, w3s, sa3s, p3s, s3s, wos, saos, pos_, sos, w2s, sa2s, p2s, s2s, wds, sads, pds, sds,
+                kcs, vcs, H, KV, cos, sin, pos, window, scale64, softcap, ticks, marks)
+        if _called:
+            return _layers_nb(*args)
+        with _first, warnings.catch_warnings():  # the first call compiles (or loads) it: its one signature
+            warnings.filterwarnings("ignore", "Code running in object mode won't allow parallel execution",
+                                    numba.NumbaWarning)
+            out = _layers_nb(*args)
+            _called.append(True)
+        return out
 else:
-    layer_w8a8 = None
+    layer_w8a8 = layers_w8a8 = None

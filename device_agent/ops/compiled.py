@@ -154,3 +154,106 @@ def run(m: dict, inp: list, ctx) -> np.ndarray | None:
     return out
 
 
+
+
+SHARED = ("H", "KV", "d", "D", "theta", "window", "scale64", "softcap")  # what one call's layers must agree on
+
+
+def layer_runs(subs: list) -> dict:
+    """A step op's runs of two or more consecutive compiled layers, each reading the last one's output as its x and
+    its norms from the step's args, and no later sub-op reading a layer's output but the run's last:
+    {index of the run's first sub-op: {"end": the index past its last, "ms": their match()es, "subs": the sub-ops}}."""
+    ms = [match(s.get("attrs", {})) if s.get("kind") == "fused" else None for s in subs]
+    runs, i = {}, 0
+    while i < len(subs):
+        j = i + 1
+        if ms[i] is not None:
+            while j < len(subs) and ms[j] is not None and _chained(subs[j - 1], subs[j], ms[j]) \
+                    and all(ms[j][k] == ms[i][k] for k in SHARED):
+                j += 1
+        names = {s["name"] for s in subs[i:j - 1]}
+        if j - i >= 2 and all(ms[k]["args"]["x"] == 0 for k in range(i, j)) and not any(
+                r.get("op") in names for s in subs[j:] for r in s.get("inputs", [])):
+            runs[i] = {"end": j, "ms": ms[i:j], "subs": subs[i:j]}
+        i = j
+    return runs
+
+
+def _chained(prev: dict, sub: dict, m: dict) -> bool:
+    """sub reads prev's output as its x and its norms' weights from the step's args."""
+    ins = sub.get("inputs", [])
+    return len(ins) == 3 and ins[m["args"]["x"]] == {"op": prev["name"]} and all(
+        list(ins[m["args"][k]]) == ["arg"] for k in ("n1", "n2"))
+
+
+def run_layers(R: dict, inp: list, local: dict, ctx, events: list) -> np.ndarray | None:
+    """A run of layer_runs as one compiled call (decode_layer.layers_w8a8) for the one row the first layer reads:
+    each layer's trace event appended to events (as ops.fused._own_event makes them; its start and end from the
+    cycle counter, scaled to the call's measured time), -> the last layer's output float32[1, D], or None where the
+    layers must run one by one."""
+    ms, subs = R["ms"], R["subs"]
+    m0 = ms[0]
+    D, H, KV, d = m0["D"], m0["H"], m0["KV"], m0["d"]
+    ref = subs[0]["inputs"][0]
+    x = inp[ref["arg"]] if "arg" in ref else local.get(ref.get("op"))
+    sess = ctx.session
+    if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == (1, D) and sess is not None
+            and sess.batch == 1):
+        return None
+    # R is the plan's, shared by its runs: each entry set whole, from the same blobs whichever run sets it
+    norms = [inp[s["inputs"][m["args"][k]]["arg"]] for s, m in zip(subs, ms) for k in ("n1", "n2")]
+    kept = R.get("norms")
+    if kept is None or any(a is not b for a, b in zip(norms, kept[0])):
+        if not all(_vec(v, D) for v in norms):
+            return None
+        kept = R["norms"] = (norms, np.array(norms[0::2]), np.array(norms[1::2]))  # checked once: the same blobs
+    pos = sess.length + ctx.offset
+    if not 0 <= pos < sess.capacity:
+        return None
+    layers = tuple(m["layer"] for m in ms)
+    kv = sess.extras.get("compiled_kv", {}).get(layers)  # the session's own, one run at a time
+    if kv is None or kv[0] is not sess.k or kv[1] is not sess.v:  # a new cache (a reorder makes new arrays)
+        kc = [sess.k[i] if 0 <= i < sess.n_layers else None for i in layers]
+        vc = [sess.v[i] if 0 <= i < sess.n_layers else None for i in layers]
+        if not all(a is not None and a.shape == (1, KV, sess.capacity, d) and a.dtype == np.float32
+                   and a.flags.c_contiguous for a in kc + vc):
+            return None
+        kv = sess.extras.setdefault("compiled_kv", {})[layers] = (sess.k, sess.v, _typed(kc), _typed(vc))
+    if R.get("weights") is None:
+        ws = [m.get("weights") or _weights(m, m["groups"], ctx) for m in ms]
+        # 16 typed lists, (w, sa, part, scale) of each of the 4 GEMVs over the layers, and the norms' eps
+        R["weights"] = all(ws) and ([_typed([w[g][i] for w in ws]) for g in range(4) for i in (2, 0, 1, 3)],
+                                    np.array([m["eps"] for m in ms], np.float32))
+    if not R["weights"]:
+        return None
+    w, eps = R["weights"]
+    cos, sin = _rope_tables(d, m0["theta"], pos, 1, None)
+    L = len(ms)
+    ticks, marks = np.zeros((L, len(decode_layer.PARTS)), np.int64), np.zeros((L, 2), np.int64)
+    t0 = perf_counter_ns()
+    out = decode_layer.layers_w8a8(x, kept[1], kept[2], eps, *w, kv[2], kv[3], H, KV, cos, sin, pos, m0["window"],
+                                   m0["scale64"], m0["softcap"], ticks, marks)
+    t1 = perf_counter_ns()
+    ns = (t1 - t0) / max(int(marks[-1, 1] - marks[0, 0]), 1)  # ns a cycle over the call
+    c0 = int(marks[0, 0])
+    fixed = ctx.sub_event or {}
+    nbytes = (x.nbytes + 2 * D * 4, D * 4)
+    att = 4 * H * (1 + pos) * d
+    for s, m, (a, b), tk in zip(subs, ms, marks.tolist(), ticks.tolist()):
+        events.append({**fixed, "name": s["name"], "kind": "fused", "layer": s.get("layer", -1),
+                       "deps": s.get("deps", []), "group": s["name"], "start_us": (t0 + (a - c0) * ns) / 1000.0,
+                       "end_us": (t0 + (b - c0) * ns) / 1000.0, "bytes_in": nbytes[0], "bytes_out": nbytes[1],
+                       "shape": [1, D], "flops": m["flops"] + att, "fused_ops": len(PATTERN),
+                       "parts_us": {k: t * ns / 1000.0 for k, t in zip(decode_layer.PARTS, tk)},
+                       "compiled_layer": True})
+    return out
+
+
+def _typed(arrays: list):
+    """A numba typed list of arrays (one type: a call's argument, unboxed in O(1))."""
+    from numba.typed import List
+
+    out = List()
+    for a in arrays:
+        out.append(a)
+    return out

@@ -49,10 +49,10 @@ def _plain_linear(sub: dict) -> bool:
         and not any(k in a for k in ("rows", "cols", "pad_to")) and len(sub.get("inputs", [])) == 1
 
 
-def _compile_fused(attrs: dict) -> tuple[list, bool, dict | None]:
+def _compile_fused(attrs: dict) -> tuple[list, bool, dict | None, dict]:
     """attrs ops as steps: (a list of sibling linears or None, [(sub-op, its input refs as ("arg", i) | ("op", name),
-    whether it is a plain linear)]), whether the op is a step op (has fused sub-ops: each sub-op its own event), and
-    the compiled layer it is (compiled.match) or None."""
+    whether it is a plain linear)]), whether the op is a step op (has fused sub-ops: each sub-op its own event), the
+    compiled layer it is (compiled.match) or None, and a step op's runs of compiled layers (compiled.layer_runs)."""
     steps = []
     step_op = any(s["kind"] == "fused" for s in attrs["ops"])
     for step in ([s] for s in attrs["ops"]) if step_op else _sibling_groups(attrs["ops"]):
@@ -60,7 +60,9 @@ def _compile_fused(attrs: dict) -> tuple[list, bool, dict | None]:
         steps.append((step if isinstance(step, list) and not step_op else None,
                       [(sub, [("arg", r["arg"]) if "arg" in r else ("op", r["op"]) for r in sub["inputs"]],
                         _plain_linear(sub)) for sub in subs]))
-    return steps, step_op, None if step_op else compiled.match(attrs)
+    if step_op:
+        return steps, step_op, None, compiled.layer_runs(attrs["ops"])
+    return steps, step_op, compiled.match(attrs), {}
 
 
 @op("fused")
@@ -76,13 +78,27 @@ def op_fused(inp, attrs, ctx):
     nested = []
     hvx = ctx.lane == "npu" and ctx.backends.get("npu") == "hvx"
     runners = ctx.runners
-    steps, step_op, layer = runners.per_object(attrs, "steps", _compile_fused)
-    if layer is not None and compiled.ENABLED and cap is None and not hvx and ctx.lane != "gpu":
+    steps, step_op, layer, runs = runners.per_object(attrs, "steps", _compile_fused)
+    fast = compiled.ENABLED and cap is None and not hvx and ctx.lane != "gpu"
+    if layer is not None and fast:
         out = compiled.run(layer, inp, ctx)  # a decode layer as one compiled call, or None: the sub-ops below
         if out is not None:
             return out
     t = perf_counter_ns()
-    for group, subs in steps:
+    past = 0
+    for si, (group, subs) in enumerate(steps):
+        if si < past:  # a layer of the compiled run just computed
+            continue
+        if si in runs and fast:  # a step's consecutive layers as one compiled call, each with its own event
+            run = runs[si]
+            out = compiled.run_layers(run, inp, local, ctx, nested)
+            if out is not None:
+                total += sum(ev["flops"] for ev in nested[len(nested) - len(run["ms"]):])
+                local[run["subs"][-1]["name"]] = out
+                t1 = perf_counter_ns()
+                parts["fused"] = parts.get("fused", 0.0) + (t1 - t) / 1000.0
+                t, past = t1, run["end"]
+                continue
         if group is not None:
             src, i = subs[0][1][0]
             x = inp[i] if src == "arg" else local[i]

@@ -12,11 +12,12 @@ edgeprobe_agent), measured in turns with the installed one: an A/B of an agent c
 builds such a folder holding edgeprobe_kernels as this tree has it but with every file a commit changed since REV as
 it was at REV (the kernels before a change, A/B against the tree's). A q4_0-tile decode step runs wholly on the npu
 lane, one fused op (edgeprobe.plan.ONE_LANE_DECODE); --split-lanes adds the row "q4_0-tile/split", its linears on the
-npu lane and its other ops on the cpu lane, as steps ran before. Each row says the bytes of linear weights its
-kernels read per token (the lm_head's included).
+npu lane and its other ops on the cpu lane, as steps ran before. --compiled-ab adds an agent whose w8a8 layers run op by
+op (EDGEPROBE_COMPILED_LAYERS=0: device_agent/ops/compiled.py off), in turns with the compiled ones. Each row says
+the bytes of linear weights its kernels read per token (the lm_head's included).
 
     .venv/bin/python bench/decode_overhead.py [--schemes q4_0-tile,w8a8] [--steps 16] [--rounds 2] [--host-loop]
-        [--variant DIR | --kernels-from REV [--kernels-files F,G]] [--split-lanes]
+        [--variant DIR | --kernels-from REV [--kernels-files F,G]] [--compiled-ab] [--split-lanes]
 """
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ def main():
                     "as they were at REV")
     ap.add_argument("--kernels-files", metavar="F,G", help="with --kernels-from: only these files of kernels/ "
                     "(others' later changes kept)")
+    ap.add_argument("--compiled-ab", action="store_true",
+                    help="a second agent with EDGEPROBE_COMPILED_LAYERS=0 (w8a8 layers op by op), in turns")
     ap.add_argument("--split-lanes", action="store_true",
                     help="also q4_0-tile's decode step split between the npu and cpu lanes, as steps ran before")
     args = ap.parse_args()
@@ -111,6 +114,13 @@ def main():
                     tempfile.TemporaryDirectory(prefix="decode-overhead-"))))
             finally:
                 os.environ.pop("PYTHONPATH") if old is None else os.environ.update(PYTHONPATH=old)
+        if args.compiled_ab:  # the agent reads it at start: layers op by op, in turns with the compiled ones
+            os.environ["EDGEPROBE_COMPILED_LAYERS"] = "0"
+            try:
+                agents["sub-ops"] = stack.enter_context(Device.local(store=stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix="decode-overhead-"))))
+            finally:
+                os.environ.pop("EDGEPROBE_COMPILED_LAYERS")
         for dev in agents.values():
             for s in schemes:
                 for loop in loops:
@@ -132,7 +142,8 @@ def main():
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         loads = ", ".join(f"{r['load']:.1f}" for r in runs)
         who = (f"{'kernels at ' + args.kernels_from if agent == 'variant' else 'kernels of the tree'}, "
-               if args.kernels_from else f"{agent} agent, " if args.variant else "")
+               if args.kernels_from and agent != "sub-ops" else f"{agent} agent, "
+               if args.variant or args.compiled_ab else "")
         mb = weight_bytes(qms[s], old=agent == "variant" and bool(args.kernels_from)
                           and not reads_codes(args.kernels_from)) / 1e6
         print(f"{s:<15} {who}weights read per token {mb:6.1f} MB: {mb / med['in_ops']:5.2f} GB/s over the time in ops")

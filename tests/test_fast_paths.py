@@ -306,9 +306,8 @@ def test_rope_at_every_row_count_is_the_numpy_formula_bit_for_bit(monkeypatch, r
 
 
 def test_the_agent_warms_every_kernel_it_calls():
-    from edgeprobe_kernels.warm import warm
-
     from edgeprobe_kernels.decode_layer import layer_w8a8
+    from edgeprobe_kernels.warm import warm
 
     gemm = ["linear_w8a8_gemm"] if int8_gemm.GEMM_INT8 else []
     layer = ["decode_layer"] if layer_w8a8 is not None else []

@@ -1,7 +1,8 @@
-"""A fused decode layer run as one compiled call (edgeprobe_kernels.decode_layer): a Llama-style W8A8 layer's 15
-sub-ops, recognized once per plan (match) and run for one decode row (run), bit for bit what op_fused computes
-sub-op by sub-op. Anything else, and any run the compiled call cannot take as it comes (a numerics capture, rows
-other than one, a KV session that would refuse the write), goes the sub-op path, which also gives the errors.
+"""Fused decode layers run compiled (edgeprobe_kernels.decode_layer): a Llama-style W8A8 layer's 15 sub-ops,
+recognized once per plan (match) and run for one decode row (run), bit for bit what op_fused computes sub-op by
+sub-op; a step op's chained layers of that kind as one call (layer_runs, run_layers), each with its own event.
+Anything else, and any run the compiled call cannot take as it comes (a numerics capture, rows other than one, a KV
+session that would refuse the write), goes the sub-op path, which also gives the errors.
 EDGEPROBE_COMPILED_LAYERS=0 turns it off (A/B runs: bench/decode_overhead.py).
 """
 from __future__ import annotations

@@ -40,9 +40,15 @@ def _decode(qm, on: bool, monkeypatch, steps=4, batch=1, capacity=16):
     return logits, sess, events
 
 
-@pytest.mark.parametrize("heads,kv", [(4, 2), (4, 1), (2, 2)])
-def test_a_compiled_decode_layer_gives_the_sub_op_paths_bits_step_after_step(heads, kv, monkeypatch):
-    qm = _w8a8(heads, kv)
+@pytest.mark.parametrize("heads,kv,layers", [(4, 2, 2), (4, 1, 3), (2, 2, 1)])
+def test_a_compiled_decode_layer_gives_the_sub_op_paths_bits_step_after_step(heads, kv, layers, monkeypatch):
+    """Layers chained in a step run as one call (compiled.run_layers); a step's one layer alone (compiled.run)."""
+    calls = {"run": 0, "run_layers": 0}
+    for name in calls:
+        real = getattr(compiled, name)
+        monkeypatch.setattr(compiled, name, lambda *a, real=real, name=name: calls.__setitem__(name, calls[name] + 1)
+                            or real(*a))
+    qm = _w8a8(heads, kv, layers)
     sub, s_sess, s_events = _decode(qm, False, monkeypatch)
     got, c_sess, c_events = _decode(qm, True, monkeypatch)
     for a, b in zip(sub, got):
@@ -60,7 +66,13 @@ def test_a_compiled_decode_layer_gives_the_sub_op_paths_bits_step_after_step(hea
             assert set(c["parts_us"]) == set(decode_layer.PARTS) == set(s["parts_us"])
             assert all(v >= 0 for v in c["parts_us"].values()) and c["parts_us"]["linear"] > 0
             assert sum(c["parts_us"].values()) <= c["end_us"] - c["start_us"] + 1e-3  # shares of the time it ran
-            assert (c["deps"], c["shape"], c["bytes_out"]) == (s["deps"], s["shape"], s["bytes_out"])
+            assert (c["deps"], c["shape"], c["bytes_in"], c["bytes_out"], c["layer"], c["lane"]) == \
+                (s["deps"], s["shape"], s["bytes_in"], s["bytes_out"], s["layer"], s["lane"])
+        starts = [c_by[f"blk.{i}"]["start_us"] for i in range(n)]
+        assert starts == sorted(starts) and all(c_by[f"blk.{i}"]["end_us"] <= c_by[f"blk.{i + 1}"]["start_us"] + 1e-3
+                                                for i in range(n - 1))
+    # 4 steps: one call for the step's layers, or one per layer where the step has one
+    assert calls == ({"run": 0, "run_layers": 4} if n > 1 else {"run": 4, "run_layers": 0})
 
 
 def test_runs_and_plans_the_compiled_call_cannot_take_go_the_sub_op_path(monkeypatch):

@@ -173,7 +173,8 @@ def layer_runs(subs: list) -> dict:
                     and all(ms[j][k] == ms[i][k] for k in SHARED):
                 j += 1
         names = {s["name"] for s in subs[i:j - 1]}
-        if j - i >= 2 and all(ms[k]["args"]["x"] == 0 for k in range(i, j)) and not any(
+        if j - i >= 2 and all(ms[k]["args"]["x"] == 0 for k in range(i, j)) and _norms_from_args(subs[i], ms[i]) \
+                and not any(
                 r.get("op") in names for s in subs[j:] for r in s.get("inputs", [])):
             runs[i] = {"end": j, "ms": ms[i:j], "subs": subs[i:j]}
         i = j
@@ -183,8 +184,13 @@ def layer_runs(subs: list) -> dict:
 def _chained(prev: dict, sub: dict, m: dict) -> bool:
     """sub reads prev's output as its x and its norms' weights from the step's args."""
     ins = sub.get("inputs", [])
-    return len(ins) == 3 and ins[m["args"]["x"]] == {"op": prev["name"]} and all(
-        list(ins[m["args"][k]]) == ["arg"] for k in ("n1", "n2"))
+    return len(ins) == 3 and ins[m["args"]["x"]] == {"op": prev["name"]} and _norms_from_args(sub, m)
+
+
+def _norms_from_args(sub: dict, m: dict) -> bool:
+    ins = sub.get("inputs", [])
+    return len(ins) == 3 and all(isinstance(ins[m["args"][k]], dict) and list(ins[m["args"][k]]) == ["arg"]
+                                 for k in ("n1", "n2"))
 
 
 def run_layers(R: dict, inp: list, local: dict, ctx, events: list) -> np.ndarray | None:

@@ -7,6 +7,9 @@ Each part calls the kernel the op would call (llama_ops' numba kernels, int8_gem
 numpy's own, called between the two compiled calls: numba's float32 exp differs from numpy's in ~9% of inputs, and
 the agent without numba (an arm64 phone) computes SwiGLU with numpy. The parts' cycle counts (the CPU's counter)
 let the caller split the layer's measured time into the op kinds' shares, as dispatched ops report them.
+numba's cache of these functions holds the kernels they call, and it is keyed by this file alone: after changing
+one of those kernels in a working tree, delete kernels/__pycache__/decode_layer.* (tests/test_compiled_layer.py
+compares the two paths bit for bit and fails on a stale cache).
 """
 from __future__ import annotations
 

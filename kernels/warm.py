@@ -102,19 +102,28 @@ def _warm() -> list[str]:
     kv = np.ones((1, 1, 4, 8), np.float32)  # a session's whole cache: C-contiguous, longer than the positions read
     attention(np.ones((1, 1, 2, 8), np.float32), kv, kv.copy(), 1)
     done.append("attention (decode rows)")
-    from .decode_layer import layer_w8a8
+    from .decode_layer import layer_w8a8, layers_w8a8
 
-    if layer_w8a8 is not None:  # a fused decode layer's one call: its norms' weights are blobs (read-only) or not
-        D, F, d = 64, 32, 16
+    if layer_w8a8 is not None:  # a fused decode layer's call (its norms' weights blobs, read-only, or not) and a
+        D, F, d = 64, 32, 16    # step's layers' one call (device_agent/ops/compiled.py)
         w8 = lambda n, k: np.ones((n, k), np.int8)
         f32 = lambda n, v=1.0: np.full(n, v, np.float32)
         i32 = lambda parts: np.concatenate([np.full(n, p, np.int32) for p, n in enumerate(parts)])
         cs = np.ones((1, d // 2), np.float32)
+        kv = lambda: np.zeros((1, 1, 4, d), np.float32)
+        gemvs = [(w8(6 * d, D), f32(3), i32((4 * d, d, d)), f32(6 * d, 1e-3)), (w8(D, 4 * d), f32(1), i32((D,)),
+                 f32(D, 1e-3)), (w8(2 * F, D), f32(2), i32((F, F)), f32(2 * F, 1e-3)),
+                 (w8(D, F), f32(1), i32((D,)), f32(D, 1e-3))]
         for norm in (_ro(f32(D)), f32(D)):
-            kc, vc = np.zeros((1, 1, 4, d), np.float32), np.zeros((1, 1, 4, d), np.float32)
-            layer_w8a8(x.copy(), norm, np.float32(1e-5), w8(6 * d, D), f32(3), i32((4 * d, d, d)), f32(6 * d, 1e-3),
-                       4, 1, cs, cs, kc, vc, 0, 0, 0.25, 0.0, w8(D, 4 * d), f32(1), i32((D,)), f32(D, 1e-3), norm,
-                       np.float32(1e-5), w8(2 * F, D), f32(2), i32((F, F)), f32(2 * F, 1e-3), w8(D, F), f32(1),
-                       i32((D,)), f32(D, 1e-3), np.zeros(6, np.int64))
+            (w3, sa3, p3, s3), (wo, sao, po, so), (w2, sa2, p2, s2), (wd, sad, pd, sd) = gemvs
+            layer_w8a8(x.copy(), norm, np.float32(1e-5), w3, sa3, p3, s3, 4, 1, cs, cs, kv(), kv(), 0, 0, 0.25, 0.0,
+                       wo, sao, po, so, norm, np.float32(1e-5), w2, sa2, p2, s2, wd, sad, pd, sd,
+                       np.zeros(6, np.int64))
+        from numba.typed import List
+
+        lists = [List([g[i], g[i]]) for g in gemvs for i in range(4)]
+        norms, eps = np.ones((2, D), np.float32), np.full((2, 2), 1e-5, np.float32)
+        layers_w8a8(x.copy(), norms, norms.copy(), eps, *lists, List([kv(), kv()]), List([kv(), kv()]), 4, 1, cs,
+                    cs, 0, 0, 0.25, 0.0, np.zeros((2, 6), np.int64), np.zeros((2, 2), np.int64))
         done.append("decode_layer")
     return done

@@ -155,8 +155,6 @@ def run(m: dict, inp: list, ctx) -> np.ndarray | None:
     return out
 
 
-
-
 SHARED = ("H", "KV", "d", "D", "theta", "window", "scale64", "softcap")  # what one call's layers must agree on
 
 
@@ -172,10 +170,10 @@ def layer_runs(subs: list) -> dict:
             while j < len(subs) and ms[j] is not None and _chained(subs[j - 1], subs[j], ms[j]) \
                     and all(ms[j][k] == ms[i][k] for k in SHARED):
                 j += 1
-        names = {s["name"] for s in subs[i:j - 1]}
+        inner = {s["name"] for s in subs[i:j - 1]}  # outputs only the run's next layer may read
+        read_later = any(r.get("op") in inner for s in subs[j:] for r in s.get("inputs", []))
         if j - i >= 2 and all(ms[k]["args"]["x"] == 0 for k in range(i, j)) and _norms_from_args(subs[i], ms[i]) \
-                and not any(
-                r.get("op") in names for s in subs[j:] for r in s.get("inputs", [])):
+                and not read_later:
             runs[i] = {"end": j, "ms": ms[i:j], "subs": subs[i:j]}
         i = j
     return runs

@@ -143,6 +143,13 @@ if numba is not None and AVX2:
             marks[l, 1] = _cycles()
         return x
 
+    def typed_list(arrays: list):
+        """A numba typed list of arrays of one type: a layers_w8a8 argument, unboxed in O(1)."""
+        out = numba.typed.List()
+        for a in arrays:
+            out.append(a)
+        return out
+
     _first = threading.Lock()
     _called: list = []
 
@@ -165,5 +172,5 @@ if numba is not None and AVX2:
             out = _layers_nb(*args)
             _called.append(True)
         return out
-else:
-    layer_w8a8 = layers_w8a8 = None
+else:  # no numba (a phone's Python) or no AVX2: fused layers run op by op
+    layer_w8a8 = layers_w8a8 = typed_list = None

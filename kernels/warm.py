@@ -102,7 +102,7 @@ def _warm() -> list[str]:
     kv = np.ones((1, 1, 4, 8), np.float32)  # a session's whole cache: C-contiguous, longer than the positions read
     attention(np.ones((1, 1, 2, 8), np.float32), kv, kv.copy(), 1)
     done.append("attention (decode rows)")
-    from .decode_layer import layer_w8a8, layers_w8a8
+    from .decode_layer import layer_w8a8, layers_w8a8, typed_list
 
     if layer_w8a8 is not None:  # a fused decode layer's call (its norms' weights blobs, read-only, or not) and a
         D, F, d = 64, 32, 16    # step's layers' one call (device_agent/ops/compiled.py)
@@ -119,11 +119,10 @@ def _warm() -> list[str]:
             layer_w8a8(x.copy(), norm, np.float32(1e-5), w3, sa3, p3, s3, 4, 1, cs, cs, kv(), kv(), 0, 0, 0.25, 0.0,
                        wo, sao, po, so, norm, np.float32(1e-5), w2, sa2, p2, s2, wd, sad, pd, sd,
                        np.zeros(6, np.int64))
-        from numba.typed import List
-
-        lists = [List([g[i], g[i]]) for g in gemvs for i in range(4)]
+        lists = [typed_list([g[i], g[i]]) for g in gemvs for i in range(4)]
         norms, eps = np.ones((2, D), np.float32), np.full((2, 2), 1e-5, np.float32)
-        layers_w8a8(x.copy(), norms, norms.copy(), eps, *lists, List([kv(), kv()]), List([kv(), kv()]), 4, 1, cs,
-                    cs, 0, 0, 0.25, 0.0, np.zeros((2, 6), np.int64), np.zeros((2, 2), np.int64))
+        caches = [typed_list([kv(), kv()]) for _ in range(2)]
+        layers_w8a8(x.copy(), norms, norms.copy(), eps, *lists, *caches, 4, 1, cs, cs, 0, 0, 0.25, 0.0,
+                    np.zeros((2, 6), np.int64), np.zeros((2, 2), np.int64))
         done.append("decode_layer")
     return done

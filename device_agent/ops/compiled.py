@@ -13,6 +13,7 @@ from time import perf_counter_ns
 import numpy as np
 
 from edgeprobe_kernels import decode_layer
+from edgeprobe_kernels.decode_layer import typed_list as typed
 from edgeprobe_kernels.linear_records import scheme_of
 from edgeprobe_kernels.llama_ops import _scale64
 
@@ -223,11 +224,11 @@ def run_layers(R: dict, inp: list, local: dict, ctx, events: list) -> np.ndarray
         if not all(a is not None and a.shape == (1, KV, sess.capacity, d) and a.dtype == np.float32
                    and a.flags.c_contiguous for a in kc + vc):
             return None
-        kv = sess.extras.setdefault("compiled_kv", {})[layers] = (sess.k, sess.v, _typed(kc), _typed(vc))
+        kv = sess.extras.setdefault("compiled_kv", {})[layers] = (sess.k, sess.v, typed(kc), typed(vc))
     if R.get("weights") is None:
         ws = [m.get("weights") or _weights(m, m["groups"], ctx) for m in ms]
         # 16 typed lists, (w, sa, part, scale) of each of the 4 GEMVs over the layers, and the norms' eps
-        R["weights"] = all(ws) and ([_typed([w[g][i] for w in ws]) for g in range(4) for i in (2, 0, 1, 3)],
+        R["weights"] = all(ws) and ([typed([w[g][i] for w in ws]) for g in range(4) for i in (2, 0, 1, 3)],
                                     np.array([m["eps"] for m in ms], np.float32))
     if not R["weights"]:
         return None
@@ -251,14 +252,4 @@ def run_layers(R: dict, inp: list, local: dict, ctx, events: list) -> np.ndarray
                        "shape": [1, D], "flops": m["flops"] + att, "fused_ops": len(PATTERN),
                        "parts_us": {k: t * ns / 1000.0 for k, t in zip(decode_layer.PARTS, tk)},
                        "compiled_layer": True})
-    return out
-
-
-def _typed(arrays: list):
-    """A numba typed list of arrays (one type: a call's argument, unboxed in O(1))."""
-    from numba.typed import List
-
-    out = List()
-    for a in arrays:
-        out.append(a)
     return out

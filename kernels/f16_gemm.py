@@ -89,7 +89,7 @@ def q4_rows_exact(d16: np.ndarray) -> bool:
 if numba is not None:
     from .lut import _bits_f32, _f32_bits
 
-    if F16C:
+    if F16C:  # their codegen (8 or 16 lanes, simd.Q4_LANES) is compiled into this file's cached kernels
         from .simd import q4_cols16_f16, q4_cols64_f16, q4_rows4_cols16_f16
 
     @numba.njit(inline="always")

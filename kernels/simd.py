@@ -19,7 +19,11 @@ The q4_0-tile GEMV (`q4_cols64_f16`, NPU test-time scaling §5) dequantizes each
 gives and adds x w into float32 sums in k order. Written as LLVM IR, 64 columns keep their sums in 8 registers over
 every row pair (the numba loop of f16_gemm loads and stores them, and runs a scalar block, per group of 32 weights),
 the FP16 rounding is F16C's vcvtps2ph and each exact product's add one FMA: the same bits. `F16C` says whether this
-CPU has F16C and FMA. The rounding is what bounds it here (bench/decode_overhead.py; docs/benchmarks.md).
+CPU has F16C and FMA. The rounding bounds it on an AVX2 CPU (bench/decode_overhead.py; docs/benchmarks.md). With
+AVX-512 a group's 16 columns are one register: its 16 values (q - 8) d are rounded once, a table as vlut16's, and each
+code looks its value up with vpermps (1.9x the 8-lane columns on one core of an AVX-512 EPYC). `Q4_LANES` says which
+(EDGEPROBE_AVX512=0 keeps 8 lanes, for A/B runs: with a NUMBA_CACHE_DIR of its own, as numba keys its cache by the
+source, not the setting).
 """
 from __future__ import annotations
 
@@ -200,27 +204,39 @@ if VNNI:
 
 # ---- the q4_0-tile GEMV's columns (kernels/f16_gemm.py): F16C rounds to FP16, FMA adds exact products ----------
 F16C = AVX2 and _host_has("f16c", "fma")
+Q4_PREFETCH = 64  # rows of codes ahead (16: 14.0, 32: 15.9, 64: 16.0, 128: 15.2 Gw/s on one core from DRAM)
+# float lanes a vector of the q4 GEMV holds: 16 (a group's 16 columns, one zmm register) with AVX-512, else 8
+Q4_LANES = 16 if F16C and _host_has("avx512f") and os.environ.get("EDGEPROBE_AVX512", "1") != "0" else 8
 
 if F16C:
     def _q4_cols_codegen(groups: int, rows: int = 1):
         """The codegen of q4_*_f16 for `groups` groups of 16 columns and `rows` rows of x from m0 (the last argument
-        where rows > 1): rows * 2 * groups <8 x float> sums in registers over every row pair r of the codes, each
-        r's 16 * groups code bytes read and dequantized once for all the rows."""
+        where rows > 1): rows * groups * 16 / Q4_LANES <Q4_LANES x float> sums in registers over every row pair r of
+        the codes, each r's 16 * groups code bytes read and dequantized once for all the rows."""
+        L = Q4_LANES
+        halves = 16 // L  # vectors a group of 16 columns takes
+
         def codegen(context, builder, sig, args):
             i8, i16, i32, i64, f32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType())
-            v8f, v8h, v8i, v16b = (ir.VectorType(f32, 8), ir.VectorType(ir.HalfType(), 8), ir.VectorType(i32, 8),
-                                   ir.VectorType(i8, 16))
+            vf, vh, vi, v16b = (ir.VectorType(f32, L), ir.VectorType(ir.HalfType(), L), ir.VectorType(i32, L),
+                                ir.VectorType(i8, 16))
             xh, codes, d16, out = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:4], args[:4]))
             n, j, kh, *m0 = (context.cast(builder, v, t, types.int64) for v, t in zip(args[4:], sig.args[4:]))
             m0 = m0[0] if m0 else ir.Constant(i64, 0)
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f] * 3), "llvm.fma.v8f32")
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{L}f32")
+            permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi]),
+                                                     "llvm.x86.avx512.permvar.sf.512") if L == 16 else None
+            iota = ir.Constant(vf, [float(q) for q in range(L)])
+            # a hint (read, keep, data): never faults, also past the array's end
+            prefetch = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
             byte = lambda arr: builder.bitcast(arr.data, i8.as_pointer())
             at = lambda base, off, ty: builder.bitcast(builder.gep(base, [off]), ty.as_pointer())
             c64 = lambda v: ir.Constant(i64, v)
-            splat = lambda s: builder.shuffle_vector(builder.insert_element(ir.Constant(v8f, ir.Undefined), s,
+            splat = lambda s: builder.shuffle_vector(builder.insert_element(ir.Constant(vf, ir.Undefined), s,
                                                                             ir.Constant(i32, 0)),
-                                                     ir.Constant(v8f, ir.Undefined), ir.Constant(v8i, [0] * 8))
-            accs = [[cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8)) for _ in range(2 * groups)]
+                                                     ir.Constant(vf, ir.Undefined), ir.Constant(vi, [0] * L))
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(vf, [0.0] * L)) for _ in range(halves * groups)]
                     for _ in range(rows)]
             cstride = builder.extract_value(codes.strides, 0)
             dstride = builder.extract_value(d16.strides, 0)
@@ -230,7 +246,7 @@ if F16C:
                                                                      builder.extract_value(out.strides, 0)),
                                                          builder.mul(j, c64(4)))]) for m in range(rows)]
             g0 = builder.sdiv(n, c64(16))
-            lanes = [ir.Constant(ir.VectorType(i32, 8), list(range(h * 8, h * 8 + 8))) for h in (0, 1)]
+            lanes = [ir.Constant(ir.VectorType(i32, L), list(range(h * L, h * L + L))) for h in range(halves)]
             with cgutils.for_range(builder, kh) as loop:
                 r = loop.index
                 # x[m, 2r] (low nibbles), x[m, 2r + 1] (high) of each row
@@ -238,29 +254,40 @@ if F16C:
                                              f32))) for p in (0, 1)] for xr in xrows]
                 crow = builder.gep(byte(codes), [builder.add(builder.mul(r, cstride), n)])
                 drow = builder.gep(byte(d16), [builder.mul(r, dstride)])
+                # the codes and scales Q4_PREFETCH rows on: a pass walks down the rows with a stride of a row of
+                # codes, which the hardware's prefetchers followed too late (1 core: 10.7 -> 16.0 Gw/s from DRAM)
+                ahead = builder.mul(cstride, c64(Q4_PREFETCH))
+                for addr in (builder.gep(crow, [ahead]), builder.gep(crow, [builder.add(ahead, c64(16 * groups - 1))]),
+                             builder.gep(drow, [builder.add(builder.mul(dstride, c64(Q4_PREFETCH)),
+                                                            builder.mul(g0, c64(2)))])):
+                    builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
                 for g in range(groups):
                     bits = builder.load(at(drow, builder.mul(builder.add(g0, c64(g)), c64(2)), i16), align=2)
                     d = splat(builder.fpext(builder.bitcast(bits, ir.HalfType()), f32))
-                    d8 = builder.fmul(d, ir.Constant(v8f, [-8.0] * 8))  # exact: a power of two times an FP16 value
+                    d8 = builder.fmul(d, ir.Constant(vf, [-8.0] * L))  # exact: a power of two times an FP16 value
                     cb = builder.load(at(crow, c64(16 * g), v16b), align=1)
                     nibs = (builder.and_(cb, ir.Constant(v16b, [15] * 16)),
                             builder.lshr(cb, ir.Constant(v16b, [4] * 16)))
-                    for h in (0, 1):
+                    if L == 16:  # the group's 16 values (q - 8) d, rounded to FP16 once: vlut16's table
+                        tab = builder.fpext(builder.fptrunc(builder.call(fma, [iota, d, d8]), vh), vf)
+                    for h in range(halves):
                         ws = []
                         for p in (0, 1):
-                            q = builder.sitofp(builder.zext(builder.shuffle_vector(nibs[p], nibs[p], lanes[h]), v8i),
-                                               v8f)
-                            w = builder.call(fma, [q, d, d8])  # (q - 8) d, exact in float32 (4 x 11 bits)
-                            ws.append(builder.fpext(builder.fptrunc(w, v8h), v8f))  # rounded to FP16, as vlut16's
+                            idx = builder.zext(builder.shuffle_vector(nibs[p], nibs[p], lanes[h]), vi)
+                            if L == 16:  # each code looks its value up (vpermps)
+                                ws.append(builder.call(permute, [tab, idx]))
+                                continue
+                            w = builder.call(fma, [builder.sitofp(idx, vf), d, d8])  # (q - 8) d, exact in float32
+                            ws.append(builder.fpext(builder.fptrunc(w, vh), vf))  # rounded to FP16, as vlut16's
                         for m in range(rows):
-                            acc = accs[m][2 * g + h]
+                            acc = accs[m][halves * g + h]
                             s = builder.load(acc)
                             for p in (0, 1):  # k = 2r, then 2r + 1: each sum in k order
                                 s = builder.call(fma, [xs[m][p], ws[p], s])  # x w exact: one rounding, as mul + add
                             builder.store(s, acc)
             for m in range(rows):
                 for k, acc in enumerate(accs[m]):
-                    builder.store(builder.load(acc), at(orows[m], c64(32 * k), v8f), align=4)
+                    builder.store(builder.load(acc), at(orows[m], c64(4 * L * k), vf), align=4)
             return context.get_dummy_value()
         return codegen
 

@@ -1,5 +1,7 @@
 """The npu lane's q4_0-tile GEMV from 4-bit codes (kernels/f16_gemm.py gemv_q4_seq): the bits of the k-ordered
 W4A16 GEMM on the dequantized weight, for every FP16 scale, edge shapes and the runner's both paths."""
+import os
+
 import numpy as np
 import pytest
 
@@ -39,6 +41,48 @@ def test_gemv_every_fp16_scale_bit_exact():
     for M in (1, 2, 4, 7, 16):  # one row; blocks of 4 rows (simd.q4_rows4_cols16_f16 where the CPU has F16C)
         x = (rng.standard_normal((M, K)) * rng.choice([1e-6, 1.0, 100.0], (M, K))).astype(np.float32)
         np.testing.assert_array_equal(_bits(gemv_q4_seq(x, codes, d16, N, K)), _bits(gemm_f16w_seq(x, wt)))
+
+
+def test_the_other_vector_width_gives_the_same_bits(tmp_path):
+    """The SIMD columns run 16 lanes and a vpermps table a group where the CPU has AVX-512, 8 lanes with F16C's
+    rounding per weight where it has AVX2 only (simd.Q4_LANES). The width this process did not take, in a process
+    of its own (EDGEPROBE_AVX512 picks it; its own numba cache, which is keyed by the source, not the setting), over
+    every FP16 scale with every code, one row and blocks of 4 rows: the same bits as this process's GEMV."""
+    import subprocess
+    import sys
+
+    from edgeprobe_kernels import simd
+
+    if not simd.F16C:
+        pytest.skip("this CPU has no F16C: the GEMV runs the numba loop (the test above), no SIMD columns")
+    blocks, N, K = _every_scale_weight()
+    codes, d16 = tiles_q4_rows(blocks, N, K)
+    x = (rng.standard_normal((5, K)) * rng.choice([1e-6, 1.0, 100.0], (5, K))).astype(np.float32)
+    np.save(tmp_path / "codes.npy", codes)
+    np.save(tmp_path / "d16.npy", d16)
+    np.save(tmp_path / "x.npy", x)
+    other = "0" if simd.Q4_LANES == 16 else "1"
+    code = ("import sys, numpy as np\n"
+            "from edgeprobe_kernels import simd\n"
+            "from edgeprobe_kernels.f16_gemm import gemv_q4_seq\n"
+            "d = sys.argv[1]\n"
+            "c, s, x = (np.load(f'{d}/{n}.npy') for n in ('codes', 'd16', 'x'))\n"
+            f"np.save(f'{{d}}/y1.npy', gemv_q4_seq(x[:1], c, s, {N}, {K}))\n"
+            f"np.save(f'{{d}}/y5.npy', gemv_q4_seq(x, c, s, {N}, {K}))\n"
+            "print(simd.Q4_LANES)")
+    env = dict(os.environ, EDGEPROBE_AVX512=other, NUMBA_CACHE_DIR=str(tmp_path / "numba"))
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert int(r.stdout.split()[-1]) == (8 if simd.Q4_LANES == 16 or not _has_avx512() else 16)
+    np.testing.assert_array_equal(_bits(np.load(tmp_path / "y1.npy")), _bits(gemv_q4_seq(x[:1], codes, d16, N, K)))
+    np.testing.assert_array_equal(_bits(np.load(tmp_path / "y5.npy")), _bits(gemv_q4_seq(x, codes, d16, N, K)))
+
+
+def _has_avx512() -> bool:
+    import platform
+
+    return platform.machine() in ("x86_64", "AMD64") and " avx512f" in open("/proc/cpuinfo").read()
 
 
 @pytest.mark.parametrize("M", [1, 3, 4, 8])

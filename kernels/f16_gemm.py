@@ -19,7 +19,7 @@ try:
 except ImportError:
     numba = None
 
-from .simd import F16C
+from .simd import F16C, Q4_LANES
 
 N_BLOCK = 512  # columns per task: one block of y (4 x 2 KiB) stays in L1 while w's rows stream past
 
@@ -79,6 +79,28 @@ GEMV_CHUNK = 1024  # most columns per task: its accumulators and scales stay in 
 D_MAX = 4096.0  # scales up to this |d|: (q - 8) d stays below 65504, no FP16 overflow, and _round_f16 is exact
 
 
+_Q4_TABLE = None
+
+
+def q4_table() -> np.ndarray:
+    """float32[65536, 16]: row b holds fp16((q - 8) d) for q = 0..15 and the FP16 scale d of bits b (vlut16's table
+    of every scale; rows of scales past D_MAX are never read): what the SIMD columns look codes up in with 16 lanes
+    (simd.Q4_LANES), built once a process; with 8 lanes (never read) one row."""
+    global _Q4_TABLE
+    if _Q4_TABLE is None:
+        if Q4_LANES != 16:
+            _Q4_TABLE = np.zeros((1, 16), np.float32)
+        else:
+            d = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+            with np.errstate(over="ignore", invalid="ignore"):  # rows of scales the GEMV never takes
+                v = (np.arange(16, dtype=np.float32) - np.float32(8))[None, :] * d[:, None]  # exact in float32
+                buf = np.empty(65536 * 16 + 16, np.float32)  # rows on 64-byte lines: one line a lookup
+                at = (-buf.ctypes.data % 64) // 4
+                _Q4_TABLE = buf[at:at + 65536 * 16].reshape(65536, 16)
+                _Q4_TABLE[:] = v.astype(np.float16)
+    return _Q4_TABLE
+
+
 def q4_rows_exact(d16: np.ndarray) -> bool:
     """True when every FP16 scale (uint16 bits) is finite with |d| <= D_MAX: then the codes kernels below give
     the bits of dequantize_tiles_t. Quantized real weights always are; other blocks take the float32 path."""
@@ -102,7 +124,7 @@ if numba is not None:
         return _bits_f32(np.uint32(b))
 
     @numba.njit(nogil=True, cache=True)
-    def _gemv_q4_cols(xh, codes, d16, f16_of, y, n0, n1):
+    def _gemv_q4_cols(xh, codes, d16, f16_of, tab, y, n0, n1):
         # y[:, n0:n1] (n0 a multiple of 16); xh float32[M', 2 Kh] (FP16 values, zero past K; M' = 1 or a multiple
         # of 4, zero past M), codes uint8[Kh, Np], d16 uint16[Kh, Np/16]
         M = y.shape[0]
@@ -114,15 +136,15 @@ if numba is not None:
             if M == 1:  # 64 columns a pass over the rows, sums in registers (simd.q4_cols64_f16)
                 j = 0
                 while j + 64 <= wp:
-                    q4_cols64_f16(xh, codes, d16, acc, n0 + j, j, Kh)
+                    q4_cols64_f16(xh, codes, d16, tab, acc, n0 + j, j, Kh)
                     j += 64
                 while j < wp:
-                    q4_cols16_f16(xh, codes, d16, acc, n0 + j, j, Kh)
+                    q4_cols16_f16(xh, codes, d16, tab, acc, n0 + j, j, Kh)
                     j += 16
             else:  # blocks of 4 rows (xh's zero rows past M add nothing), each code dequantized once a block
                 for m0 in range(0, M, 4):
                     for j in range(0, wp, 16):
-                        q4_rows4_cols16_f16(xh, codes, d16, acc, n0 + j, j, Kh, m0)
+                        q4_rows4_cols16_f16(xh, codes, d16, tab, acc, n0 + j, j, Kh, m0)
         else:
             _gemv_q4_loop(xh, codes, d16, f16_of, acc, M, n0, wp)
         for m in range(M):
@@ -175,10 +197,10 @@ if numba is not None:
                     a3[j] += xb3 * vb
 
     @numba.njit(parallel=True, nogil=True, cache=True)
-    def _gemv_q4_nb(xh, codes, d16, f16_of, y, chunk):
+    def _gemv_q4_nb(xh, codes, d16, f16_of, tab, y, chunk):
         N = y.shape[1]
         for t in numba.prange((N + chunk - 1) // chunk):
-            _gemv_q4_cols(xh, codes, d16, f16_of, y, t * chunk, min(N, (t + 1) * chunk))
+            _gemv_q4_cols(xh, codes, d16, f16_of, tab, y, t * chunk, min(N, (t + 1) * chunk))
 
     @numba.njit(parallel=True, nogil=True, cache=True)
     def _q4_rows_t_nb(codes, d16, f16_of, out):
@@ -222,8 +244,8 @@ def gemv_q4_seq(x: np.ndarray, codes: np.ndarray, d16: np.ndarray, N: int, K: in
     most = max(16, min(GEMV_CHUNK, 4096 // xh.shape[0]) // 16 * 16)  # accumulators: 16 KiB at most
     if tasks == 1 or N * K * xh.shape[0] < GEMV_ALONE:  # a small weight: no parallel region to start and join
         for n0 in range(0, N, most):
-            _gemv_q4_cols(xh, codes, d16, _f16_values(), y, n0, min(N, n0 + most))
+            _gemv_q4_cols(xh, codes, d16, _f16_values(), q4_table(), y, n0, min(N, n0 + most))
         return y
     chunk = min(most, -(-(-(-N // tasks)) // 16) * 16)  # one task per thread, whole groups
-    _gemv_q4_nb(xh, codes, d16, _f16_values(), y, chunk)
+    _gemv_q4_nb(xh, codes, d16, _f16_values(), q4_table(), y, chunk)
     return y

@@ -20,8 +20,9 @@ gives and adds x w into float32 sums in k order. Written as LLVM IR, 64 columns 
 every row pair (the numba loop of f16_gemm loads and stores them, and runs a scalar block, per group of 32 weights),
 the FP16 rounding is F16C's vcvtps2ph and each exact product's add one FMA: the same bits. `F16C` says whether this
 CPU has F16C and FMA. The rounding bounds it on an AVX2 CPU (bench/decode_overhead.py; docs/benchmarks.md). With
-AVX-512 a group's 16 columns are one register: its 16 values (q - 8) d are rounded once, a table as vlut16's, and each
-code looks its value up with vpermps (1.9x the 8-lane columns on one core of an AVX-512 EPYC). `Q4_LANES` says which
+AVX-512 a group's 16 columns are one register: its scale's 16 values fp16((q - 8) d), vlut16's table, are one row of
+a table of every FP16 scale's (f16_gemm.q4_table, 4 MiB; a model's few thousand scales stay in cache), and each code
+looks its value up with vpermps (2.1x the 8-lane columns on one core of an AVX-512 EPYC). `Q4_LANES` says which
 (EDGEPROBE_AVX512=0 keeps 8 lanes, for A/B runs: with a NUMBA_CACHE_DIR of its own, as numba keys its cache by the
 source, not the setting).
 """
@@ -220,13 +221,13 @@ if F16C:
             i8, i16, i32, i64, f32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType())
             vf, vh, vi, v16b = (ir.VectorType(f32, L), ir.VectorType(ir.HalfType(), L), ir.VectorType(i32, L),
                                 ir.VectorType(i8, 16))
-            xh, codes, d16, out = (context.make_array(t)(context, builder, a) for t, a in zip(sig.args[:4], args[:4]))
-            n, j, kh, *m0 = (context.cast(builder, v, t, types.int64) for v, t in zip(args[4:], sig.args[4:]))
+            xh, codes, d16, tab, out = (context.make_array(t)(context, builder, a)
+                                        for t, a in zip(sig.args[:5], args[:5]))
+            n, j, kh, *m0 = (context.cast(builder, v, t, types.int64) for v, t in zip(args[5:], sig.args[5:]))
             m0 = m0[0] if m0 else ir.Constant(i64, 0)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{L}f32")
             permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi]),
                                                      "llvm.x86.avx512.permvar.sf.512") if L == 16 else None
-            iota = ir.Constant(vf, [float(q) for q in range(L)])
             # a hint (read, keep, data): never faults, also past the array's end
             prefetch = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch.p0i8")
@@ -263,19 +264,20 @@ if F16C:
                     builder.call(prefetch, [addr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
                 for g in range(groups):
                     bits = builder.load(at(drow, builder.mul(builder.add(g0, c64(g)), c64(2)), i16), align=2)
-                    d = splat(builder.fpext(builder.bitcast(bits, ir.HalfType()), f32))
-                    d8 = builder.fmul(d, ir.Constant(vf, [-8.0] * L))  # exact: a power of two times an FP16 value
+                    if L == 16:  # the scale's 16 values fp16((q - 8) d): row `bits` of the table, vlut16's table
+                        row = builder.load(at(byte(tab), builder.mul(builder.zext(bits, i64), c64(64)), vf), align=4)
+                    else:
+                        d = splat(builder.fpext(builder.bitcast(bits, ir.HalfType()), f32))
+                        d8 = builder.fmul(d, ir.Constant(vf, [-8.0] * L))  # exact: a power of two times an FP16 value
                     cb = builder.load(at(crow, c64(16 * g), v16b), align=1)
                     nibs = (builder.and_(cb, ir.Constant(v16b, [15] * 16)),
                             builder.lshr(cb, ir.Constant(v16b, [4] * 16)))
-                    if L == 16:  # the group's 16 values (q - 8) d, rounded to FP16 once: vlut16's table
-                        tab = builder.fpext(builder.fptrunc(builder.call(fma, [iota, d, d8]), vh), vf)
                     for h in range(halves):
                         ws = []
                         for p in (0, 1):
                             idx = builder.zext(builder.shuffle_vector(nibs[p], nibs[p], lanes[h]), vi)
                             if L == 16:  # each code looks its value up (vpermps)
-                                ws.append(builder.call(permute, [tab, idx]))
+                                ws.append(builder.call(permute, [row, idx]))
                                 continue
                             w = builder.call(fma, [builder.sitofp(idx, vf), d, d8])  # (q - 8) d, exact in float32
                             ws.append(builder.fpext(builder.fptrunc(w, vh), vf))  # rounded to FP16, as vlut16's
@@ -291,31 +293,32 @@ if F16C:
             return context.get_dummy_value()
         return codegen
 
-    def _q4_cols_types(xh, codes, d16, out, n, j, kh) -> bool:
-        return (_c_arrays(2, xh, out, dtype=types.float32) and _c_arrays(2, codes, dtype=types.uint8)
+    def _q4_cols_types(xh, codes, d16, tab, out, n, j, kh) -> bool:
+        return (_c_arrays(2, xh, out, tab, dtype=types.float32) and _c_arrays(2, codes, dtype=types.uint8)
                 and _c_arrays(2, d16, dtype=types.uint16) and all(isinstance(t, types.Integer) for t in (n, j, kh)))
 
     @intrinsic
-    def q4_cols64_f16(typingctx, xh, codes, d16, out, n, j, kh):
+    def q4_cols64_f16(typingctx, xh, codes, d16, tab, out, n, j, kh):
         """out[0, j:j + 64] = the sums over k < 2 kh of xh[0, k] * fp16((q[k, c] - 8) d) for the 64 columns c of
         codes n..n + 63 (4 groups), each in k order: xh float32[1, 2 kh] (FP16 values), codes uint8[Kh, Np] and d16
-        uint16[Kh, Np / 16] as tiles.tiles_q4_rows lays them out, out float32[1, >= j + 64]; n a multiple of 16,
-        every scale finite with |d| <= f16_gemm.D_MAX. The bits of f16_gemm's numba loop, 8 columns a vector."""
-        if not _q4_cols_types(xh, codes, d16, out, n, j, kh):
+        uint16[Kh, Np / 16] as tiles.tiles_q4_rows lays them out, tab float32[65536, 16] f16_gemm.q4_table() (read
+        with 16 lanes only), out float32[1, >= j + 64]; n a multiple of 16, every scale finite with |d| <=
+        f16_gemm.D_MAX. The bits of f16_gemm's numba loop, Q4_LANES columns a vector."""
+        if not _q4_cols_types(xh, codes, d16, tab, out, n, j, kh):
             return None
-        return types.none(xh, codes, d16, out, n, j, kh), _q4_cols_codegen(4)
+        return types.none(xh, codes, d16, tab, out, n, j, kh), _q4_cols_codegen(4)
 
     @intrinsic
-    def q4_cols16_f16(typingctx, xh, codes, d16, out, n, j, kh):
+    def q4_cols16_f16(typingctx, xh, codes, d16, tab, out, n, j, kh):
         """q4_cols64_f16 for one group: 16 columns."""
-        if not _q4_cols_types(xh, codes, d16, out, n, j, kh):
+        if not _q4_cols_types(xh, codes, d16, tab, out, n, j, kh):
             return None
-        return types.none(xh, codes, d16, out, n, j, kh), _q4_cols_codegen(1)
+        return types.none(xh, codes, d16, tab, out, n, j, kh), _q4_cols_codegen(1)
 
     @intrinsic
-    def q4_rows4_cols16_f16(typingctx, xh, codes, d16, out, n, j, kh, m0):
+    def q4_rows4_cols16_f16(typingctx, xh, codes, d16, tab, out, n, j, kh, m0):
         """q4_cols16_f16 for the 4 rows m0..m0 + 3 of xh into the same rows of out (a few decode candidates, the
-        NPU TTS paper's batch): each code dequantized once for the 4 rows, 8 sums in registers."""
-        if not _q4_cols_types(xh, codes, d16, out, n, j, kh) or not isinstance(m0, types.Integer):
+        NPU TTS paper's batch): each code dequantized once for the 4 rows, Q4_LANES sums a register."""
+        if not _q4_cols_types(xh, codes, d16, tab, out, n, j, kh) or not isinstance(m0, types.Integer):
             return None
-        return types.none(xh, codes, d16, out, n, j, kh, m0), _q4_cols_codegen(1, 4)
+        return types.none(xh, codes, d16, tab, out, n, j, kh, m0), _q4_cols_codegen(1, 4)

@@ -21,7 +21,7 @@ every row pair (the numba loop of f16_gemm loads and stores them, and runs a sca
 the FP16 rounding is F16C's vcvtps2ph and each exact product's add one FMA: the same bits. `F16C` says whether this
 CPU has F16C and FMA. The rounding bounds it on an AVX2 CPU (bench/decode_overhead.py; docs/benchmarks.md). With
 AVX-512 a group's 16 columns are one register: its scale's 16 values fp16((q - 8) d), vlut16's table, are one row of
-a table of every FP16 scale's (f16_gemm.q4_table, 4 MiB; a model's few thousand scales stay in cache), and each code
+a table of every FP16 scale's (f16_gemm.q4_table, 4 MiB; SmolLM2-135M reads 10,243 of its rows), and each code
 looks its value up with vpermps (2.1x the 8-lane columns on one core of an AVX-512 EPYC). `Q4_LANES` says which
 (EDGEPROBE_AVX512=0 keeps 8 lanes, for A/B runs: with a NUMBA_CACHE_DIR of its own, as numba keys its cache by the
 source, not the setting).

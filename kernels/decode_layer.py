@@ -25,6 +25,7 @@ except ImportError:
     numba = None
 
 from .int8_gemm import AVX2
+from .simd import F16C
 
 # the op kinds whose cycles layer_w8a8 counts, in its `ticks` array's order
 PARTS = ("rms_norm", "linear", "rope", "attention", "add", "swiglu")
@@ -47,6 +48,37 @@ if numba is not None and AVX2:
         return types.int64(), codegen
 
     @numba.njit(nogil=True, cache=True)
+    def _attend(qkv, ko, vo, H, KV, cos, sin, kc, vc, pos, window, scale64, softcap, ticks):
+        """RoPE on q (qkv's columns from 0) and k (from ko), the new position's keys and values (v from vo) into
+        the KV cache kc, vc float32[1, KV, capacity, d] at pos (KVSession.write), attention: -> float32[1, H d];
+        ticks[2] += RoPE's cycles, ticks[3] += the write's and attention's."""
+        d = kc.shape[3]
+        t2 = _cycles()
+        q = np.empty((1, 1, H, d), np.float32)
+        _rope_nb(qkv[:, :H * d].copy().reshape(1, 1, H, d), cos, sin, q)
+        k = np.empty((1, 1, KV, d), np.float32)
+        _rope_nb(qkv[:, ko:ko + KV * d].copy().reshape(1, 1, KV, d), cos, sin, k)
+        t3 = _cycles()
+        for g in range(KV):
+            for j in range(d):
+                kc[0, g, pos, j] = k[0, 0, g, j]
+                vc[0, g, pos, j] = qkv[0, vo + g * d + j]
+        a = np.empty((1, H * d), np.float32)
+        _attention_few_nb(q, kc, vc, pos + 1, pos, window, scale64, softcap, a)
+        ticks[2] += t3 - t2
+        ticks[3] += _cycles() - t3
+        return a
+
+    @numba.njit(nogil=True, cache=True)
+    def _swiglu(gu, e, uo):
+        """gate gu[0, :F] and up gu[0, uo:uo + F], e = exp(-gate) (numpy's) -> float32[1, F]."""
+        F = e.shape[1]
+        s = np.empty((1, F), np.float32)
+        for j in range(F):  # g / (1 + exp(-g)) * u in float32, as swiglu_act's numpy expression rounds it
+            s[0, j] = gu[0, j] / (np.float32(1.0) + e[0, j]) * gu[0, uo + j]
+        return s
+
+    @numba.njit(nogil=True, cache=True)
     def _layer_head(x, n1, eps1, wqkv, sa3, part3, sc3, H, KV, cos, sin, kc, vc, pos, window, scale64, softcap,
                     wo, sao, parto, sco, n2, eps2, wgu, sa2, part2, sc2, ticks):
         """layer_w8a8 up to SwiGLU's exp: -> (the attention residual float32[1, D], gate and up float32[1, 2 F],
@@ -61,17 +93,7 @@ if numba is not None and AVX2:
         qkv = np.empty((1, wqkv.shape[0]), np.float32)
         _linear_w8a8_group_nb(h, sa3, part3, wqkv, sc3, qkv)
         t2 = _cycles()
-        q = np.empty((1, 1, H, d), np.float32)
-        _rope_nb(qkv[:, :H * d].copy().reshape(1, 1, H, d), cos, sin, q)
-        k = np.empty((1, 1, KV, d), np.float32)
-        _rope_nb(qkv[:, H * d:(H + KV) * d].copy().reshape(1, 1, KV, d), cos, sin, k)
-        t3 = _cycles()
-        for g in range(KV):  # KVSession.write: the new position's keys and values
-            for j in range(d):
-                kc[0, g, pos, j] = k[0, 0, g, j]
-                vc[0, g, pos, j] = qkv[0, (H + KV + g) * d + j]
-        a = np.empty((1, H * d), np.float32)
-        _attention_few_nb(q, kc, vc, pos + 1, pos, window, scale64, softcap, a)
+        a = _attend(qkv, H * d, (H + KV) * d, H, KV, cos, sin, kc, vc, pos, window, scale64, softcap, ticks)
         t4 = _cycles()
         o = np.empty((1, D), np.float32)
         _linear_w8a8_group_nb(a, sao, parto, wo, sco, o)
@@ -87,8 +109,6 @@ if numba is not None and AVX2:
         e = -gu[:, :F]
         ticks[0] += (t1 - t0) + (t7 - t6)
         ticks[1] += (t2 - t1) + (t5 - t4) + (t8 - t7)
-        ticks[2] += t3 - t2
-        ticks[3] += t4 - t3
         ticks[4] += t6 - t5
         ticks[5] += _cycles() - t8
         return r1, gu, e
@@ -96,11 +116,8 @@ if numba is not None and AVX2:
     @numba.njit(nogil=True, cache=True)
     def _layer_tail(r1, gu, e, wd, sad, partd, scd, ticks):
         """layer_w8a8 from SwiGLU's exp (e = exp(-gate)) on: -> the FFN residual float32[1, D]."""
-        F = e.shape[1]
         t8 = _cycles()
-        s = np.empty((1, F), np.float32)
-        for j in range(F):  # g / (1 + exp(-g)) * u in float32, as swiglu_act's numpy expression rounds it
-            s[0, j] = gu[0, j] / (np.float32(1.0) + e[0, j]) * gu[0, F + j]
+        s = _swiglu(gu, e, e.shape[1])
         t9 = _cycles()
         dn = np.empty((1, r1.shape[1]), np.float32)
         _linear_w8a8_group_nb(s, sad, partd, wd, scd, dn)
@@ -166,11 +183,123 @@ if numba is not None and AVX2:
                 kcs, vcs, H, KV, cos, sin, pos, window, scale64, softcap, ticks, marks)
         if _called:
             return _layers_nb(*args)
-        with _first, warnings.catch_warnings():  # the first call compiles (or loads) it: its one signature
+        out = _first_call(_layers_nb, args)
+        _called.append(True)
+        return out
+
+    def _first_call(fn, args):
+        """fn(*args), its first call (compiling or loading its one signature) under a lock with numba's warning
+        about an object-mode block in a function that releases the GIL silenced: here that is the point."""
+        with _first, warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Code running in object mode won't allow parallel execution",
                                     numba.NumbaWarning)
-            out = _layers_nb(*args)
-            _called.append(True)
-        return out
+            return fn(*args)
 else:  # no numba (a phone's Python) or no AVX2: fused layers run op by op
     layer_w8a8 = layers_w8a8 = typed_list = None
+
+if numba is not None and AVX2 and F16C:
+    from .f16_gemm import GEMV_ALONE, GEMV_CHUNK, _gemv_q4_cols, _gemv_q4_nb
+
+    @intrinsic
+    def _f16_round(typingctx, v):
+        """A float32 rounded to FP16 (nearest even, past 65504 infinite) and back (F16C): x.astype(np.float16)'s
+        value, the npu lane's A16 activations."""
+        if v != types.float32:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+        return types.float32(types.float32), codegen
+
+    @numba.njit(nogil=True, cache=True)
+    def _linear_q4(h, codes, d16, f16_of, tab, tasks, out):
+        """f16_gemm.gemv_q4_seq's bits for one row: h float32[1, K], codes/d16 the weight's (or siblings' side by
+        side) row layout, out float32[1, N] its first N columns; one task a thread of `tasks` (the caller's numba
+        thread count: read in njit code it is a pointer numba cannot cache), as gemv_q4_seq deals them."""
+        K = h.shape[1]
+        xh = np.zeros((1, 2 * codes.shape[0]), np.float32)
+        for k in range(K):
+            xh[0, k] = _f16_round(h[0, k])
+        N = out.shape[1]
+        if tasks == 1 or N * K < GEMV_ALONE:
+            for n0 in range(0, N, GEMV_CHUNK):
+                _gemv_q4_cols(xh, codes, d16, f16_of, tab, out, n0, min(N, n0 + GEMV_CHUNK))
+        else:
+            _gemv_q4_nb(xh, codes, d16, f16_of, tab, out, min(GEMV_CHUNK, ((N + tasks - 1) // tasks + 15) // 16 * 16))
+
+    @numba.njit(nogil=True, cache=True)
+    def _layer_head_q4(x, n1, eps1, c3, d3, ko, vo, H, KV, cos, sin, kc, vc, pos, window, scale64, softcap, co, do,
+                       n2, eps2, c2, d2, F, f16_of, tab, tasks, ticks):
+        """_layer_head with q4_0-tile GEMVs (_linear_q4): c3/d3 q, k, v side by side (k from column ko, v from vo),
+        co/do o, c2/d2 gate, up side by side -> (the attention residual, gate and up, -gate)."""
+        D = x.shape[1]
+        t0 = _cycles()
+        h = np.empty((1, D), np.float32)
+        _rms_norm_nb(x, n1, eps1, h)
+        t1 = _cycles()
+        qkv = np.empty((1, c3.shape[1]), np.float32)
+        _linear_q4(h, c3, d3, f16_of, tab, tasks, qkv)
+        t2 = _cycles()
+        a = _attend(qkv, ko, vo, H, KV, cos, sin, kc, vc, pos, window, scale64, softcap, ticks)
+        t4 = _cycles()
+        o = np.empty((1, D), np.float32)
+        _linear_q4(a, co, do, f16_of, tab, tasks, o)
+        t5 = _cycles()
+        r1 = x + o
+        t6 = _cycles()
+        h2 = np.empty((1, D), np.float32)
+        _rms_norm_nb(r1, n2, eps2, h2)
+        t7 = _cycles()
+        gu = np.empty((1, c2.shape[1]), np.float32)
+        _linear_q4(h2, c2, d2, f16_of, tab, tasks, gu)
+        t8 = _cycles()
+        e = -gu[:, :F]
+        ticks[0] += (t1 - t0) + (t7 - t6)
+        ticks[1] += (t2 - t1) + (t5 - t4) + (t8 - t7)
+        ticks[4] += t6 - t5
+        ticks[5] += _cycles() - t8
+        return r1, gu, e
+
+    @numba.njit(nogil=True, cache=True)
+    def _layers_q4_nb(x, n1s, n2s, eps, c3s, d3s, cos_, dos, c2s, d2s, cds, dds, kcs, vcs, ko, vo, uo, F, H, KV, cos,
+                      sin, pos, window, scale64, softcap, f16_of, tab, tasks, ticks, marks):
+        for l in range(len(c3s)):
+            marks[l, 0] = _cycles()
+            r1, gu, e = _layer_head_q4(x, n1s[l], eps[l, 0], c3s[l], d3s[l], ko, vo, H, KV, cos, sin, kcs[l], vcs[l],
+                                       pos, window, scale64, softcap, cos_[l], dos[l], n2s[l], eps[l, 1], c2s[l],
+                                       d2s[l], F, f16_of, tab, tasks, ticks[l])
+            t = _cycles()
+            with numba.objmode():
+                np.exp(e, out=e)  # numpy's float32 exp: swiglu_act's bits
+            s = _swiglu(gu, e, uo)
+            t9 = _cycles()
+            dn = np.empty((1, x.shape[1]), np.float32)
+            _linear_q4(s, cds[l], dds[l], f16_of, tab, tasks, dn)
+            t10 = _cycles()
+            x = r1 + dn
+            ticks[l, 5] += t9 - t
+            ticks[l, 1] += t10 - t9
+            ticks[l, 4] += _cycles() - t10
+            marks[l, 1] = _cycles()
+        return x
+
+    def layers_q4(x, n1s, n2s, eps, c3s, d3s, cos_, dos, c2s, d2s, cds, dds, kcs, vcs, ko, vo, uo, F, H, KV, cos,
+                  sin, pos, window, scale64, softcap, ticks, marks):
+        """layers_w8a8 for q4_0-tile layers on the npu lane, the bits of its sub-ops (f16_gemm.gemv_q4_seq's GEMVs):
+        c3s/d3s, cos_/dos, c2s/d2s, cds/dds typed lists of each layer's codes and scales (tiles_q4_rows) of q, k, v
+        side by side (k from column ko, v from vo), o, gate and up side by side (up from column uo; F the FFN's
+        width), down."""
+        from .f16_gemm import q4_table
+        from .lut import _f16_values
+
+        args = (x, n1s, n2s, eps, c3s, d3s, cos_, dos, c2s, d2s, cds, dds, kcs, vcs, ko, vo, uo, F, H, KV, cos, sin,
+                pos, window, scale64, softcap, _f16_values(), q4_table(), max(1, numba.get_num_threads()), ticks, marks)
+        if _called_q4:
+            return _layers_q4_nb(*args)
+        out = _first_call(_layers_q4_nb, args)
+        _called_q4.append(True)
+        return out
+
+    _called_q4: list = []
+else:  # no numba, no AVX2 or no F16C: q4_0-tile layers run op by op
+    layers_q4 = None

@@ -1,6 +1,8 @@
 """Fused decode layers run compiled (edgeprobe_kernels.decode_layer): a Llama-style W8A8 layer's 15 sub-ops,
 recognized once per plan (match) and run for one decode row (run), bit for bit what op_fused computes sub-op by
 sub-op; a step op's chained layers of that kind as one call (layer_runs, run_layers), each with its own event.
+q4_0-tile layers on the npu lane (the NPU TTS paper's decode) run the same way, chained runs only, with the npu
+lane's GEMV from codes (f16_gemm.gemv_q4_seq's bits).
 Anything else, and any run the compiled call cannot take as it comes (a numerics capture, rows other than one, a KV
 session that would refuse the write), goes the sub-op path, which also gives the errors.
 EDGEPROBE_COMPILED_LAYERS=0 turns it off (A/B runs: bench/decode_overhead.py).
@@ -14,13 +16,17 @@ import numpy as np
 
 from edgeprobe_kernels import decode_layer
 from edgeprobe_kernels.decode_layer import typed_list as typed
+from edgeprobe_kernels.f16_gemm import q4_rows_exact
 from edgeprobe_kernels.linear_records import scheme_of
 from edgeprobe_kernels.llama_ops import _scale64
+from edgeprobe_kernels.tiles import tiles_q4_rows
 
 from .dense import _rope_tables
 from .linear import _group_weights
 
 ENABLED = os.environ.get("EDGEPROBE_COMPILED_LAYERS", "1") != "0"
+# the linears' schemes a compiled layer computes, each with its kernel (None where this CPU or Python lacks it)
+SCHEMES = {"w8a8": lambda: decode_layer.layers_w8a8, "q4_0-tile": lambda: decode_layer.layers_q4}
 
 # the layer's sub-ops: kind, inputs as ("arg", which of the layer's args: x, norm 1, norm 2) or ("op", sub-op index)
 PATTERN = (
@@ -43,8 +49,9 @@ def _int(v) -> bool:
 
 
 def match(attrs: dict) -> dict | None:
-    """The compiled layer's constants if attrs' sub-ops are PATTERN with one-row W8A8 linears (no shadow GEMM:
-    w8a8), plain RMSNorms and RoPE, and attention over a batch-1 KV session; else None."""
+    """The compiled layer's constants if attrs' sub-ops are PATTERN with one-row linears of one scheme of SCHEMES
+    (W8A8 with no shadow GEMM: w8a8; q4_0-tile), plain RMSNorms and RoPE, and attention over a batch-1 KV session;
+    else None."""
     subs = attrs.get("ops")
     if not decode_layer.layer_w8a8 or not isinstance(subs, list) or len(subs) != len(PATTERN):
         return None
@@ -62,9 +69,12 @@ def match(attrs: dict) -> dict | None:
                 return None
     a = [s.get("attrs", {}) for s in subs]
     lin = [i for i, (k, _) in enumerate(PATTERN) if k == "linear"]
+    scheme = scheme_of(a[1]["rec"]) if isinstance(a[1].get("rec"), dict) else None
+    if scheme not in SCHEMES or SCHEMES[scheme]() is None:
+        return None
     for i in lin:
         rec = a[i].get("rec")
-        if not isinstance(rec, dict) or scheme_of(rec) != "w8a8" or a[i].get("part", "all") != "all" \
+        if not isinstance(rec, dict) or scheme_of(rec) != scheme or a[i].get("part", "all") != "all" \
                 or any(k in a[i] for k in ("rows", "cols", "pad_to")) or not isinstance(rec.get("shape"), list) \
                 or len(rec["shape"]) != 2 or not all(_int(v) and v > 0 for v in rec["shape"]):
             return None
@@ -90,7 +100,9 @@ def match(attrs: dict) -> dict | None:
         return None
     groups = ([subs[1], subs[2], subs[3]], [subs[7]], [subs[10], subs[11]], [subs[13]])
     flops = 2 * D * ((H + 2 * KV) * d + H * d + 3 * F) + 2 * D + (H + KV) * d + 2 * D + F
-    return {"args": args, "H": H, "KV": KV, "d": d, "D": D, "groups": groups, "layer": at["kv_layer"],
+    pad = lambda n: -(-n // 32) * 32  # q4_0-tile siblings side by side: each one's columns padded to whole tiles
+    return {"args": args, "H": H, "KV": KV, "d": d, "D": D, "F": F, "scheme": scheme, "groups": groups,
+            "ko": pad(H * d), "vo": pad(H * d) + pad(KV * d), "uo": pad(F), "layer": at["kv_layer"],
             "theta": float(rq["theta"]), "window": at.get("window", 0),
             "scale64": _scale64(d, float(at.get("scale", 0.0))),
             "softcap": float(at.get("softcap", 0.0)), "eps": (np.float32(a[0]["eps"]), np.float32(a[9]["eps"])),
@@ -101,9 +113,32 @@ def _vec(v, D: int) -> bool:
     return isinstance(v, np.ndarray) and v.dtype == np.float32 and v.shape == (D,) and v.flags.c_contiguous
 
 
+def _q4_weights(groups, ctx):
+    """The four q4_0-tile GEMVs' (codes, d16) in tiles_q4_rows' layout, siblings side by side, built once for all
+    plans naming them, or None where a blob's shape is not the one its record names or a scale is past
+    f16_gemm.D_MAX (the sub-op path takes the float32 weight there)."""
+    recs = [[s["attrs"]["rec"] for s in g] for g in groups]
+
+    def build():
+        out = []
+        for rs in recs:
+            try:
+                cds = [tiles_q4_rows(ctx.get(r["blocks"]), *map(int, r["shape"])) for r in rs]
+            except ValueError:
+                return False
+            codes, d16 = (np.concatenate([cd[i] for cd in cds], axis=1) for i in (0, 1))
+            if any(c.shape[0] != codes.shape[0] for c, _ in cds) or not q4_rows_exact(d16):
+                return False
+            out.append((codes, d16))
+        return tuple(out)
+    return ctx.runners.get(("q4-layer",) + tuple(ctx.runners.rec_key(r) for rs in recs for r in rs), build) or None
+
+
 def _weights(m: dict, groups, ctx):
     """The four GEMVs' (sa, part, w, scale), stacked once as group_linear stacks them (the q/k/v and gate/up stacks
-    are the same arrays), or None where a blob's shape is not the one its record names."""
+    are the same arrays), or None where a blob's shape is not the one its record names; q4_0-tile: _q4_weights."""
+    if m["scheme"] == "q4_0-tile":
+        return _q4_weights(groups, ctx)
     D, H, KV, d = m["D"], m["H"], m["KV"], m["d"]
     F = groups[2][0]["attrs"]["rec"]["shape"][0]
     ws = tuple(_group_weights(g, ctx)[:4] for g in groups)
@@ -116,6 +151,8 @@ def _weights(m: dict, groups, ctx):
 def run(m: dict, inp: list, ctx) -> np.ndarray | None:
     """The layer's output float32[1, D] for the one row inp[x] (its event gets flops, parts_us split by the parts'
     cycles, fused_ops and compiled_layer), or None where the sub-op path must run it."""
+    if m["scheme"] != "w8a8":  # a q4_0-tile layer compiles in runs of two or more (run_layers) only
+        return None
     D, H, KV, d = m["D"], m["H"], m["KV"], m["d"]
     args = m["args"]
     x, n1, n2 = inp[args["x"]], inp[args["n1"]], inp[args["n2"]]
@@ -156,7 +193,7 @@ def run(m: dict, inp: list, ctx) -> np.ndarray | None:
     return out
 
 
-SHARED = ("H", "KV", "d", "D", "theta", "window", "scale64", "softcap")  # what one call's layers must agree on
+SHARED = ("H", "KV", "d", "D", "F", "scheme", "theta", "window", "scale64", "softcap")  # one call's layers agree
 
 
 def layer_runs(subs: list) -> dict:
@@ -206,6 +243,9 @@ def run_layers(R: dict, inp: list, local: dict, ctx, events: list) -> np.ndarray
     if not (isinstance(x, np.ndarray) and x.dtype == np.float32 and x.shape == (1, D) and sess is not None
             and sess.batch == 1):
         return None
+    q4 = m0["scheme"] == "q4_0-tile"
+    if q4 and ctx.lane != "npu":  # the cpu lane's q4_0-tile linear is BLAS on the float32 weight: other bits
+        return None
     # R is the plan's, shared by its runs: each entry set whole, from the same blobs whichever run sets it
     norms = [inp[s["inputs"][m["args"][k]]["arg"]] for s, m in zip(subs, ms) for k in ("n1", "n2")]
     kept = R.get("norms")
@@ -227,8 +267,10 @@ def run_layers(R: dict, inp: list, local: dict, ctx, events: list) -> np.ndarray
         kv = sess.extras.setdefault("compiled_kv", {})[layers] = (sess.k, sess.v, typed(kc), typed(vc))
     if R.get("weights") is None:
         ws = [m.get("weights") or _weights(m, m["groups"], ctx) for m in ms]
-        # 16 typed lists, (w, sa, part, scale) of each of the 4 GEMVs over the layers, and the norms' eps
-        R["weights"] = all(ws) and ([typed([w[g][i] for w in ws]) for g in range(4) for i in (2, 0, 1, 3)],
+        # typed lists of the 4 GEMVs' arrays over the layers (w8a8: w, sa, part, scale; q4_0-tile: codes, d16), and
+        # the norms' eps
+        R["weights"] = all(ws) and ([typed([w[g][i] for w in ws]) for g in range(4)
+                                     for i in ((0, 1) if q4 else (2, 0, 1, 3))],
                                     np.array([m["eps"] for m in ms], np.float32))
     if not R["weights"]:
         return None
@@ -237,8 +279,12 @@ def run_layers(R: dict, inp: list, local: dict, ctx, events: list) -> np.ndarray
     L = len(ms)
     ticks, marks = np.zeros((L, len(decode_layer.PARTS)), np.int64), np.zeros((L, 2), np.int64)
     t0 = perf_counter_ns()
-    out = decode_layer.layers_w8a8(x, kept[1], kept[2], eps, *w, kv[2], kv[3], H, KV, cos, sin, pos, m0["window"],
-                                   m0["scale64"], m0["softcap"], ticks, marks)
+    if q4:
+        out = decode_layer.layers_q4(x, kept[1], kept[2], eps, *w, kv[2], kv[3], m0["ko"], m0["vo"], m0["uo"], m0["F"],
+                                     H, KV, cos, sin, pos, m0["window"], m0["scale64"], m0["softcap"], ticks, marks)
+    else:
+        out = decode_layer.layers_w8a8(x, kept[1], kept[2], eps, *w, kv[2], kv[3], H, KV, cos, sin, pos,
+                                       m0["window"], m0["scale64"], m0["softcap"], ticks, marks)
     t1 = perf_counter_ns()
     ns = (t1 - t0) / max(int(marks[-1, 1] - marks[0, 0]), 1)  # ns a cycle over the call
     c0 = int(marks[0, 0])

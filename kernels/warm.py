@@ -124,18 +124,5 @@ def _warm() -> list[str]:
         caches = [typed_list([kv(), kv()]) for _ in range(2)]
         layers_w8a8(x.copy(), norms, norms.copy(), eps, *lists, *caches, 4, 1, cs, cs, 0, 0, 0.25, 0.0,
                     np.zeros((2, 6), np.int64), np.zeros((2, 2), np.int64))
-        done.append("decode_layer")
-    from .decode_layer import layers_q4
-
-    if layers_q4 is not None:  # a step's q4_0-tile layers' one call: H 4, KV 1, d 16 (k and v padded to 32 columns)
-        D, F, d = 64, 32, 16
-        q4 = lambda kh, n: (np.zeros((kh, n), np.uint8), np.zeros((kh, n // 16), np.uint16))
-        lists = [typed_list([g[i], g[i]]) for g in (q4(D // 2, 128), q4(2 * d, D), q4(D // 2, 2 * F), q4(F // 2, D))
-                 for i in range(2)]
-        kv = lambda: np.zeros((1, 1, 4, d), np.float32)
-        norms, eps = np.ones((2, D), np.float32), np.full((2, 2), 1e-5, np.float32)
-        cs = np.ones((1, d // 2), np.float32)
-        layers_q4(x.copy(), norms, norms.copy(), eps, *lists, typed_list([kv(), kv()]), typed_list([kv(), kv()]), 64,
-                  96, 32, F, 4, 1, cs, cs, 0, 0, 0.25, 0.0, np.zeros((2, 6), np.int64), np.zeros((2, 2), np.int64))
-        done.append("decode_layer q4_0-tile")
+        done.append("decode_layer")  # and q4_0-tile layers': the same compiled function (decode_layer._layers_nb)
     return done

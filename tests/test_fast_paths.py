@@ -306,11 +306,11 @@ def test_rope_at_every_row_count_is_the_numpy_formula_bit_for_bit(monkeypatch, r
 
 
 def test_the_agent_warms_every_kernel_it_calls():
-    from edgeprobe_kernels.decode_layer import layer_w8a8, layers_q4
+    from edgeprobe_kernels.decode_layer import layer_w8a8
     from edgeprobe_kernels.warm import warm
 
     gemm = ["linear_w8a8_gemm"] if int8_gemm.GEMM_INT8 else []
-    layer = (["decode_layer"] if layer_w8a8 is not None else []) + (["decode_layer q4_0-tile"] if layers_q4 else [])
+    layer = ["decode_layer"] if layer_w8a8 is not None else []
     assert warm() == ["build_team", "linear_w8a8_gemv", "linear_w8a8_gemv_group", "as_f32", "rows_major", *gemm,
                       "matmul_q8_0", "shadow_gemm", "shadow_delta_onepass", "gemm_f16w_seq",
                       "gemv_q4_seq, q4_rows_t", "rms_norm, apply_rope", "prompt rows: rms_norm, add, apply_rope",

@@ -230,10 +230,10 @@ def _norms_from_args(sub: dict, m: dict) -> bool:
 
 
 def run_layers(R: dict, inp: list, local: dict, ctx, events: list) -> np.ndarray | None:
-    """A run of layer_runs as one compiled call (decode_layer.layers_w8a8) for the one row the first layer reads:
-    each layer's trace event appended to events (as ops.fused._own_event makes them; its start and end from the
-    cycle counter, scaled to the call's measured time), -> the last layer's output float32[1, D], or None where the
-    layers must run one by one."""
+    """A run of layer_runs as one compiled call (decode_layer.layers_w8a8, layers_q4) for the one row the first
+    layer reads: each layer's trace event appended to events (as ops.fused._own_event makes them; its start and end
+    from the cycle counter, scaled to the call's measured time), -> the last layer's output float32[1, D], or None
+    where the layers must run one by one."""
     ms, subs = R["ms"], R["subs"]
     m0 = ms[0]
     D, H, KV, d = m0["D"], m0["H"], m0["KV"], m0["d"]
@@ -271,20 +271,22 @@ def run_layers(R: dict, inp: list, local: dict, ctx, events: list) -> np.ndarray
         # the norms' eps
         R["weights"] = all(ws) and ([typed([w[g][i] for w in ws]) for g in range(4)
                                      for i in ((0, 1) if q4 else (2, 0, 1, 3))],
-                                    np.array([m["eps"] for m in ms], np.float32))
+                                    np.array([m["eps"] for m in ms], np.float32),
+                                    decode_layer.empty_lists("w8" if q4 else "q4", len(ms)))
     if not R["weights"]:
         return None
-    w, eps = R["weights"]
+    w, eps, none = R["weights"]
     cos, sin = _rope_tables(d, m0["theta"], pos, 1, None)
     L = len(ms)
     ticks, marks = np.zeros((L, len(decode_layer.PARTS)), np.int64), np.zeros((L, 2), np.int64)
     t0 = perf_counter_ns()
     if q4:
         out = decode_layer.layers_q4(x, kept[1], kept[2], eps, *w, kv[2], kv[3], m0["ko"], m0["vo"], m0["uo"], m0["F"],
-                                     H, KV, cos, sin, pos, m0["window"], m0["scale64"], m0["softcap"], ticks, marks)
+                                     H, KV, cos, sin, pos, m0["window"], m0["scale64"], m0["softcap"], ticks, marks,
+                                     none)
     else:
         out = decode_layer.layers_w8a8(x, kept[1], kept[2], eps, *w, kv[2], kv[3], H, KV, cos, sin, pos,
-                                       m0["window"], m0["scale64"], m0["softcap"], ticks, marks)
+                                       m0["window"], m0["scale64"], m0["softcap"], ticks, marks, none)
     t1 = perf_counter_ns()
     ns = (t1 - t0) / max(int(marks[-1, 1] - marks[0, 0]), 1)  # ns a cycle over the call
     c0 = int(marks[0, 0])

@@ -270,15 +270,19 @@ if F16C:
                         d = splat(builder.fpext(builder.bitcast(bits, ir.HalfType()), f32))
                         d8 = builder.fmul(d, ir.Constant(vf, [-8.0] * L))  # exact: a power of two times an FP16 value
                     cb = builder.load(at(crow, c64(16 * g), v16b), align=1)
-                    nibs = (builder.and_(cb, ir.Constant(v16b, [15] * 16)),
-                            builder.lshr(cb, ir.Constant(v16b, [4] * 16)))
+                    if L == 16:  # the bytes widened once; vpermps reads an index's low 4 bits: no mask for k = 2r
+                        wide = builder.zext(cb, vi)
+                        nibs = (wide, builder.lshr(wide, ir.Constant(vi, [4] * L)))
+                    else:
+                        nibs = (builder.and_(cb, ir.Constant(v16b, [15] * 16)),
+                                builder.lshr(cb, ir.Constant(v16b, [4] * 16)))
                     for h in range(halves):
                         ws = []
                         for p in (0, 1):
-                            idx = builder.zext(builder.shuffle_vector(nibs[p], nibs[p], lanes[h]), vi)
                             if L == 16:  # each code looks its value up (vpermps)
-                                ws.append(builder.call(permute, [row, idx]))
+                                ws.append(builder.call(permute, [row, nibs[p]]))
                                 continue
+                            idx = builder.zext(builder.shuffle_vector(nibs[p], nibs[p], lanes[h]), vi)
                             w = builder.call(fma, [builder.sitofp(idx, vf), d, d8])  # (q - 8) d, exact in float32
                             ws.append(builder.fpext(builder.fptrunc(w, vh), vf))  # rounded to FP16, as vlut16's
                         for m in range(rows):

@@ -87,17 +87,17 @@ def q4_table() -> np.ndarray:
     of every scale; rows of scales past D_MAX are never read): what the SIMD columns look codes up in with 16 lanes
     (simd.Q4_LANES), built once a process; with 8 lanes (never read) one row."""
     global _Q4_TABLE
-    if _Q4_TABLE is None:
+    if _Q4_TABLE is None:  # two lanes may build it at once: each a whole table, published when filled
         if Q4_LANES != 16:
-            _Q4_TABLE = np.zeros((1, 16), np.float32)
+            table = np.zeros((1, 16), np.float32)
         else:
             d = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+            buf = np.empty(65536 * 16 + 16, np.float32)  # rows on 64-byte lines: one line a lookup
+            at = (-buf.ctypes.data % 64) // 4
+            table = buf[at:at + 65536 * 16].reshape(65536, 16)
             with np.errstate(over="ignore", invalid="ignore"):  # rows of scales the GEMV never takes
-                v = (np.arange(16, dtype=np.float32) - np.float32(8))[None, :] * d[:, None]  # exact in float32
-                buf = np.empty(65536 * 16 + 16, np.float32)  # rows on 64-byte lines: one line a lookup
-                at = (-buf.ctypes.data % 64) // 4
-                _Q4_TABLE = buf[at:at + 65536 * 16].reshape(65536, 16)
-                _Q4_TABLE[:] = v.astype(np.float16)
+                table[:] = ((np.arange(16, dtype=np.float32) - np.float32(8))[None, :] * d[:, None]).astype(np.float16)
+        _Q4_TABLE = table
     return _Q4_TABLE
 
 

@@ -19,7 +19,7 @@ from edgeprobe_kernels.decode_layer import typed_list as typed
 from edgeprobe_kernels.f16_gemm import q4_rows_exact
 from edgeprobe_kernels.linear_records import scheme_of
 from edgeprobe_kernels.llama_ops import _scale64
-from edgeprobe_kernels.tiles import tiles_q4_rows
+from edgeprobe_kernels.tiles import padded, tiles_q4_rows
 
 from .dense import _rope_tables
 from .linear import _group_weights
@@ -100,9 +100,9 @@ def match(attrs: dict) -> dict | None:
         return None
     groups = ([subs[1], subs[2], subs[3]], [subs[7]], [subs[10], subs[11]], [subs[13]])
     flops = 2 * D * ((H + 2 * KV) * d + H * d + 3 * F) + 2 * D + (H + KV) * d + 2 * D + F
-    pad = lambda n: -(-n // 32) * 32  # q4_0-tile siblings side by side: each one's columns padded to whole tiles
+    # q4_0-tile siblings side by side: each one's columns padded to whole tiles (where k, v and up start)
     return {"args": args, "H": H, "KV": KV, "d": d, "D": D, "F": F, "scheme": scheme, "groups": groups,
-            "ko": pad(H * d), "vo": pad(H * d) + pad(KV * d), "uo": pad(F), "layer": at["kv_layer"],
+            "ko": padded(H * d), "vo": padded(H * d) + padded(KV * d), "uo": padded(F), "layer": at["kv_layer"],
             "theta": float(rq["theta"]), "window": at.get("window", 0),
             "scale64": _scale64(d, float(at.get("scale", 0.0))),
             "softcap": float(at.get("softcap", 0.0)), "eps": (np.float32(a[0]["eps"]), np.float32(a[9]["eps"])),
@@ -122,9 +122,9 @@ def _q4_weights(groups, ctx):
     def build():
         out = []
         for rs in recs:
-            try:
+            try:  # a record or blob the sub-op path refuses with its own error
                 cds = [tiles_q4_rows(ctx.get(r["blocks"]), *map(int, r["shape"])) for r in rs]
-            except ValueError:
+            except (KeyError, TypeError, ValueError):
                 return False
             codes, d16 = (np.concatenate([cd[i] for cd in cds], axis=1) for i in (0, 1))
             if any(c.shape[0] != codes.shape[0] for c, _ in cds) or not q4_rows_exact(d16):

@@ -217,13 +217,12 @@ def test_upload_cut_midway_resumes_with_missing_chunks_only(tmp_path):
     assert np.array_equal(stored, blob)
 
 
-def test_a_killed_agent_makes_the_client_raise_not_hang(tmp_path):
+def test_a_killed_agent_makes_the_client_raise_not_hang(tmp_path, slow_plan):
     dev = Device.local(store=tmp_path / "k")
-    plan = {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
-                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]}
-                    for i in range(20000)]}
+    # 4,000 reads of a 64 MB matrix: seconds on any machine (20,000 adds of 256 x 256 ended within 0.3 s on one)
+    plan, inputs = slow_plan(4000)
     pid = dev.put_plan(plan)
-    rid = dev.send("run", [np.ones((256, 256), np.float32)], plan_id=pid, inputs=["x"])
+    rid = dev.send("run", list(inputs.values()), plan_id=pid, inputs=list(inputs))
     time.sleep(0.3)
     proc, dev.process = dev.process, None  # as for a remote agent: only the heartbeat can tell
     os.kill(proc.pid, signal.SIGKILL)
@@ -235,12 +234,10 @@ def test_a_killed_agent_makes_the_client_raise_not_hang(tmp_path):
     dev.sock.close(0)
 
 
-def test_cancel_stops_a_run(dev):
-    plan = {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
-                     "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}, {"input": "x"}]}
-                    for i in range(50000)]}
+def test_cancel_stops_a_run(dev, slow_plan):
+    plan, inputs = slow_plan(4000)  # seconds on any machine: the cancel comes while it runs
     pid = dev.put_plan(plan)
-    rid = dev.send("run", [np.ones((64, 64), np.float32)], plan_id=pid, inputs=["x"])
+    rid = dev.send("run", list(inputs.values()), plan_id=pid, inputs=list(inputs))
     time.sleep(0.2)
     dev.request("cancel", target=rid)
     with pytest.raises(DeviceError, match="cancelled"):
@@ -527,24 +524,24 @@ def test_a_first_prefill_sends_its_three_setup_requests_together_and_mends_a_mis
     assert np.array_equal(first.logits, again.logits)
 
 
-def test_a_run_longer_than_the_heartbeat_timeout_completes(dev):
+def test_a_run_longer_than_the_heartbeat_timeout_completes(dev, slow_plan):
     from edgeprobe_agent.protocol import HEARTBEAT_TIMEOUT_S
 
-    x = np.ones((1024, 1024), np.float32)
-
-    def chain(n):
-        return {"ops": [{"name": f"a{i}", "kind": "add", "lane": "cpu",
-                         "inputs": [{"input": "x"} if i == 0 else {"op": f"a{i - 1}"}] + [{"input": "x"}] * 8}
-                        for i in range(n)]}
-    t0 = time.monotonic()  # a short chain first: the long one is sized to last twice the timeout on this machine
-    dev.run(dev.put_plan(chain(100)), {"x": x})
-    n = min(50_000, max(200, math.ceil(100 * 2 * HEARTBEAT_TIMEOUT_S / (time.monotonic() - t0))))
-    pid = dev.put_plan(chain(n))
+    def run(n, on_progress=None):
+        plan, inputs = slow_plan(n)
+        pid = dev.put_plan(plan)
+        t0 = time.monotonic()
+        r = dev.run(pid, inputs, on_progress=on_progress)
+        return r, time.monotonic() - t0
+    # the long chain is sized to last twice the timeout on this machine from two short ones (their difference: the
+    # ops alone, without the 64 MB input's transfer); each op reads the 64 MB matrix, which no cache holds, so its
+    # time does not drop in a long chain (cached adds did: 50,000 of them ran in 3.5 s where 100 had taken 7 ms)
+    run(2)
+    per = max((run(60)[1] - run(10)[1]) / 50, 1e-4)
+    n = max(200, math.ceil(2 * HEARTBEAT_TIMEOUT_S / per))
     events = []
-    t0 = time.monotonic()
-    r = dev.run(pid, {"x": x}, on_progress=events.append)
-    took = time.monotonic() - t0
-    assert r.logits[0, 0] == 1 + 8 * n
+    r, took = run(n, events.append)
+    assert np.array_equal(r.logits, np.ones((1, 4096), np.float32))  # x times the identity, n times
     assert any(e["event"] == "progress" for e in events)
     assert took > HEARTBEAT_TIMEOUT_S, f"the run took {took:.1f} s; make the chain longer so it tests the heartbeat"
 

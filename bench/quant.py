@@ -48,8 +48,8 @@ def main():
         import numba
 
         print(f"\nW8A8 linear (quantize, GEMM, scale; best of {args.repeat}; "
-              f"numba's {numba.threading_layer()} layer here, the agent runs OpenMP: "
-              "NUMBA_THREADING_LAYER=omp to match it):")
+              f"numba's {numba.threading_layer()} layer here; the agent runs OpenMP at one thread a lane, TBB with "
+              "EDGEPROBE_LANE_THREADS=auto: NUMBA_THREADING_LAYER=omp to match the former):")
         print(f"{'M x K x N':>18} {'avx2 int8 ms':>13} {'f32 BLAS ms':>12} {'BLAS/avx2':>10}")
         for M in (64, 256):
             for _, K, N in SHAPES:

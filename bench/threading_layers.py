@@ -3,8 +3,9 @@
 The agent's decode kernels are numba parallel loops over 2 cores. OpenMP (numba's default layer) splits each loop
 statically and waits at its end for every thread's share; when another process holds one core, every one of a
 step's ~150 loops waits for the scheduler to give that thread a turn. TBB steals work: the thread that runs takes
-the rest. A host process gets TBB where the tbb wheel is installed (edgeprobe_kernels), the agent keeps OpenMP
-(what this bench measured: see device_agent/__main__.py); NUMBA_THREADING_LAYER overrides both.
+the rest. A host process gets TBB where the tbb wheel is installed (edgeprobe_kernels), the agent OpenMP at one
+thread a lane and TBB with EDGEPROBE_LANE_THREADS=auto, which this bench sets (what it measured: see
+device_agent/__main__.py); NUMBA_THREADING_LAYER overrides both.
 Prints the median decode step (agent makespan, SmolLM2 w8a8, batch 1) per layer and load, rounds interleaved.
 """
 from __future__ import annotations
@@ -37,7 +38,7 @@ def main():
     with tempfile.TemporaryDirectory() as store:
         for r in range(args.rounds):
             for layer in ("tbb", "omp"):
-                os.environ["NUMBA_THREADING_LAYER"] = layer  # the agent's own default is omp (its __main__)
+                os.environ["NUMBA_THREADING_LAYER"] = layer  # the agent's own choice under auto is tbb (its __main__)
                 with Device.local(store=store) as dev:
                     assert dev.info["numba_threading"] == layer, dev.info["numba_threading"]
                     dev.generate(qm, ids, 4, progress=False)  # upload (first round), runners, JIT

@@ -13,9 +13,13 @@ os.environ.setdefault("NUMBA_NUM_THREADS", str(len(os.sched_getaffinity(0)) if L
 # OpenBLAS's idle workers spin 2^16 cycles (~20 us), not 2^28 (~0.1 s), after a call: enough to bridge back-to-back
 # BLAS calls without taking a core from the numba kernel that runs next (with 2-thread BLAS, auto)
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "16")
-# The agent keeps numba's OpenMP layer (host processes get TBB: edgeprobe_kernels/__init__.py);
-# bench/threading_layers.py measures the two
-os.environ.setdefault("NUMBA_THREADING_LAYER", "omp")
+# numba's threading layer (bench/threading_layers.py measures the two): at one thread a lane OpenMP, level with TBB
+# on a quiet machine and faster beside busy processes (2026-11-23, 5715354). With EDGEPROBE_LANE_THREADS=auto (the
+# idle machine's mode) TBB where the tbb wheel is installed (edgeprobe_kernels picks it, as for host processes): on
+# the AVX-512 EPYC at 70ec361 a 64-token w8a8-shadow prefill took 49 against 67 ms quiet and 114 against 125 beside
+# two busy processes, decode steps 1.17-1.43x faster quiet, level (w8a8) or 0.68x (q4_0-tile) beside them
+if LANE_THREADS != "auto":
+    os.environ.setdefault("NUMBA_THREADING_LAYER", "omp")
 
 
 # mallopt's parameters (malloc.h) and what the agent sets them to, unless the user's environment names them

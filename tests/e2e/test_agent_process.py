@@ -53,7 +53,7 @@ def test_hello_and_runs_without_numba(tmp_path, tiny):
         got = bare.generate(qm, [1, 2, 3], 3, progress=False)
         with Device.local(store=tmp_path / "b") as full:
             assert full.info["numba"]  # this machine has it: the same model there gives the same tokens
-            assert full.info["numba_threading"] == "omp"  # the agent keeps OpenMP (device_agent/__main__.py)
+            assert full.info["numba_threading"] == "omp"  # one thread a lane: OpenMP (device_agent/__main__.py)
             want = full.generate(qm, [1, 2, 3], 3, progress=False)
         assert np.array_equal(got.tokens, want.tokens)
         assert all(np.allclose(a, b, atol=1e-5) for a, b in zip(got.logits, want.logits))
@@ -62,3 +62,14 @@ def test_hello_and_runs_without_numba(tmp_path, tiny):
     finally:
         proc.kill()
         proc.communicate()  # its pipes closed here, not left to the garbage collector
+
+
+def test_lanes_with_every_core_run_tbb_where_it_is_installed(tmp_path, monkeypatch):
+    """EDGEPROBE_LANE_THREADS=auto (an op computing alone gets every core) picks numba's TBB layer where the tbb
+    wheel is installed, as host processes do; one thread a lane keeps OpenMP (device_agent/__main__.py)."""
+    from edgeprobe_kernels import TBB
+
+    monkeypatch.delenv("NUMBA_THREADING_LAYER", raising=False)
+    monkeypatch.setenv("EDGEPROBE_LANE_THREADS", "auto")
+    with Device.local(store=tmp_path / "a") as dev:
+        assert dev.info["numba_threading"] == ("tbb" if TBB else "omp")

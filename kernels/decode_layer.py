@@ -37,10 +37,10 @@ if numba is not None and AVX2:
     from numba.core import cgutils, types
     from numba.extending import intrinsic
 
-    from .f16_gemm import GEMV_ALONE, GEMV_CHUNK, _gemv_q4_cols, _gemv_q4_nb
+    from .f16_gemm import _gemv_q4_dealt, q4_table
     from .int8_gemm import _linear_w8a8_group_nb
     from .llama_ops import _attention_few_nb, _rms_norm_nb, _rope_nb
-    from .lut import _f32_to_f16_bits
+    from .lut import _f16_values, _f32_to_f16_bits
 
     @intrinsic
     def _cycles(typingctx):
@@ -74,18 +74,12 @@ if numba is not None and AVX2:
     @numba.njit(nogil=True, cache=True)
     def _linear_q4(h, codes, d16, f16_of, tab, tasks, out):
         """f16_gemm.gemv_q4_seq's bits for one row: h float32[1, K], codes/d16 the weight's (or siblings' side by
-        side) row layout, out float32[1, N] its first N columns; one task a thread of `tasks` (the caller's numba
-        thread count: read in njit code it is a pointer numba cannot cache), as gemv_q4_seq deals them."""
+        side) row layout, out float32[1, N] its first N columns, dealt to `tasks` threads as gemv_q4_seq deals them."""
         K = h.shape[1]
         xh = np.zeros((1, 2 * codes.shape[0]), np.float32)
         for k in range(K):
             xh[0, k] = _f16_round(h[0, k], f16_of)
-        N = out.shape[1]
-        if tasks == 1 or N * K < GEMV_ALONE:
-            for n0 in range(0, N, GEMV_CHUNK):
-                _gemv_q4_cols(xh, codes, d16, f16_of, tab, out, n0, min(N, n0 + GEMV_CHUNK))
-        else:
-            _gemv_q4_nb(xh, codes, d16, f16_of, tab, out, min(GEMV_CHUNK, ((N + tasks - 1) // tasks + 15) // 16 * 16))
+        _gemv_q4_dealt(xh, codes, d16, f16_of, tab, out, K, tasks)
 
     @numba.njit(nogil=True, cache=True)
     def _linear(h, g, c, out):
@@ -167,14 +161,11 @@ if numba is not None and AVX2:
         ticks[4] += _cycles() - t10
         return out
 
-    def _no_q4():
-        """The q4_0-tile half of a W8A8 layer's GEMV arguments: empty, of the types _linear takes."""
-        return (np.zeros((0, 0), np.uint8), np.zeros((0, 0), np.uint16), np.zeros(1, np.float32),
-                np.zeros((1, 16), np.float32), 1)
-
-    def _no_w8():
-        """The W8A8 half of a q4_0-tile layer's GEMV arguments: empty, of the types _linear takes."""
-        return np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros((0, 0), np.int8), np.zeros(0, np.float32)
+    # the unused half of a layer's GEMV arguments, empty, of the types _linear takes: a W8A8 layer's q4_0-tile
+    # (codes, d16, f16_of, tab, tasks), a q4_0-tile layer's W8A8 (sa, part, w, scale)
+    _NO_Q4 = (np.zeros((0, 0), np.uint8), np.zeros((0, 0), np.uint16), np.zeros(1, np.float32),
+              np.zeros((1, 16), np.float32), 1)
+    _NO_W8 = (np.zeros(0, np.float32), np.zeros(0, np.int32), np.zeros((0, 0), np.int8), np.zeros(0, np.float32))
 
     def layer_w8a8(x, n1, eps1, wqkv, sa3, part3, sc3, H, KV, cos, sin, kc, vc, pos, window, scale64, softcap,
                    wo, sao, parto, sco, n2, eps2, wgu, sa2, part2, sc2, wd, sad, partd, scd, ticks):
@@ -185,7 +176,7 @@ if numba is not None and AVX2:
         attention's kernel takes them. ticks int64[len(PARTS)] += each part's cycles; -> (float32[1, D] the layer's
         output (the FFN residual), the ns numpy's exp took: SwiGLU's, outside the cycle counts). Two compiled calls
         around numpy's exp (an object-mode block would hold the GIL the calls release)."""
-        d, F, c = kc.shape[3], wgu.shape[0] // 2, _no_q4()
+        d, F, c = kc.shape[3], wgu.shape[0] // 2, _NO_Q4
         r1, gu, e = _layer_head(x, n1, eps1, (sa3, part3, wqkv, sc3), c, H * d, (H + KV) * d, H, KV, cos, sin, kc, vc,
                                 pos, window, scale64, softcap, (sao, parto, wo, sco), c, n2, eps2,
                                 (sa2, part2, wgu, sc2), c, F, ticks)
@@ -224,13 +215,10 @@ if numba is not None and AVX2:
     _first = threading.Lock()
     _called: list = []
 
-    def _layers(x, n1s, n2s, eps, w8, q4, tasks, kcs, vcs, ko, vo, uo, F, H, KV, cos, sin, pos, window, scale64,
-                softcap, ticks, marks):
-        from .f16_gemm import q4_table
-        from .lut import _f16_values
-
-        args = (x, n1s, n2s, eps, *w8, *q4, _f16_values(), q4_table(), tasks, kcs, vcs, ko, vo, uo, F, H, KV, cos, sin,
-                pos, window, scale64, softcap, ticks, marks)
+    def _layers(x, n1s, n2s, eps, w8, q4, f16_of, tab, tasks, kcs, vcs, ko, vo, uo, F, H, KV, cos, sin, pos, window,
+                scale64, softcap, ticks, marks):
+        args = (x, n1s, n2s, eps, *w8, *q4, f16_of, tab, tasks, kcs, vcs, ko, vo, uo, F, H, KV, cos, sin, pos, window,
+                scale64, softcap, ticks, marks)
         if _called:
             return _layers_nb(*args)
         with _first, warnings.catch_warnings():  # the first call compiles (or loads) it: its one signature
@@ -243,8 +231,8 @@ if numba is not None and AVX2:
     def empty_lists(kind: str, L: int) -> list:
         """The other scheme's typed lists of L layers, empty arrays of the types _layers_nb takes: kind "q4" the 8
         of layers_w8a8 (codes, d16 of each GEMV), "w8" the 16 of layers_q4 (w, sa, part, scale of each)."""
-        sa, part, w, scale = _no_w8()
-        arrays = _no_q4()[:2] if kind == "q4" else (w, sa, part, scale)
+        sa, part, w, scale = _NO_W8
+        arrays = _NO_Q4[:2] if kind == "q4" else (w, sa, part, scale)
         return [typed_list([a] * L) for _ in range(4) for a in arrays]
 
     def layers_w8a8(x, n1s, n2s, eps, w3s, sa3s, p3s, s3s, wos, saos, pos_, sos, w2s, sa2s, p2s, s2s, wds, sads, pds,
@@ -259,8 +247,8 @@ if numba is not None and AVX2:
         (made here where not given: a caller running the same layers again keeps them)."""
         d, F = kcs[0].shape[3], w2s[0].shape[0] // 2
         return _layers(x, n1s, n2s, eps, [w3s, sa3s, p3s, s3s, wos, saos, pos_, sos, w2s, sa2s, p2s, s2s, wds, sads,
-                                          pds, sds], none or empty_lists("q4", len(kcs)), 1, kcs, vcs, H * d,
-                       (H + KV) * d, F, F, H, KV, cos, sin, pos, window, scale64, softcap, ticks, marks)
+                                          pds, sds], none or empty_lists("q4", len(kcs)), *_NO_Q4[2:], kcs, vcs,
+                       H * d, (H + KV) * d, F, F, H, KV, cos, sin, pos, window, scale64, softcap, ticks, marks)
 
     if F16C:
         def layers_q4(x, n1s, n2s, eps, c3s, d3s, cos_, dos, c2s, d2s, cds, dds, kcs, vcs, ko, vo, uo, F, H, KV, cos,
@@ -270,8 +258,9 @@ if numba is not None and AVX2:
             layer's codes and scales (tiles_q4_rows) of q, k, v side by side (k from column ko, v from vo), o, gate
             and up side by side (up from column uo; F the FFN's width), down. none: empty_lists("w8", L)."""
             return _layers(x, n1s, n2s, eps, none or empty_lists("w8", len(kcs)),
-                           [c3s, d3s, cos_, dos, c2s, d2s, cds, dds], max(1, numba.get_num_threads()), kcs, vcs, ko,
-                           vo, uo, F, H, KV, cos, sin, pos, window, scale64, softcap, ticks, marks)
+                           [c3s, d3s, cos_, dos, c2s, d2s, cds, dds], _f16_values(), q4_table(),
+                           max(1, numba.get_num_threads()), kcs, vcs, ko, vo, uo, F, H, KV, cos, sin, pos, window,
+                           scale64, softcap, ticks, marks)
     else:  # no F16C: q4_0-tile layers run op by op
         layers_q4 = None
 else:  # no numba (a phone's Python) or no AVX2: fused layers run op by op

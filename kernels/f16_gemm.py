@@ -202,6 +202,19 @@ if numba is not None:
         for t in numba.prange((N + chunk - 1) // chunk):
             _gemv_q4_cols(xh, codes, d16, f16_of, tab, y, t * chunk, min(N, (t + 1) * chunk))
 
+    @numba.njit(nogil=True, cache=True)
+    def _gemv_q4_dealt(xh, codes, d16, f16_of, tab, y, K, tasks):
+        # y = the GEMV of xh's rows (FP16 values, zero past K) over y's N columns, dealt to `tasks` threads (the
+        # caller's numba count: read in njit code it is a pointer numba cannot cache); gemv_q4_seq and the compiled
+        # decode layer (decode_layer._linear_q4) deal alike
+        N = y.shape[1]
+        most = max(16, min(GEMV_CHUNK, 4096 // xh.shape[0]) // 16 * 16)  # accumulators: 16 KiB at most
+        if tasks == 1 or N * K * xh.shape[0] < GEMV_ALONE:  # a small weight: no parallel region to start and join
+            for n0 in range(0, N, most):
+                _gemv_q4_cols(xh, codes, d16, f16_of, tab, y, n0, min(N, n0 + most))
+        else:  # one task per thread, whole groups
+            _gemv_q4_nb(xh, codes, d16, f16_of, tab, y, min(most, ((N + tasks - 1) // tasks + 15) // 16 * 16))
+
     @numba.njit(parallel=True, nogil=True, cache=True)
     def _q4_rows_t_nb(codes, d16, f16_of, out):
         # out float32[K, N]: the k-major FP16 values, two rows per byte row of codes
@@ -240,12 +253,5 @@ def gemv_q4_seq(x: np.ndarray, codes: np.ndarray, d16: np.ndarray, N: int, K: in
     xh = np.zeros((M if M == 1 else -(-M // 4) * 4, 2 * Kh), np.float32)  # zeros past K and M: add nothing
     xh[:M, :K] = x.astype(np.float16)
     y = np.empty((x.shape[0], N), np.float32)
-    tasks = max(1, numba.get_num_threads())
-    most = max(16, min(GEMV_CHUNK, 4096 // xh.shape[0]) // 16 * 16)  # accumulators: 16 KiB at most
-    if tasks == 1 or N * K * xh.shape[0] < GEMV_ALONE:  # a small weight: no parallel region to start and join
-        for n0 in range(0, N, most):
-            _gemv_q4_cols(xh, codes, d16, _f16_values(), q4_table(), y, n0, min(N, n0 + most))
-        return y
-    chunk = min(most, -(-(-(-N // tasks)) // 16) * 16)  # one task per thread, whole groups
-    _gemv_q4_nb(xh, codes, d16, _f16_values(), q4_table(), y, chunk)
+    _gemv_q4_dealt(xh, codes, d16, _f16_values(), q4_table(), y, K, max(1, numba.get_num_threads()))
     return y

@@ -26,7 +26,7 @@ from .linear import _group_weights
 
 ENABLED = os.environ.get("EDGEPROBE_COMPILED_LAYERS", "1") != "0"
 # the linears' schemes a compiled layer computes, each with its kernel (None where this CPU or Python lacks it)
-SCHEMES = {"w8a8": lambda: decode_layer.layers_w8a8, "q4_0-tile": lambda: decode_layer.layers_q4}
+SCHEMES = {"w8a8": decode_layer.layers_w8a8, "q4_0-tile": decode_layer.layers_q4}
 
 # the layer's sub-ops: kind, inputs as ("arg", which of the layer's args: x, norm 1, norm 2) or ("op", sub-op index)
 PATTERN = (
@@ -70,7 +70,7 @@ def match(attrs: dict) -> dict | None:
     a = [s.get("attrs", {}) for s in subs]
     lin = [i for i, (k, _) in enumerate(PATTERN) if k == "linear"]
     scheme = scheme_of(a[1]["rec"]) if isinstance(a[1].get("rec"), dict) else None
-    if scheme not in SCHEMES or SCHEMES[scheme]() is None:
+    if SCHEMES.get(scheme) is None:
         return None
     for i in lin:
         rec = a[i].get("rec")

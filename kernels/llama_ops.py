@@ -6,6 +6,7 @@ on the agent computes what the host simulates.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 
@@ -14,6 +15,10 @@ from .threads import POLICY, spread
 
 try:
     import numba
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
 except ImportError:
     numba = None
 
@@ -21,7 +26,40 @@ FEW_ROWS = 8  # up to this many rows (decode steps) the numba kernels below repl
 
 LANES = 16  # partial sums of a row's squares: vertical adds, vectorized without fastmath's free reordering
 
+# exp in float64 for the decode kernel's softmax (Cody & Waite's reduction by n ln 2, ln 2 in two parts as fdlibm
+# splits it; Taylor to r^13 on |r| <= ln2 / 2, error below 2^-60): x = n ln2 + r, exp(x) = 2^n exp(r)
+_LOG2E = 1.4426950408889634
+_SHIFT = 6755399441055744.0  # 1.5 * 2^52: x log2e + _SHIFT holds round(x log2e) in its low bits
+_LN2_HI, _LN2_LO = 6.93147180369123816490e-01, 1.90821492927058770002e-10  # n * _LN2_HI exact for |n| < 2^21
+_TAYLOR = tuple(1.0 / math.factorial(i) for i in range(14))
+
 if numba is not None:
+    @intrinsic
+    def exp_f64(typingctx, x):
+        """exp(x) for float64 x <= 709, within 1 ulp of the rounded exp; x < -708 gives 0 (a softmax weight below
+        2^-1022 of the largest), NaN stays NaN. Written as LLVM IR of FMAs, integer adds and bitcasts: no libm call,
+        so a loop over it vectorizes (numba's np.exp is a scalar call a key, ~10 ns: most of a decode step's
+        attention), and no caller's fastmath can reassociate the reduction (an njit function doing the same inside
+        the fastmath attention kernel lost its ln 2 split: 200 ulp at x = -700). The same bits on every CPU with FMA."""
+        if x != types.float64:
+            return None
+
+        def codegen(context, builder, sig, args):
+            f64, i64 = ir.DoubleType(), ir.IntType(64)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f64, [f64] * 3), "llvm.fma.f64")
+            c = lambda v: ir.Constant(f64, v)
+            x = args[0]
+            kd = builder.call(fma, [x, c(_LOG2E), c(_SHIFT)])  # round-to-nearest n in the mantissa's low bits
+            n = builder.fsub(kd, c(_SHIFT))
+            r = builder.call(fma, [n, c(-_LN2_LO), builder.call(fma, [n, c(-_LN2_HI), x])])
+            p = c(_TAYLOR[-1])
+            for t in _TAYLOR[-2::-1]:
+                p = builder.call(fma, [p, r, c(t)])
+            bits = builder.shl(builder.add(builder.bitcast(kd, i64), ir.Constant(i64, 1023)), ir.Constant(i64, 52))
+            e = builder.fmul(p, builder.bitcast(bits, f64))  # 2^n: n + 1023 in the exponent field
+            return builder.select(builder.fcmp_unordered(">=", x, c(-708.0)), e, c(0.0))
+        return types.float64(x), codegen
+
     # No fastmath: the sum's order is the code's (16 lanes, a tail, a fixed halving fold), so every compilation of
     # the kernel (each array type is one, cached by whichever process met it first) gives the same bits
     @numba.njit(nogil=True, cache=True)
@@ -79,7 +117,8 @@ if numba is not None:
         weighted sum of values, in one pass per head and no [rows, S] temporaries. k, v: C-contiguous
         [B, KV, >= S, d] (a KV cache read in place), positions S.. ignored. Computes in float64 like
         _attention_few_np (see there): its float32 output is the numpy path's, bit for bit (but for ~1e-8
-        of elements). scale: the scores' factor (float64); softcap > 0: scores become tanh(s / softcap) * softcap."""
+        of elements; exp_f64 is within an ulp of numpy's float64 exp). scale: the scores' factor (float64);
+        softcap > 0: scores become tanh(s / softcap) * softcap."""
         B, T, H, d = q.shape
         KV = k.shape[1]
         G = H // KV
@@ -105,9 +144,11 @@ if numba is not None:
                             p[s] = np.tanh(p[s] / softcap) * softcap
                         mx = p[s] if s == lo else max(mx, p[s])
                     tot = 0.0
-                    for s in range(lo, hi):
-                        p[s] = np.exp(p[s] - mx)
-                        tot += p[s]
+                    ps = p[lo:hi]  # from 0: numba vectorizes no loop that indexes from lo (negative-index wrap)
+                    for s in range(hi - lo):
+                        e = exp_f64(ps[s] - mx)
+                        ps[s] = e
+                        tot += e
                     o[:] = 0.0
                     for s in range(lo, hi):
                         w = p[s] / tot

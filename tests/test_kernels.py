@@ -203,6 +203,48 @@ def test_a_batch_of_decode_steps_takes_the_decode_kernel_and_each_sequence_its_o
         assert np.array_equal(out[b], alone[0]), b
 
 
+def test_the_decode_softmaxs_exp_is_within_an_ulp_of_numpys_with_or_without_fastmath():
+    """llama_ops.exp_f64 (the decode attention's exp, vectorized where numba's np.exp is a scalar call): within
+    1 ulp of numpy's float64 exp over the softmax's range and beyond, 0 below -708, NaN kept, and the same bits
+    in a fastmath loop as in a strict one (a reassociated reduction was 200 ulp off at x = -700)."""
+    import numba
+
+    from edgeprobe_kernels.llama_ops import exp_f64
+
+    def loop(x, out):
+        for i in range(x.shape[0]):
+            out[i] = exp_f64(x[i])
+    strict, fast = numba.njit(loop), numba.njit(fastmath=True)(loop)
+    x = np.concatenate([np.linspace(-708.0, 709.0, 1_000_001), -np.abs(rng.standard_normal(100_000)) * 20,
+                        [0.0, -0.0, -1e-300, 1e-300, -708.0]])
+    a, b = np.empty_like(x), np.empty_like(x)
+    strict(x, a)
+    fast(x, b)
+    assert np.array_equal(a, b)
+    ref = np.exp(x)
+    assert (np.abs(a - ref) <= np.spacing(ref)).all()
+    assert a[-5] == a[-4] == 1.0 and a[-1] > 0
+    edge = np.array([-708.01, -745.2, -np.inf, np.nan])
+    out = np.empty_like(edge)
+    strict(edge, out)
+    assert (out[:3] == 0).all() and np.isnan(out[3])
+
+
+def test_the_decode_attention_kernel_is_the_numpy_paths_bits():
+    """A decode step's attention in numba (llama_ops._attention_few_nb, vectorized exp) and in numpy (an agent
+    without numba: _attention_few_np, np.exp) round the same float64 softmax to float32: equal bits here, where the
+    scores span the exp's range (a scale of 40 puts most keys' weights below 1e-100)."""
+    from edgeprobe_kernels import llama_ops as L
+
+    rng = np.random.default_rng(5)
+    for batch, T, start, scale in [(1, 1, 99, 0.0), (2, 3, 300, 0.0), (1, 1, 40, 40.0), (3, 2, 7, 0.0)]:
+        q = rng.standard_normal((batch, T, 9, 64)).astype(np.float32) * 2
+        k, v = (rng.standard_normal((batch, 3, start + T + 5, 64)).astype(np.float32) for _ in range(2))
+        fast = L.attention(q, k, v, start, scale=scale)
+        slow = L._attention_few_np(q, k, v, start, 0, L._scale64(64, scale))
+        assert np.array_equal(fast, slow), (batch, T, start, scale)
+
+
 @pytest.mark.parametrize("T,chunk,window", [(32, 16, 0), (210, 64, 0), (300, 48, 40), (530, 128, 0)])
 def test_attention_gives_a_chunked_prompt_the_whole_passs_bits(T, chunk, window):
     """Prefill attention's query blocks sit at absolute positions (llama_ops._attention_block): a schedule's cut

@@ -245,6 +245,25 @@ def test_the_decode_attention_kernel_is_the_numpy_paths_bits():
         assert np.array_equal(fast, slow), (batch, T, start, scale)
 
 
+@pytest.mark.parametrize("T,start,window,softcap", [(64, 0, 0, 0.0), (100, 37, 0, 0.0), (300, 0, 40, 0.0),
+                                                    (200, 10, 0, 30.0)])
+def test_a_prompt_blocks_softmax_in_numba_is_numpys_bit_for_bit(T, start, window, softcap, monkeypatch):
+    """_attention_block's softmax in numba (mask and max-subtract, numpy's exp, row sums in numpy's pairwise order,
+    divide) against the numpy expressions an agent without numba runs: equal bits, windowed and soft-capped too;
+    and the pairwise sum is numpy's add.reduce at lengths around its block of 128 and its halving splits."""
+    from edgeprobe_kernels import llama_ops as L
+
+    rng = np.random.default_rng(T)
+    q = rng.standard_normal((1, T, 9, 64)).astype(np.float32) * 3
+    k, v = (rng.standard_normal((1, 3, start + T + 9, 64)).astype(np.float32) for _ in range(2))
+    fast = L.attention(q, k, v, start, window, softcap=softcap)
+    monkeypatch.setattr(L, "numba", None)
+    assert np.array_equal(fast, L.attention(q, k, v, start, window, softcap=softcap))
+    for n in (1, 7, 8, 13, 64, 128, 129, 136, 192, 1000, 1024, 4099):
+        a = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 3)).astype(np.float32)  # order shows in bits
+        assert L._pairwise_sum_nb(a, n, np.empty((64, 3), np.int64), np.empty(64, np.float32)) == a.sum(), n
+
+
 @pytest.mark.parametrize("T,chunk,window", [(32, 16, 0), (210, 64, 0), (300, 48, 40), (530, 128, 0)])
 def test_attention_gives_a_chunked_prompt_the_whole_passs_bits(T, chunk, window):
     """Prefill attention's query blocks sit at absolute positions (llama_ops._attention_block): a schedule's cut

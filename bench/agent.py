@@ -8,8 +8,12 @@
    rate. With TMPDIR=/dev/shm both land in memory: the two protocols with no disk in the way.
 2. Prefill tokens/s at 256 tokens of SmolLM2 w8a8-shadow on a local agent (npu lane emulated, cpu lane)
    beside the host's float forward pass and the host's simulation of the same scheme.
+3. What a hand-off between lanes costs: chains of one-row adds on one lane and alternating two lanes, in turns
+   (µs an op); and how many hand-offs a warm 64-token w8a8-shadow prefill makes, beside the time in it when no
+   lane computes (EDGEPROBE_LANE_THREADS=auto unless set, as bench/vs_llamacpp.py runs).
 
-    .venv/bin/python bench/agent.py [--mb 64] [--tokens 256] [--rounds 3] [--real | --no-real] [--only upload]
+    .venv/bin/python bench/agent.py [--mb 64] [--tokens 256] [--rounds 3] [--real | --no-real]
+        [--only upload|prefill|handoff]
 """
 from __future__ import annotations
 
@@ -178,6 +182,70 @@ def prefill(tokens: int, repeat: int) -> None:
           f"busy {busy})   agent/host-float {host_float / agent_s:.2f}   agent/host-sim {host_sim / agent_s:.2f}")
 
 
+def _chain(n: int, lanes: list) -> dict:
+    """A plan of n one-row adds, each reading the last: on one lane, or alternating lanes (a hand-off an op)."""
+    ops = [{"name": "a0", "kind": "add", "lane": lanes[0], "inputs": [{"input": "x"}, {"input": "x"}]}]
+    ops += [{"name": f"a{i}", "kind": "add", "lane": lanes[i % len(lanes)],
+             "inputs": [{"op": f"a{i - 1}"}, {"input": "x"}]} for i in range(1, n)]
+    return {"ops": ops, "outputs": [f"a{n - 1}"]}
+
+
+def _idle_and_handoffs(events: list) -> tuple[float, int]:
+    """(ms in the run's span when no lane computes, ops whose last-finished dependency ran on another lane)."""
+    spans = sorted((e["start_us"], e["end_us"]) for e in events)
+    idle, reach = 0.0, spans[0][0]
+    for a, b in spans:
+        idle += max(0.0, a - reach)
+        reach = max(reach, b)
+    by = {e["name"]: e for e in events}
+    handoffs = 0
+    for e in events:
+        deps = [by[d] for d in e.get("deps", []) if d in by]
+        if deps and max(deps, key=lambda d: d["end_us"])["lane"] != e["lane"]:
+            handoffs += 1
+    return idle / 1e3, handoffs
+
+
+def handoff(repeat: int, n: int = 400) -> None:
+    """What a hand-off between lanes costs (a lane thread wakes when the other lane's op it waits for ends), beside
+    an op on the same lane, and how many a warm 64-token w8a8-shadow prefill makes: the part of its time no
+    kernel bounds (docs/benchmarks.md)."""
+    import numpy as np
+
+    from edgeprobe import models
+    from edgeprobe.corpus import read_corpus
+    from edgeprobe.device import Device
+    from edgeprobe.prepare import prepared
+
+    os.environ.setdefault("EDGEPROBE_LANE_THREADS", "auto")  # the agent below inherits it
+    x = np.ones((1, 576), np.float32)
+    per_op: dict = {"one lane": [], "two lanes, alternating": []}
+    with tempfile.TemporaryDirectory() as tmp, Device.local(store=tmp) as dev:
+        plans = {"one lane": dev.put_plan(_chain(n, ["cpu"])),
+                 "two lanes, alternating": dev.put_plan(_chain(n, ["cpu", "npu"]))}
+        for pid in plans.values():
+            dev.run(pid, {"x": x})
+        for _ in range(repeat):  # in turns: both see the same machine
+            for what, pid in plans.items():
+                ev = dev.run(pid, {"x": x}).trace.events
+                per_op[what].append((max(e["end_us"] for e in ev) - min(e["start_us"] for e in ev)) / n)
+        one, two = (statistics.median(v) for v in per_op.values())
+        print(f"EDGEPROBE_LANE_THREADS={os.environ['EDGEPROBE_LANE_THREADS']}; load average "
+              f"{os.getloadavg()[0]:.2f}")
+        print(f"a chain of {n} one-row adds (medians of {repeat}): {one:.1f} us an op on one lane, {two:.1f} us "
+              f"alternating lanes: a hand-off costs ~{two - one:.1f} us more")
+        m = models.load("smollm2-135m")
+        ids = m.tokenizer.encode(read_corpus("heldout"))[:64]
+        qm = prepared(m, "w8a8-shadow", say=print)
+        dev.prefill(qm, ids, progress=False)  # upload, runners, layouts
+        runs = [dev.prefill(qm, ids, progress=False) for _ in range(repeat)]
+    best = min(runs, key=lambda r: r.trace.metrics()["makespan_ms"])
+    idle, handoffs = _idle_and_handoffs(best.trace.events)
+    print(f"a warm 64-token w8a8-shadow prefill (best of {repeat}): makespan "
+          f"{best.trace.metrics()['makespan_ms']:.1f} ms, {len(best.trace.events)} ops, {handoffs} cross-lane "
+          f"hand-offs (~{handoffs * (two - one) / 1e3:.1f} ms at the chain's cost), no lane computing {idle:.1f} ms")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mb", type=int, default=64)
@@ -186,12 +254,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="alternating ZeroMQ / SFTP upload rounds per blob set")
     ap.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
                     help="also upload SmolLM2's w8a8-shadow blobs (quantizes it first, ~20 s)")
-    ap.add_argument("--only", choices=["upload", "prefill"])
+    ap.add_argument("--only", choices=["upload", "prefill", "handoff"])
     args = ap.parse_args()
-    if args.only != "prefill":
+    if args.only in (None, "upload"):
         upload(args.mb, args.rounds, args.real)
-    if args.only != "upload":
+    if args.only in (None, "prefill"):
         prefill(args.tokens, args.repeat)
+    if args.only in (None, "handoff"):
+        handoff(max(args.repeat, 5))
 
 
 if __name__ == "__main__":

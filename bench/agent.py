@@ -9,7 +9,8 @@
 2. Prefill tokens/s at 256 tokens of SmolLM2 w8a8-shadow on a local agent (npu lane emulated, cpu lane)
    beside the host's float forward pass and the host's simulation of the same scheme.
 3. What a hand-off between lanes costs: chains of one-row adds on one lane and alternating two lanes, in turns
-   (µs an op); and how many hand-offs a warm 64-token w8a8-shadow prefill makes, beside the time in it when no
+   (µs an op), beside two bare threads handing a threading.Event back and forth (the machine's floor for a
+   thread's wake-up); and how many hand-offs a warm 64-token w8a8-shadow prefill makes, beside the time in it when no
    lane computes (EDGEPROBE_LANE_THREADS=auto unless set, as bench/vs_llamacpp.py runs).
 
     .venv/bin/python bench/agent.py [--mb 64] [--tokens 256] [--rounds 3] [--real | --no-real]
@@ -206,6 +207,30 @@ def _idle_and_handoffs(events: list) -> tuple[float, int]:
     return idle / 1e3, handoffs
 
 
+def _event_ping_pong(n: int = 5000) -> float:
+    """µs a hand-off between two bare Python threads through threading.Event: this machine's floor for what a lane
+    thread waking for another lane's op costs."""
+    import threading
+
+    ping, pong = threading.Event(), threading.Event()
+
+    def serve():
+        for _ in range(n):
+            ping.wait()
+            ping.clear()
+            pong.set()
+    t = threading.Thread(target=serve)
+    t.start()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        ping.set()
+        pong.wait()
+        pong.clear()
+    dt = time.perf_counter() - t0
+    t.join()
+    return dt / (2 * n) * 1e6
+
+
 def handoff(repeat: int, n: int = 400) -> None:
     """What a hand-off between lanes costs (a lane thread wakes when the other lane's op it waits for ends), beside
     an op on the same lane, and how many a warm 64-token w8a8-shadow prefill makes: the part of its time no
@@ -233,7 +258,8 @@ def handoff(repeat: int, n: int = 400) -> None:
         print(f"EDGEPROBE_LANE_THREADS={os.environ['EDGEPROBE_LANE_THREADS']}; load average "
               f"{os.getloadavg()[0]:.2f}")
         print(f"a chain of {n} one-row adds (medians of {repeat}): {one:.1f} us an op on one lane, {two:.1f} us "
-              f"alternating lanes: a hand-off costs ~{two - one:.1f} us more")
+              f"alternating lanes: a hand-off costs ~{two - one:.1f} us more; two bare threads handing an Event back "
+              f"and forth in this process: {statistics.median(_event_ping_pong() for _ in range(3)):.1f} us a hand-off")
         m = models.load("smollm2-135m")
         ids = m.tokenizer.encode(read_corpus("heldout"))[:64]
         qm = prepared(m, "w8a8-shadow", say=print)

@@ -13,7 +13,8 @@ alternates the two, A/B/A/B, so both see the same machine.
         [--schemes w8a8-shadow,w8a8,q4_0-tile,float] [--anchor q4_1|q8_0|q4_0|both] [--batches 1,4,8,16]
 
 Prints, per scheme and prompt length: prefill tok/s of llama.cpp and of the agent, warm (model uploaded, one
-prefill done; best of 2) and first run (a new agent process on a store that holds the blobs: its first prefill
+prefill done; best of 2, the two alternating: A/B/A/B), back to back (the same, each side's two runs in a
+row: B/B/A/A) and first run (a new agent process on a store that holds the blobs: its first prefill
 reads them from flash and builds its runners; "first run" where an earlier run on that store kept the int8 weights'
 row-major layouts in flash, as an installed app's would be, "first, no layouts" where the agent makes them); then
 batch-1 decode, 64 greedy steps after a 64-token prompt: llama.cpp loops in its process (argmax of the logits, then one
@@ -405,6 +406,11 @@ def main():
                             b.append(llama.run(toks)["prefill_s"])
                             a.append(agent_prefill(dev, qm, toks)[0])
                         rows.setdefault(("prefill warm", s, n, anchors[s]), []).append((n / min(b), n / min(a)))
+                        # each side twice in a row, best of 2: llama.cpp's run leaves the agent's next one slower
+                        # (256 tokens: +31%), the agent's run leaves llama.cpp's as it was (docs/benchmarks.md)
+                        b = [llama.run(toks)["prefill_s"] for _ in range(2)]
+                        a = [agent_prefill(dev, qm, toks)[0] for _ in range(2)]
+                        rows.setdefault(("prefill back to back", s, n, anchors[s]), []).append((n / min(b), n / min(a)))
             for s in decode_schemes:
                 qm, llama = qms[s], workers[anchors[s]]
                 prompt = ids[:64]

@@ -29,7 +29,7 @@ from .simd import AVX2, VNNI
 if AVX2:
     from .simd import dot4x2_s8_avx2, dot_s8_avx2
 if VNNI:
-    from .simd import VNNI_STEP, dot1x4_u8s8_vnni, dot4x4_u8s8_vnni
+    from .simd import VNNI_STEP, dot1x4_u8s8_vnni, dot4x4_u8s8_vnni, gemm4x4_u8s8_vnni
 
 
 def gemm_s8s32_ref(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
@@ -250,6 +250,9 @@ if VNNI:
                         off[n0 + j - n_lo] = t[j] * np.int32(128)
                 for m0 in range(r0, r4, 4):
                     for n0 in range(n_lo, n4, 4):
+                        if KV == K:  # no tail: the block's epilogue in vectors too (the same bits)
+                            gemm4x4_u8s8_vnni(xu, w, m0, n0, KV, off, n0 - n_lo, scale, y)
+                            continue
                         r = dot4x4_u8s8_vnni(xu, w, m0, n0, KV)
                         for i in range(4):
                             for j in range(4):

@@ -106,8 +106,12 @@ if AVX2:
         """LLVM IR for every sum over k < n of int32(a_i[k]) * int32(w_j[k]) (pa: uint8 pointers, pw: int8 pointers,
         n an int64 multiple of VNNI_STEP) -> int32 values, row-major over (i, j): one vpdpbusd per 64 bytes of a
         pair, the accumulators' lanes summed by one transpose-add tree (_lane_sums)."""
-        i64, i32 = ir.IntType(64), ir.IntType(32)
-        vbytes, vacc = ir.VectorType(ir.IntType(8), VNNI_STEP), ir.VectorType(i32, VNNI_STEP // 4)
+        return _lane_sums(builder, _emit_dot_vectors(context, builder, pa, pw, n))
+
+    def _emit_dot_vectors(context, builder, pa: list, pw: list, n):
+        """_emit_dots_vnni's accumulators, unreduced: <16 x i32> vectors row-major over (i, j)."""
+        i64 = ir.IntType(64)
+        vbytes, vacc = ir.VectorType(ir.IntType(8), VNNI_STEP), ir.VectorType(ir.IntType(32), VNNI_STEP // 4)
         # the <16 x i32> operand form: LLVM releases that declare <64 x i8> upgrade it when they read the IR
         dpbusd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vacc, [vacc] * 3),
                                                 "llvm.x86.avx512.vpdpbusd.512")
@@ -123,13 +127,22 @@ if AVX2:
                 for j, w in enumerate(ws):
                     acc = accs[i * len(pw) + j]
                     builder.store(builder.call(dpbusd, [builder.load(acc), x, w]), acc)
-        return _lane_sums(builder, [builder.load(acc) for acc in accs])
+        return [builder.load(acc) for acc in accs]
 
     def _lane_sums(builder, vecs: list) -> list:
-        """The sum of each int32 vector's lanes (len(vecs) a power of two, all of one length L): pairs of vectors
-        fold their halves into one vector holding both (two shuffles and an add), down to one vector, which folds
-        itself; ~3 instructions a pair instead of a reduction each (integer sums: any order, the same values). At
-        most L vectors: each fold halves the lanes a vector's sum keeps."""
+        """The sum of each int32 vector's lanes as scalars, in vecs' order (see _lane_sums_vector)."""
+        v, order = _lane_sums_vector(builder, vecs)
+        out = [None] * len(order)
+        for pos, k in enumerate(order):
+            out[k] = builder.extract_element(v, ir.Constant(ir.IntType(32), pos))
+        return out
+
+    def _lane_sums_vector(builder, vecs: list):
+        """The sum of each int32 vector's lanes (len(vecs) a power of two, all of one length L) -> (a vector of
+        len(vecs) lanes, which vector's sum each lane holds): pairs of vectors fold their halves into one vector
+        holding both (two shuffles and an add), down to one vector, which folds itself; ~3 instructions a pair
+        instead of a reduction each (integer sums: any order, the same values). At most L vectors: each fold
+        halves the lanes a vector's sum keeps."""
         vt = lambda n: ir.VectorType(ir.IntType(32), n)
         L, S = vecs[0].type.count, vecs[0].type.count
         assert len(vecs) <= L and len(vecs) & (len(vecs) - 1) == 0, "a power of two of vectors, at most their lanes"
@@ -150,10 +163,7 @@ if AVX2:
             v = builder.add(builder.shuffle_vector(v, v, ir.Constant(vt(len(lo)), lo)),
                             builder.shuffle_vector(v, v, ir.Constant(vt(len(lo)), hi)))
             S //= 2
-        out = [None] * len(groups[0])
-        for pos, k in enumerate(groups[0]):
-            out[k] = builder.extract_element(v, ir.Constant(ir.IntType(32), pos))
-        return out
+        return v, groups[0]
 
     @intrinsic
     def dot_s8_avx2(typingctx, a, w, n32):
@@ -192,6 +202,49 @@ if VNNI:
             return None
 
         return types.UniTuple(types.int32, 16)(au, w, m0, n0, n64), _block_codegen(_emit_dots_vnni, 4, 4)
+
+    @intrinsic
+    def gemm4x4_u8s8_vnni(typingctx, au, w, m0, n0, n64, off, o0, scale, y):
+        """y[m0 + i, n0 + j] = float32(dot4x4_u8s8_vnni's sum (i, j) - off[o0 + j]) * scale[n0 + j] for i, j < 4,
+        the block's epilogue in vectors (one subtract, convert and multiply for its 16 outputs, four 16-byte stores)
+        where the scalar loop after dot4x4_u8s8_vnni spent ~a third of a 64-row GEMM: the same int32 sums, the same
+        float32 rounding (sitofp, fmul), so the same bits. off int32[>= o0 + 4] (128 * sum(w[n]) a channel),
+        scale float32[>= n0 + 4], y float32[M, N] C-contiguous; n64 the whole K (no tail), a multiple of VNNI_STEP."""
+        if not (_c_arrays(2, au, dtype=types.uint8) and _c_arrays(2, w) and _c_arrays(1, off, dtype=types.int32)
+                and _c_arrays(1, scale, dtype=types.float32) and _c_arrays(2, y, dtype=types.float32)) \
+                or not all(isinstance(t, types.Integer) for t in (m0, n0, n64, o0)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+            aa, ww, oo, ss, yy = (context.make_array(t)(context, builder, a)
+                                  for t, a in zip((sig.args[0], sig.args[1], sig.args[5], sig.args[7], sig.args[8]),
+                                                  (args[0], args[1], args[5], args[7], args[8])))
+            m0, n0, n, o0 = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 3, 4, 6))
+            row = lambda arr, r, k: builder.gep(arr.data, [builder.mul(builder.add(r, ir.Constant(i64, k)),
+                                                                       builder.extract_value(arr.strides, 0))])
+            accs = _emit_dot_vectors(context, builder, [row(aa, m0, i) for i in range(4)],
+                                     [row(ww, n0, j) for j in range(4)], n)
+            v, order = _lane_sums_vector(builder, accs)
+            v16 = ir.VectorType(i32, 16)
+            pos = {k: p for p, k in enumerate(order)}
+            v = builder.shuffle_vector(v, v, ir.Constant(v16, [pos[k] for k in range(16)]))  # lane k = 4 i + j
+            v4i, v4f = ir.VectorType(i32, 4), ir.VectorType(f32, 4)
+            o4 = builder.load(builder.bitcast(builder.gep(oo.data, [o0]), v4i.as_pointer()), align=4)
+            s4 = builder.load(builder.bitcast(builder.gep(ss.data, [n0]), v4f.as_pointer()), align=4)
+            tile = ir.Constant(v16, [j for _ in range(4) for j in range(4)])
+            offs = builder.shuffle_vector(o4, o4, tile)
+            scales = builder.shuffle_vector(s4, s4, tile)
+            outv = builder.fmul(builder.sitofp(builder.sub(v, offs), ir.VectorType(f32, 16)), scales)
+            ystride = builder.extract_value(yy.strides, 0)
+            ybase = builder.bitcast(yy.data, ir.IntType(8).as_pointer())
+            for i in range(4):
+                part = builder.shuffle_vector(outv, outv, ir.Constant(v4i, [4 * i + j for j in range(4)]))
+                at = builder.gep(ybase, [builder.add(builder.mul(builder.add(m0, ir.Constant(i64, i)), ystride),
+                                                     builder.mul(n0, ir.Constant(i64, 4)))])
+                builder.store(part, builder.bitcast(at, v4f.as_pointer()), align=4)
+            return context.get_dummy_value()
+        return types.none(au, w, m0, n0, n64, off, o0, scale, y), codegen
 
     @intrinsic
     def dot1x4_u8s8_vnni(typingctx, au, w, m0, n0, n64):

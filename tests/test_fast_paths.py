@@ -80,7 +80,7 @@ def test_the_avx2_decode_dot_gives_the_exact_int32_sums(K):
     assert np.array_equal(linear_w8a8_gemv(x, 0.031, strided, scale), ref)
 
 
-GEMM_SHAPES = [(4, 32, 2), (9, 70, 37), (64, 576, 192), (131, 1537, 45)]
+GEMM_SHAPES = [(4, 32, 2), (9, 70, 37), (64, 576, 192), (67, 128, 38), (131, 1537, 45)]
 
 
 @pytest.mark.skipif(not int8_gemm.GEMM_INT8, reason="the AVX2 int8 GEMM needs numba on an AVX2 CPU (and "
@@ -88,9 +88,10 @@ GEMM_SHAPES = [(4, 32, 2), (9, 70, 37), (64, 576, 192), (131, 1537, 45)]
                     "tests what runs instead")
 @pytest.mark.parametrize("M,K,N", GEMM_SHAPES)
 def test_the_avx2_int8_gemm_gives_the_exact_int32_sums(M, K, N):
-    """Prefill's W8A8 GEMM (4 x 2 blocks of vpmaddubsw, 4 x 4 of vpdpbusd): rows past the last block of 4, an odd
-    channel at a chunk's end, K tails past 32 bytes, -128 weights and clipped activations; read-only weights as
-    blobs are, transposed from the record's k-major layout."""
+    """Prefill's W8A8 GEMM (4 x 2 blocks of vpmaddubsw, 4 x 4 of vpdpbusd, with the block's epilogue in vectors
+    where K has no tail): rows past the last block of 4, an odd channel at a chunk's end, K tails past 32 bytes,
+    -128 weights and clipped activations; read-only weights as blobs are, transposed from the record's k-major
+    layout."""
     rng = np.random.default_rng(M + K + N)
     wt = rng.integers(-128, 128, (K, N), dtype=np.int8)
     wt[:, 0], wt[:, -1] = -128, 127

@@ -64,6 +64,7 @@ def main():
 
     from edgeprobe import models
     from edgeprobe.corpus import read_corpus
+    from edgeprobe.errors import UnsupportedModelError
     from edgeprobe.quant import SCHEMES, calibration_profile, quantize
 
     m = models.load("smollm2-135m")
@@ -73,7 +74,11 @@ def main():
     print(f"\nprefill of 256 tokens on the host (best of {args.repeat}):")
     base = None
     for scheme in SCHEMES:
-        qm = quantize(m, scheme, profile if scheme != "float" else None)
+        try:
+            qm = quantize(m, scheme, profile if scheme != "float" else None)
+        except UnsupportedModelError as e:  # moe-mixed: per-expert widths, for MoE models only
+            print(f"  {scheme:<12} not for this model: {str(e).split(';')[0]}")
+            continue
         t = best_of(lambda: qm.forward(ids, logits="last"), args.repeat, warmup=True)
         base = base or t
         print(f"  {scheme:<12} {256 / t:8.1f} tok/s   {base / t:5.2f}x float")

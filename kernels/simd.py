@@ -84,6 +84,12 @@ if AVX2:
                     builder.store(builder.add(builder.load(acc), builder.call(maddwd, [pairs, ones])), acc)
         return [builder.call(reduce, [builder.load(acc)]) for acc in accs]
 
+    def _rows(builder, arr, r, count: int) -> list:
+        """Pointers to rows r..r + count - 1 of a 2-D C-contiguous array (its numba struct), as LLVM IR."""
+        stride = builder.extract_value(arr.strides, 0)
+        return [builder.gep(arr.data, [builder.mul(builder.add(r, ir.Constant(ir.IntType(64), k)), stride)])
+                for k in range(count)]
+
     def _block_codegen(emit, rows: int, cols: int):
         """The codegen of a register-block intrinsic (a, w, m0, n0, n): emit(context, builder, pa, pw, n)'s sums of
         rows m0.. of a against rows n0.. of w, as a tuple."""
@@ -91,10 +97,7 @@ if AVX2:
             aa = context.make_array(sig.args[0])(context, builder, args[0])
             ww = context.make_array(sig.args[1])(context, builder, args[1])
             m0, n0, n = (context.cast(builder, v, t, types.int64) for v, t in zip(args[2:], sig.args[2:]))
-            row = lambda arr, r, k: builder.gep(arr.data, [builder.mul(builder.add(r, ir.Constant(ir.IntType(64), k)),
-                                                                       builder.extract_value(arr.strides, 0))])
-            vals = emit(context, builder, [row(aa, m0, i) for i in range(rows)],
-                        [row(ww, n0, j) for j in range(cols)], n)
+            vals = emit(context, builder, _rows(builder, aa, m0, rows), _rows(builder, ww, n0, cols), n)
             return context.make_tuple(builder, sig.return_type, vals)
         return codegen
 
@@ -221,10 +224,7 @@ if VNNI:
                                   for t, a in zip((sig.args[0], sig.args[1], sig.args[5], sig.args[7], sig.args[8]),
                                                   (args[0], args[1], args[5], args[7], args[8])))
             m0, n0, n, o0 = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (2, 3, 4, 6))
-            row = lambda arr, r, k: builder.gep(arr.data, [builder.mul(builder.add(r, ir.Constant(i64, k)),
-                                                                       builder.extract_value(arr.strides, 0))])
-            accs = _emit_dot_vectors(context, builder, [row(aa, m0, i) for i in range(4)],
-                                     [row(ww, n0, j) for j in range(4)], n)
+            accs = _emit_dot_vectors(context, builder, _rows(builder, aa, m0, 4), _rows(builder, ww, n0, 4), n)
             v, order = _lane_sums_vector(builder, accs)
             v16 = ir.VectorType(i32, 16)
             pos = {k: p for p, k in enumerate(order)}

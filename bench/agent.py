@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from timing import best_of
+from timing import best_of, lane_gaps
 
 
 class _Blobs:
@@ -191,22 +191,6 @@ def _chain(n: int, lanes: list) -> dict:
     return {"ops": ops, "outputs": [f"a{n - 1}"]}
 
 
-def _idle_and_handoffs(events: list) -> tuple[float, int]:
-    """(ms in the run's span when no lane computes, ops whose last-finished dependency ran on another lane)."""
-    spans = sorted((e["start_us"], e["end_us"]) for e in events)
-    idle, reach = 0.0, spans[0][0]
-    for a, b in spans:
-        idle += max(0.0, a - reach)
-        reach = max(reach, b)
-    by = {e["name"]: e for e in events}
-    handoffs = 0
-    for e in events:
-        deps = [by[d] for d in e.get("deps", []) if d in by]
-        if deps and max(deps, key=lambda d: d["end_us"])["lane"] != e["lane"]:
-            handoffs += 1
-    return idle / 1e3, handoffs
-
-
 def _event_ping_pong(n: int = 5000) -> float:
     """µs a hand-off between two bare Python threads through threading.Event: this machine's floor for what a lane
     thread waking for another lane's op costs."""
@@ -266,7 +250,8 @@ def handoff(repeat: int, n: int = 400) -> None:
         dev.prefill(qm, ids, progress=False)  # upload, runners, layouts
         runs = [dev.prefill(qm, ids, progress=False) for _ in range(repeat)]
     best = min(runs, key=lambda r: r.trace.metrics()["makespan_ms"])
-    idle, handoffs = _idle_and_handoffs(best.trace.events)
+    cross, same, handoffs = lane_gaps(best.trace.events)
+    idle = (cross + same) / 1e3
     print(f"a warm 64-token w8a8-shadow prefill (best of {repeat}): makespan "
           f"{best.trace.metrics()['makespan_ms']:.1f} ms, {len(best.trace.events)} ops, {handoffs} cross-lane "
           f"hand-offs (~{handoffs * (two - one) / 1e3:.1f} ms at the chain's cost), no lane computing {idle:.1f} ms")

@@ -29,6 +29,8 @@ import statistics
 import subprocess
 import tempfile
 
+from timing import lane_gaps
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -44,20 +46,9 @@ def step_overhead(dec, steps: int) -> dict:
     prev_end = None
     for i in sorted(by):
         evs = sorted(by[i], key=lambda e: e["start_us"])
-        lane_of = {e["name"]: e["lane"] for e in evs}
         in_ops = sum(e["end_us"] - e["start_us"] for e in evs)
         span = evs[-1]["end_us"] - evs[0]["start_us"]
-        cross = same = 0.0
-        handoffs = 0
-        end = evs[0]["start_us"]
-        for e in evs:
-            gap = max(e["start_us"] - end, 0)
-            if any(lane_of.get(d, e["lane"]) != e["lane"] for d in e.get("deps", [])):  # waits on another lane
-                cross += gap
-                handoffs += 1
-            else:
-                same += gap
-            end = max(end, e["end_us"])
+        cross, same, handoffs = lane_gaps(evs)
         between = evs[0]["start_us"] - prev_end if prev_end is not None else float("nan")
         prev_end = evs[-1]["end_us"]
         rows.append((in_ops, span, cross, same, between, len(evs), handoffs, len({e["lane"] for e in evs})))

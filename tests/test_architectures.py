@@ -12,12 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch  # the test extra installs both: a missing one fails, never skips
+import transformers
 
 from edgeprobe import models
 from edgeprobe.forward import KVCache, forward
-
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
 
 CONFIGS = Path(__file__).resolve().parent / "data" / "configs"
 HIDDEN, FFN, VOCAB, LAYERS, TOKENS = 128, 256, 512, 2, 12

@@ -262,6 +262,28 @@ def _capture(capture, name: str, out, fixed: dict):
                  "end_us": now_us(), "bytes_in": int(out.nbytes), "bytes_out": 0, "flops": 0, "emulated": False}
 
 
+class _Signal:
+    """One op's end, for the ops of other lanes that wait for it: a lock held until set, which each waiter takes
+    and hands straight back. threading.Event's set and wait run a Condition's Python (a new lock for every wait);
+    a hand-off pays set on the producing lane and wait on the consuming one, both on the run's critical path."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        """True once set (then at once, every time); False after `timeout` seconds unset."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._lock.release()
+        return True
+
+
 def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | None = None,
             on_op=None) -> tuple[dict, list]:
     """Run `plan` with one thread per lane. Returns ({output name: array}, trace events).
@@ -273,7 +295,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
     for the count's lock and numba's per-thread setting, with the caches swept by the weights.
     """
     cancel = cancel or threading.Event()
-    done = {n: threading.Event() for n in plan.signals}  # one per cross-lane hand-off, not per op
+    done = {n: _Signal() for n in plan.signals}  # one per cross-lane hand-off, not per op
     results: dict = {}
     # an output no later op reads is dropped (under lock): a 256-token prefill kept all 528 outputs, ~400 MB, to
     # the end of the run, faulting in fresh heap pages for every op of a new agent's first run (a phone has less)
@@ -345,6 +367,23 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                 finally:
                     t1 = now_us()
                     leave(side)
+                cap_ev, sub_caps = None, None
+                if capture is not None:
+                    if name in capture.ops:  # its own event: timelines with it never pass for plain
+                        out, cap_ev = _capture(capture, name, out, fixed)
+                    elif lane_ctx.captured:
+                        sub_caps, lane_ctx.captured = lane_ctx.captured, []
+                # the output first, then the waiting lane's signal, then this op's event: the other lane's op
+                # starts while this thread writes the event (a hand-off cost ~10 us over the machine's wake-up
+                # with the event and its lock before the signal; bench/agent.py --only handoff)
+                with lock:
+                    results[name] = out
+                    for key in reads:
+                        unread[key] -= 1
+                        if not unread[key] and key not in keep:
+                            del results[key]
+                if name in done:
+                    done[name].set()
                 subs = event.pop("sub_events", None) if event else None
                 if subs:  # a step op: its sub-ops' events (ops.op_fused, from lane_ctx.sub_event) in place of its own
                     ev = subs[-1]
@@ -356,14 +395,7 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                         ev["threads"] = threads
                     if event:
                         ev.update(event)  # the op's own fields (emulated among them) win
-                cap_ev, sub_caps = None, None
-                if capture is not None:
-                    if name in capture.ops:  # its own event: timelines with it never pass for plain
-                        out, cap_ev = _capture(capture, name, out, fixed)
-                    elif lane_ctx.captured:
-                        sub_caps, lane_ctx.captured = lane_ctx.captured, []
                 with lock:
-                    results[name] = out
                     if subs:
                         events.extend(subs)
                     else:
@@ -372,14 +404,8 @@ def execute(plan: Plan, inputs: dict, ctx: Context, cancel: threading.Event | No
                         events.append(cap_ev)
                     if sub_caps:
                         events.extend(sub_caps)
-                    for key in reads:
-                        unread[key] -= 1
-                        if not unread[key] and key not in keep:
-                            del results[key]
                     if on_op:
                         on_op(ev)
-                if name in done:
-                    done[name].set()
         except BaseException as e:
             with lock:
                 failure.append(e)

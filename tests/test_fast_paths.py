@@ -306,6 +306,25 @@ def test_rope_at_every_row_count_is_the_numpy_formula_bit_for_bit(monkeypatch, r
         assert got.dtype == np.float32 and np.array_equal(got, want)
 
 
+@pytest.mark.parametrize("rows", [9, 64, 255, 300])
+def test_prompt_norms_and_adds_at_every_row_count_are_the_numpy_forms_bit_for_bit(monkeypatch, rows):
+    """rms_norm and add past decode's rows take numba (numpy's sums of squares, then the scaling; IEEE adds left to
+    right) whole or in row blocks: the bits of numpy's x * (1 / rms)[:, None] * w and a + b + c."""
+    from edgeprobe_kernels import llama_ops as L
+
+    rng = np.random.default_rng(rows)
+    x, b, c = (rng.standard_normal((rows, 576)).astype(np.float32) * 3 for _ in range(3))
+    w = rng.standard_normal(576).astype(np.float32)
+    ms = np.einsum("nc,nc->n", x, x) / np.float32(576)
+    want_norm = x * (1.0 / np.sqrt(ms + np.float32(1e-5))).astype(np.float32)[:, None] * w
+    for splits in (False, True):
+        monkeypatch.setattr(L._threads, "ROW_SPLITS", splits)
+        got = L.rms_norm(x, w, 1e-5)
+        assert got.dtype == np.float32 and np.array_equal(got, want_norm)
+        assert np.array_equal(L.add(x, b), x + b) and np.array_equal(L.add(x, b, c), (x + b) + c)
+        assert np.array_equal(L.add(x[:, :500], b[:, :500]), x[:, :500] + b[:, :500])  # strided rows
+
+
 def test_the_agent_warms_every_kernel_it_calls():
     from edgeprobe_kernels.decode_layer import layer_w8a8
     from edgeprobe_kernels.warm import warm

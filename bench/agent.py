@@ -14,7 +14,7 @@
    lane computes (EDGEPROBE_LANE_THREADS=auto unless set, as bench/vs_llamacpp.py runs).
 
     .venv/bin/python bench/agent.py [--mb 64] [--tokens 256] [--rounds 3] [--real | --no-real]
-        [--only upload|prefill|handoff]
+        [--only upload|prefill|handoff] [--cpu-latency-qos]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from timing import best_of, lane_gaps
+from timing import best_of, cpu_latency_qos, lane_gaps
 
 
 class _Blobs:
@@ -215,10 +215,11 @@ def _event_ping_pong(n: int = 5000) -> float:
     return dt / (2 * n) * 1e6
 
 
-def handoff(repeat: int, n: int = 400) -> None:
+def handoff(repeat: int, n: int = 400, qos: bool = False) -> None:
     """What a hand-off between lanes costs (a lane thread wakes when the other lane's op it waits for ends), beside
     an op on the same lane, and how many a warm 64-token w8a8-shadow prefill makes: the part of its time no
-    kernel bounds (docs/benchmarks.md)."""
+    kernel bounds (docs/benchmarks.md). qos: each measurement also with a PM QoS request of 0 us wake-up latency
+    held (timing.cpu_latency_qos), in turns with it released: how much of a hand-off is the machine's idle exit."""
     import numpy as np
 
     from edgeprobe import models
@@ -228,33 +229,43 @@ def handoff(repeat: int, n: int = 400) -> None:
 
     os.environ.setdefault("EDGEPROBE_LANE_THREADS", "auto")  # the agent below inherits it
     x = np.ones((1, 576), np.float32)
-    per_op: dict = {"one lane": [], "two lanes, alternating": []}
+    modes = [False, True] if qos else [False]
+    per_op: dict = {(q, what): [] for q in modes for what in ("one lane", "two lanes, alternating")}
+    floor: dict = {q: [] for q in modes}
+    runs: dict = {q: [] for q in modes}
     with tempfile.TemporaryDirectory() as tmp, Device.local(store=tmp) as dev:
         plans = {"one lane": dev.put_plan(_chain(n, ["cpu"])),
                  "two lanes, alternating": dev.put_plan(_chain(n, ["cpu", "npu"]))}
         for pid in plans.values():
             dev.run(pid, {"x": x})
         for _ in range(repeat):  # in turns: both see the same machine
-            for what, pid in plans.items():
-                ev = dev.run(pid, {"x": x}).trace.events
-                per_op[what].append((max(e["end_us"] for e in ev) - min(e["start_us"] for e in ev)) / n)
-        one, two = (statistics.median(v) for v in per_op.values())
-        print(f"EDGEPROBE_LANE_THREADS={os.environ['EDGEPROBE_LANE_THREADS']}; load average "
-              f"{os.getloadavg()[0]:.2f}")
-        print(f"a chain of {n} one-row adds (medians of {repeat}): {one:.1f} us an op on one lane, {two:.1f} us "
-              f"alternating lanes: a hand-off costs ~{two - one:.1f} us more; two bare threads handing an Event back "
-              f"and forth in this process: {statistics.median(_event_ping_pong() for _ in range(3)):.1f} us a hand-off")
+            for q in modes:
+                with cpu_latency_qos(q):
+                    for what, pid in plans.items():
+                        ev = dev.run(pid, {"x": x}).trace.events
+                        per_op[q, what].append((max(e["end_us"] for e in ev) - min(e["start_us"] for e in ev)) / n)
+                    floor[q].append(_event_ping_pong())
         m = models.load("smollm2-135m")
         ids = m.tokenizer.encode(read_corpus("heldout"))[:64]
         qm = prepared(m, "w8a8-shadow", say=print)
         dev.prefill(qm, ids, progress=False)  # upload, runners, layouts
-        runs = [dev.prefill(qm, ids, progress=False) for _ in range(repeat)]
-    best = min(runs, key=lambda r: r.trace.metrics()["makespan_ms"])
-    cross, same, handoffs = lane_gaps(best.trace.events)
-    idle = (cross + same) / 1e3
-    print(f"a warm 64-token w8a8-shadow prefill (best of {repeat}): makespan "
-          f"{best.trace.metrics()['makespan_ms']:.1f} ms, {len(best.trace.events)} ops, {handoffs} cross-lane "
-          f"hand-offs (~{handoffs * (two - one) / 1e3:.1f} ms at the chain's cost), no lane computing {idle:.1f} ms")
+        for _ in range(repeat):
+            for q in modes:
+                with cpu_latency_qos(q):
+                    runs[q].append(dev.prefill(qm, ids, progress=False))
+    print(f"EDGEPROBE_LANE_THREADS={os.environ['EDGEPROBE_LANE_THREADS']}; load average {os.getloadavg()[0]:.2f}")
+    for q in modes:
+        one, two = (statistics.median(per_op[q, what]) for what in plans)
+        held = "PM QoS 0 us held" if q else "machine as it is"
+        print(f"{held}: a chain of {n} one-row adds (medians of {repeat}): {one:.1f} us an op on one lane, {two:.1f} "
+              f"us alternating lanes: a hand-off costs ~{two - one:.1f} us more; two bare threads handing an Event "
+              f"back and forth in this process: {statistics.median(floor[q]):.1f} us a hand-off")
+        best = min(runs[q], key=lambda r: r.trace.metrics()["makespan_ms"])
+        cross, same, handoffs = lane_gaps(best.trace.events)
+        print(f"   a warm 64-token w8a8-shadow prefill (best of {repeat}): makespan "
+              f"{best.trace.metrics()['makespan_ms']:.1f} ms, {len(best.trace.events)} ops, {handoffs} cross-lane "
+              f"hand-offs (~{handoffs * (two - one) / 1e3:.1f} ms at the chain's cost), no lane computing "
+              f"{(cross + same) / 1e3:.1f} ms")
 
 
 def main():
@@ -266,13 +277,16 @@ def main():
     ap.add_argument("--real", action=argparse.BooleanOptionalAction, default=True,
                     help="also upload SmolLM2's w8a8-shadow blobs (quantizes it first, ~20 s)")
     ap.add_argument("--only", choices=["upload", "prefill", "handoff"])
+    ap.add_argument("--cpu-latency-qos", action="store_true",
+                    help="hand-offs: each measurement also with a PM QoS request of 0 us CPU wake-up latency held "
+                         "(/dev/cpu_dma_latency, root), in turns")
     args = ap.parse_args()
     if args.only in (None, "upload"):
         upload(args.mb, args.rounds, args.real)
     if args.only in (None, "prefill"):
         prefill(args.tokens, args.repeat)
     if args.only in (None, "handoff"):
-        handoff(max(args.repeat, 5))
+        handoff(max(args.repeat, 5), qos=args.cpu_latency_qos)
 
 
 if __name__ == "__main__":

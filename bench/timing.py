@@ -1,6 +1,10 @@
 """Shared timing helpers for the benchmarks (run them as `python bench/NAME.py`)."""
 from __future__ import annotations
 
+import contextlib
+import os
+import struct
+import sys
 import time
 
 
@@ -14,6 +18,27 @@ def best_of(fn, repeat: int, warmup: bool = False) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+@contextlib.contextmanager
+def cpu_latency_qos(wanted: bool):
+    """Hold Linux's PM QoS request of 0 us CPU wake-up latency (/dev/cpu_dma_latency) while the block runs, for
+    every process on the machine alike: the kernel keeps idle CPUs polling instead of halting. On a VM that halts
+    its idle vCPUs (cpuidle haltpoll with guest_halt_poll_ns=0) waking a thread on the other vCPU costs ~21 us, ~4
+    with the request held (bench/agent.py --only handoff); llama.cpp's threads spin between ops instead, so the
+    request shows how much of a gap between two runtimes is this wake-up. Needs write access to the file (root)."""
+    if not wanted:
+        yield
+        return
+    try:
+        fd = os.open("/dev/cpu_dma_latency", os.O_WRONLY)
+    except OSError as e:
+        sys.exit(f"--cpu-latency-qos: cannot open /dev/cpu_dma_latency ({e.strerror}); run as root or leave it out")
+    try:
+        os.write(fd, struct.pack("i", 0))  # the request lasts while the file stays open
+        yield
+    finally:
+        os.close(fd)
 
 
 def lane_gaps(events: list) -> tuple[float, float, int]:

@@ -184,30 +184,29 @@ if numba is not None:
                 seen[c] = seen[c] - m
 
     @numba.njit(nogil=True, cache=True)
-    def _block_sum_nb(a, lo, n):
-        """numpy's pairwise sum of float32 a[lo:lo + n] for n <= 128: 8 float32 partial sums, then the rest."""
+    def _block_sum_nb(b):
+        """numpy's pairwise sum of float32 b[:n], n <= 128: 8 float32 partial sums, then the rest. Indexed from 0
+        over a slice: an index from a variable start took numba's negative-index wrap on every read (2x slower)."""
+        n = b.shape[0]
         if n < 8:
             res = np.float32(-0.0)
-            for i in range(lo, lo + n):
-                res += a[i]
+            for i in range(n):
+                res += b[i]
             return res
-        r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
-        r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
-        i = 8
-        while i < n - n % 8:
-            r0 += a[lo + i]
-            r1 += a[lo + i + 1]
-            r2 += a[lo + i + 2]
-            r3 += a[lo + i + 3]
-            r4 += a[lo + i + 4]
-            r5 += a[lo + i + 5]
-            r6 += a[lo + i + 6]
-            r7 += a[lo + i + 7]
-            i += 8
+        r0, r1, r2, r3, r4, r5, r6, r7 = b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]
+        body = n - n % 8
+        for i in range(8, body, 8):
+            r0 += b[i]
+            r1 += b[i + 1]
+            r2 += b[i + 2]
+            r3 += b[i + 3]
+            r4 += b[i + 4]
+            r5 += b[i + 5]
+            r6 += b[i + 6]
+            r7 += b[i + 7]
         res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-        while i < n:
-            res += a[lo + i]
-            i += 1
+        for i in range(body, n):
+            res += b[i]
         return res
 
     @numba.njit(nogil=True, cache=True)
@@ -217,13 +216,13 @@ if numba is not None:
         bits. Without recursion (numba's cache of a recursive function crashed on load): todo int64[64, 3] and
         sums float32[64] are scratch, a stack of (start, length, halves done) and one of finished sums."""
         if n <= 128:
-            return _block_sum_nb(a, 0, n)
+            return _block_sum_nb(a[:n])
         top, done = 0, 0
         todo[0, 0], todo[0, 1], todo[0, 2] = 0, n, 0
         while top >= 0:
             lo, m, halves = todo[top, 0], todo[top, 1], todo[top, 2]
             if m <= 128:
-                sums[done] = _block_sum_nb(a, lo, m)
+                sums[done] = _block_sum_nb(a[lo:lo + m])
                 done += 1
                 top -= 1
                 continue
@@ -245,7 +244,7 @@ if numba is not None:
         todo, sums = np.empty((64, 3), np.int64), np.empty(64, np.float32)
         for i in range(s.shape[0]):
             row = s[i]
-            t = _pairwise_sum_nb(row, row.shape[0], todo, sums)
+            t = _block_sum_nb(row) if row.shape[0] <= 128 else _pairwise_sum_nb(row, row.shape[0], todo, sums)
             for c in range(row.shape[0]):
                 row[c] = row[c] / t
 

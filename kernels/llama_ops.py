@@ -244,6 +244,7 @@ if numba is not None:
         todo, sums = np.empty((64, 3), np.int64), np.empty(64, np.float32)
         for i in range(s.shape[0]):
             row = s[i]
+            # a row of <= 128 keys straight to its block sum: through _pairwise_sum_nb's call it took 2x as long
             t = _block_sum_nb(row) if row.shape[0] <= 128 else _pairwise_sum_nb(row, row.shape[0], todo, sums)
             for c in range(row.shape[0]):
                 row[c] = row[c] / t
@@ -286,10 +287,11 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         out = np.empty(x.shape, np.float32)
         _rms_norm_nb(np.ascontiguousarray(x), w, np.float32(eps), out)
         return out
-    if x.ndim != 2:
+    nb = numba is not None and x.dtype == w.dtype == np.float32
+    whole = x.ndim != 2 or x.shape[0] < SPLIT_ROWS or not _threads.ROW_SPLITS
+    if whole and not (nb and x.ndim == 2):
         return x * _rms_np(x, eps)[:, None] * w
     out = np.empty(x.shape, np.result_type(x, w, np.float32))  # the numpy form's type (1/rms is float32)
-    nb = numba is not None and x.dtype == w.dtype == np.float32
 
     def rows(blocks):
         for a, b in blocks:
@@ -297,8 +299,8 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
                 _scale_rows_nb(x[a:b], _rms_np(x[a:b], eps), w, out[a:b])
             else:
                 out[a:b] = x[a:b] * _rms_np(x[a:b], eps)[:, None] * w
-    if x.shape[0] < SPLIT_ROWS or not _threads.ROW_SPLITS:
-        rows([(0, x.shape[0])])  # one block (64 x 576: 18 -> 9 us here with numba)
+    if whole:
+        rows([(0, x.shape[0])])  # one block in numba (64 x 576: 18 -> 9 us here)
     else:
         _blocks(rows, x.shape[0], x.size)
     return out

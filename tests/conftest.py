@@ -14,15 +14,18 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 def _exited(pid: int, wait_s: float = 10.0) -> str:
     """Process pid's state once it has exited: "gone" (reaped) or "Z" (a zombie nobody has reaped yet), polled from
     /proc; a process still running after wait_s gives its state letter ("R", "S", ...). For a process that is not
-    the test's child (an orphaned agent, a killed host's QEMU): the test asserts the state, not a time."""
+    the test's child (an orphaned agent, a killed host's QEMU): the test asserts the state, not a time. A leader
+    thread shows "Z" as soon as it has exited while the process's other threads may still be exiting, holding its
+    files (an agent's store lock): "Z" counts once the leader is the last thread left."""
     deadline = time.monotonic() + wait_s
     while True:
         try:
             with open(f"/proc/{pid}/stat") as f:
                 state = f.read().rsplit(")", 1)[1].split()[0]  # the name in parentheses may hold spaces
+            threads = len(os.listdir(f"/proc/{pid}/task")) if state == "Z" else 0
         except FileNotFoundError:
             return "gone"
-        if state == "Z" or time.monotonic() >= deadline:
+        if (state == "Z" and threads <= 1) or time.monotonic() >= deadline:
             return state
         time.sleep(0.1)
 

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -533,11 +534,13 @@ def test_a_run_longer_than_the_heartbeat_timeout_completes(dev, slow_plan):
         t0 = time.monotonic()
         r = dev.run(pid, inputs, on_progress=on_progress)
         return r, time.monotonic() - t0
-    # the long chain is sized to last twice the timeout on this machine from two short ones (their difference: the
-    # ops alone, without the 64 MB input's transfer); each op reads the 64 MB matrix, which no cache holds, so its
-    # time does not drop in a long chain (cached adds did: 50,000 of them ran in 3.5 s where 100 had taken 7 ms)
+    # the long chain is sized to last twice the timeout on this machine from a short one's ops as its trace times
+    # them (without the 64 MB input's transfer); each op reads the 64 MB matrix, which no cache holds, so its time
+    # does not drop in a long chain (cached adds did: 50,000 of them ran in 3.5 s where 100 had taken 7 ms). The
+    # difference of two short runs' wall times sized it before: beside busy processes it came out near 0, and
+    # 100,000 ops' reply overflowed the protocol's 16 MB header
     run(2)
-    per = max((run(60)[1] - run(10)[1]) / 50, 1e-4)
+    per = statistics.median(e["end_us"] - e["start_us"] for e in run(60)[0].trace.events) / 1e6
     n = max(200, math.ceil(2 * HEARTBEAT_TIMEOUT_S / per))
     events = []
     r, took = run(n, events.append)

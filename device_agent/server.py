@@ -62,6 +62,7 @@ from .protocol import (
 )
 from .session import KVSession
 from .store import FlashStore, StoreError, check_sha, now_us
+from .threads import CORES_IN_USE
 
 LOOPBACK = ("127.0.0.1", "localhost", "[::1]", "::1")
 RECV_BATCH = 256           # messages read per loop turn before the outbox is served again
@@ -703,7 +704,7 @@ class Agent:
                           blob_args={} if run.loop and self.store.memory_budget is None else None, numerics=capture)
             t0 = now_us()
             try:
-                with self.store.running():
+                with self.store.running(), CORES_IN_USE.running():
                     outs, events, more = self._steps(run, plan, inputs, ctx, on_op, flash)
             finally:
                 if run.session is not None:

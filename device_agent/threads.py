@@ -23,6 +23,7 @@ class Cores:
         # until enable(): a policy that measures nothing (all cores to an op alone); enable() takes the process's POLICY
         self.policy = ThreadPolicy(cores, load=None, env=False)
         self._busy = 0
+        self._runs = 0  # runs under running(): the load is measured while one is
         self._blas = 1
         self._lock = threading.Lock()
         self._set_blas = self._set_numba = None
@@ -60,6 +61,25 @@ class Cores:
             with self._lock:
                 if self._blas != 1:  # what enter() last set (an op starting meanwhile on another lane sets 1)
                     self._set_blas(self._blas)
+
+    @contextlib.contextmanager
+    def running(self):
+        """Around a run (a request's passes): the policy measures other processes' load over the time runs compute
+        only (ThreadPolicy.pause / resume), not while the agent waits for the next request."""
+        if not self.enabled:
+            yield
+            return
+        with self._lock:
+            self._runs += 1
+            if self._runs == 1:
+                self.policy.resume()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._runs -= 1
+                if self._runs == 0:
+                    self.policy.pause()
 
     def lanes_started(self) -> None:
         """A lane thread of a run with two or more lanes starts: give it an OpenMP team now (a tiny parallel loop

@@ -130,7 +130,8 @@ class ThreadPolicy:
         self.chosen: dict = {}      # count -> decisions made with it
         self.width = 1              # threads the pool spreads blocks over: every core (or fixed) in a host pass, else 1
         self._others = 0.0
-        self._sample = None
+        self._sample = None         # the open window's first sample, or None (none open: the next op opens one)
+        self._spent = (0.0, 0.0)    # (others' busy CPU-seconds, seconds) of the agent's closed windows (pause())
         self._measuring = threading.Lock()
         self._lock = threading.Lock()  # the host passes' depth and BLAS's saved count
         self._blas = _openblas()  # set / get, resolved once
@@ -147,7 +148,7 @@ class ThreadPolicy:
         if not isinstance(load, CpuLoad):
             return float(load())
         s, now = self._sample, time.monotonic()
-        if s is not None and now - s[0] < (FIRST_S if fresh else INTERVAL_S):
+        if s is not None and now - s[0] + self._spent[1] < (FIRST_S if fresh else INTERVAL_S):
             return self._others
         if not self._measuring.acquire(blocking=False):
             return self._others  # another lane is measuring: its result serves this op too
@@ -155,15 +156,42 @@ class ThreadPolicy:
             s = self._sample
             if s is None or (fresh and time.monotonic() - s[0] > STALE_S):
                 s = self._sample = load.sample()
+                self._spent = (0.0, 0.0) if fresh else self._spent
                 if s is None or not fresh:
                     return self._others  # no /proc/stat, or a lane's first op: the next one has an interval
                 time.sleep(FIRST_S)
             b = load.sample()
             if b is not None:
-                self._others, self._sample = load.between(s, b), b
+                busy, dt = self._spent
+                busy, dt = busy + load.between(s, b) * (b[0] - s[0]), dt + (b[0] - s[0])
+                self._others, self._sample, self._spent = (busy / dt if dt > 0 else 0.0), b, (0.0, 0.0)
             return self._others
         finally:
             self._measuring.release()
+
+    def pause(self) -> None:
+        """The agent stops computing (its last run ended): the open window closes and its time joins the next
+        measurement, and the time until resume() counts for none. What other processes do while the agent is idle is
+        not the load its next run meets: llama.cpp's prefill right before the agent's counted both cores busy,
+        and the agent's next two 256-token prefills ran their GEMMs on one thread, 30-45% slower
+        (docs/benchmarks.md). A neighbour running beside the agent's runs is still seen, over their time summed."""
+        if not isinstance(self.load, CpuLoad):
+            return
+        with self._measuring:
+            s, b = self._sample, self.load.sample()
+            if s is not None and b is not None and b[0] > s[0]:
+                busy, dt = self._spent
+                self._spent = (busy + self.load.between(s, b) * (b[0] - s[0]), dt + (b[0] - s[0]))
+            self._sample = None
+
+    def resume(self) -> None:
+        """The agent computes again (a run starts after none ran): a window opens now; until the windows since the
+        last measurement span INTERVAL_S its ops keep the count measured last (all cores before any)."""
+        if not isinstance(self.load, CpuLoad):
+            return
+        with self._measuring:
+            if self._sample is None:
+                self._sample = self.load.sample()
 
     def threads(self, cap: int | None = None, fresh: bool = False) -> int:
         """The thread count for work that may use `cap` cores (default all of this process's)."""

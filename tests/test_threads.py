@@ -325,6 +325,59 @@ def test_a_pass_long_after_the_last_sample_measures_the_present(monkeypatch):
     assert p.threads(fresh=True) == 2 and p._sample[0] == pytest.approx(5.0 + T.FIRST_S)
 
 
+def test_the_agent_measures_the_load_over_its_runs_only(monkeypatch):
+    """The agent's lanes decide per op from windows that span its runs (Cores.running: resume .. pause). A
+    neighbour busy on both cores while the agent waits for its next request (llama.cpp's prefill in a bench's turns)
+    is not counted: the run after it keeps both cores. A neighbour busy beside its short runs is, over their summed
+    time: a measurement at the first op once the windows since the last one span INTERVAL_S."""
+    clock, busy = [0.0], []  # busy: the neighbour's (start, stop) spans on both cores
+
+    class Load(T.CpuLoad):
+        def sample(self):
+            t = clock[0]
+            return t, sum(2 * max(0.0, min(t, b) - a) for a, b in busy), 0.0
+    monkeypatch.setattr(T.time, "monotonic", lambda: clock[0])
+    p = T.ThreadPolicy(2, load=Load(cpus=[0, 1]), env=False)
+
+    def run(seconds, ops=10):  # a run whose ops ask for their count as the clock moves on: the counts they got
+        p.resume()
+        got = []
+        for _ in range(ops):
+            got.append(p.threads())
+            clock[0] += seconds / ops
+        p.pause()
+        return got
+
+    assert run(0.3) == [2] * 10  # measured quiet at 0.25 s; 0.03 s carried
+    busy.append((0.3, 1.3))  # the neighbour runs while the agent is idle
+    clock[0] = 1.3
+    assert run(0.3) == [2] * 10 and p._others == 0.0  # measured at 1.52 s: 0.25 s of runs, quiet
+    clock[0] = 2.0
+    busy.append((2.0, 9.0))  # from now on beside every run, and between them
+    got = [run(0.1) for _ in range(4)]
+    # 0.06 s carried + two runs of 0.1 span INTERVAL_S at the second's end: the third's first op measures
+    assert got == [[2] * 10] * 2 + [[1] * 10] * 2
+    assert p._others == pytest.approx(2 * 0.2 / 0.26)  # the neighbour's two cores over 0.2 of the 0.26 s
+
+
+def test_overlapping_runs_open_one_window_and_the_last_to_end_closes_it():
+    """Cores.running around each request's run: resume as the first run starts, pause as the last one ends."""
+    from edgeprobe_agent.threads import Cores
+
+    calls = []
+    c = Cores(cores=2)
+    c.enabled, c.policy = True, SimpleNamespace(resume=lambda: calls.append("resume"),
+                                                pause=lambda: calls.append("pause"))
+    with c.running():
+        with c.running():
+            pass
+        assert calls == ["resume"]
+    with pytest.raises(KeyError):
+        with c.running():
+            raise KeyError("a failed run")
+    assert calls == ["resume", "pause", "resume", "pause"] and c._runs == 0
+
+
 def test_a_pass_right_after_another_starts_from_the_load_at_its_end(monkeypatch):
     """A host pass samples the load as it exits: the next pass, starting within FIRST_S, takes the load of the
     first pass's last stretch and does not sleep FIRST_S to measure, though the first pass's last tick (its long

@@ -406,8 +406,8 @@ def main():
                             b.append(llama.run(toks)["prefill_s"])
                             a.append(agent_prefill(dev, qm, toks)[0])
                         rows.setdefault(("prefill warm", s, n, anchors[s]), []).append((n / min(b), n / min(a)))
-                        # each side twice in a row, best of 2: llama.cpp's run leaves the agent's next one slower
-                        # (256 tokens: +31%), the agent's run leaves llama.cpp's as it was (docs/benchmarks.md)
+                        # each side twice in a row, best of 2: the order in which neither side runs right after
+                        # the other (the agent counted llama.cpp's run as a neighbour before a72538a; docs/benchmarks.md)
                         b = [llama.run(toks)["prefill_s"] for _ in range(2)]
                         a = [agent_prefill(dev, qm, toks)[0] for _ in range(2)]
                         rows.setdefault(("prefill back to back", s, n, anchors[s]), []).append((n / min(b), n / min(a)))

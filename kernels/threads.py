@@ -3,8 +3,9 @@
 A kernel whose threads spin while they wait (OpenBLAS's own threading, numba's OpenMP teams) splits its work evenly
 and waits for its slowest thread: beside one CPU-bound process a 2-thread pass on 2 cores kept 0.68x of its quiet
 one-thread speed, beside a 2-thread BLAS job 0.1-0.2x. So the policy counts the cores other processes keep busy
-(/proc/stat's busy time on this process's cores minus this process's own CPU time, over the last ~0.25 s) and gives
-such kernels the rest: all cores on a quiet machine, one beside a hog. Host passes enter `host_pass()` (and `tick()`
+(/proc/stat's busy time on this process's cores minus this process's own CPU time, over the last ~0.25 s; in the
+agent over the last ~0.25 s of its runs, not the time it waits for a request) and gives such kernels the rest: all
+cores on a quiet machine, one beside a hog. Host passes enter `host_pass()` (and `tick()`
 per window); the agent's lanes ask `POLICY.threads()` for an op that computes alone
 (edgeprobe_agent.threads.Cores), while overlapping lanes keep one core each.
 

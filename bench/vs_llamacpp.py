@@ -12,16 +12,16 @@ alternates the two, A/B/A/B, so both see the same machine.
     .venv/bin/python bench/vs_llamacpp.py [--repeats 3] [--lengths 64,256,1024]
         [--schemes w8a8-shadow,w8a8,q4_0-tile,float] [--anchor q4_1|q8_0|q4_0|both] [--batches 1,4,8,16]
 
-Prints, per scheme and prompt length: prefill tok/s of llama.cpp and of the agent, warm (model uploaded, one
-prefill done; best of 2, the two alternating: A/B/A/B), back to back (the same, each side's two runs in a
-row: B/B/A/A) and first run (a new agent process on a store that holds the blobs: its first prefill
+Prints, per scheme and prompt length: prefill tok/s of llama.cpp and of the agent, warm (model uploaded, one prefill
+done; best of 5 runs each up to 256 tokens, of 2 above, the two alternating: A/B/A/B), back to back (the same, each
+side's runs in a row: B/B/A/A) and first run (a new agent process on a store that holds the blobs: its first prefill
 reads them from flash and builds its runners; "first run" where an earlier run on that store kept the int8 weights'
 row-major layouts in flash, as an installed app's would be, "first, no layouts" where the agent makes them); then
-batch-1 decode, 64 greedy steps after a 64-token prompt: llama.cpp loops in its process (argmax of the logits, then one
-token through the model), the agent's loop runs on the agent (decode@agent: argmax there, one request for all steps,
-as a phone's runtime loops; the reply holds the tokens and the last step's logits, decode@agent+logits every step's
-too) and on the host (decode@host: a round trip per token); the per-token time outside the agent's ops and one decode
-step's profile for each. With --repeats N every ratio is the median of N rounds.
+batch-1 decode, 64 greedy steps after a 64-token prompt: llama.cpp loops in its process (argmax of the logits, then
+one token through the model), the agent's loop runs on the agent (decode@agent: argmax there, one request for all
+steps, as a phone's runtime loops; the reply holds the tokens and the last step's logits, decode@agent+logits every
+step's too) and on the host (decode@host: a round trip per token); the per-token time outside the agent's ops and
+one decode step's profile for each. With --repeats N every ratio is the median of N rounds.
 --batches 1,4,8,16 (--batches-only: nothing else) adds batched decode (NPU TTS paper): the prompt forked into N
 sequences, one llama_decode / agent step of N tokens per step, the same sampling on both; tok/s and its ratio to N = 1.
 """
@@ -254,6 +254,12 @@ class LlamaCpp:
         self._dir.cleanup()
 
 
+def pairs(n: int) -> int:
+    """Runs of each side a warm prefill row takes the best of: 5 up to 256 tokens, where one run is 40-300 ms and a
+    hiccup of this shared 2-vCPU machine moved a round's ratio by 20-30%, 2 above."""
+    return 5 if n <= 256 else 2
+
+
 def agent_prefill(dev, qm, tokens) -> tuple[float, float]:
     """(wall seconds of one prefill request seen from the host, the agent's makespan in seconds)."""
     t = time.perf_counter()
@@ -402,14 +408,14 @@ def main():
                         agent_prefill(dev, qm, toks)  # warm: runners built, blobs resident
                         llama.run(toks)
                         a, b = [], []
-                        for _ in range(2):  # A/B/A/B, best of 2 each
+                        for _ in range(pairs(n)):  # A/B/A/B, best of pairs(n) each
                             b.append(llama.run(toks)["prefill_s"])
                             a.append(agent_prefill(dev, qm, toks)[0])
                         rows.setdefault(("prefill warm", s, n, anchors[s]), []).append((n / min(b), n / min(a)))
-                        # each side twice in a row, best of 2: the order in which neither side runs right after
-                        # the other (the agent counted llama.cpp's run as a neighbour before a72538a; docs/benchmarks.md)
-                        b = [llama.run(toks)["prefill_s"] for _ in range(2)]
-                        a = [agent_prefill(dev, qm, toks)[0] for _ in range(2)]
+                        # each side's runs in a row: the order in which neither side runs right after the other
+                        # (the agent counted llama.cpp's run as a neighbour before a72538a; docs/benchmarks.md)
+                        b = [llama.run(toks)["prefill_s"] for _ in range(pairs(n))]
+                        a = [agent_prefill(dev, qm, toks)[0] for _ in range(pairs(n))]
                         rows.setdefault(("prefill back to back", s, n, anchors[s]), []).append((n / min(b), n / min(a)))
             for s in decode_schemes:
                 qm, llama = qms[s], workers[anchors[s]]
@@ -466,7 +472,8 @@ def main():
         return
     print(f"\nllama.cpp {LLAMA_VERSION} (SmolLM2-135M, 2 threads) vs the edgeprobe agent (lane threads "
           f"{args.lane_threads}), same tokens, A/B interleaved; load average at start {load:.1f}, at the end "
-          f"{os.getloadavg()[0]:.1f}; medians of {args.repeats} round(s)")
+          f"{os.getloadavg()[0]:.1f}; medians of {args.repeats} round(s); warm prefill: best of "
+          f"{'/'.join(str(pairs(n)) for n in lengths)} runs a side at {'/'.join(map(str, lengths))} tokens")
     for a, g in ggufs.items():
         print(f"   GGUF {a.upper()}: {g} ({'shipped' if g == shipped else 'made by llama_model_quantize'})")
     print(f"{'what':<20} {'scheme':<12} {'tokens':>6} {'GGUF':>5} {'llama.cpp tok/s':>16} {'agent tok/s':>12} "

@@ -163,8 +163,7 @@ class ThreadPolicy:
                 time.sleep(FIRST_S)
             b = load.sample()
             if b is not None:
-                busy, dt = self._spent
-                busy, dt = busy + load.between(s, b) * (b[0] - s[0]), dt + (b[0] - s[0])
+                busy, dt = self._spend(s, b)
                 self._others, self._sample, self._spent = (busy / dt if dt > 0 else 0.0), b, (0.0, 0.0)
             return self._others
         finally:
@@ -180,10 +179,14 @@ class ThreadPolicy:
             return
         with self._measuring:
             s, b = self._sample, self.load.sample()
-            if s is not None and b is not None and b[0] > s[0]:
-                busy, dt = self._spent
-                self._spent = (busy + self.load.between(s, b) * (b[0] - s[0]), dt + (b[0] - s[0]))
+            if s is not None and b is not None:
+                self._spent = self._spend(s, b)
             self._sample = None
+
+    def _spend(self, s, b) -> tuple[float, float]:
+        """(others' busy CPU-seconds, seconds) of the closed windows and the window from sample s to b."""
+        busy, dt = self._spent
+        return busy + self.load.between(s, b) * max(0.0, b[0] - s[0]), dt + max(0.0, b[0] - s[0])
 
     def resume(self) -> None:
         """The agent computes again (a run starts after none ran): a window opens now; until the windows since the

@@ -472,8 +472,9 @@ def main():
         return
     print(f"\nllama.cpp {LLAMA_VERSION} (SmolLM2-135M, 2 threads) vs the edgeprobe agent (lane threads "
           f"{args.lane_threads}), same tokens, A/B interleaved; load average at start {load:.1f}, at the end "
-          f"{os.getloadavg()[0]:.1f}; medians of {args.repeats} round(s); warm prefill: best of "
-          f"{'/'.join(str(pairs(n)) for n in lengths)} runs a side at {'/'.join(map(str, lengths))} tokens")
+          f"{os.getloadavg()[0]:.1f}; medians of {args.repeats} round(s)" +
+          (f"; warm prefill: best of {'/'.join(str(pairs(n)) for n in lengths)} runs a side at "
+           f"{'/'.join(map(str, lengths))} tokens" if schemes else ""))
     for a, g in ggufs.items():
         print(f"   GGUF {a.upper()}: {g} ({'shipped' if g == shipped else 'made by llama_model_quantize'})")
     print(f"{'what':<20} {'scheme':<12} {'tokens':>6} {'GGUF':>5} {'llama.cpp tok/s':>16} {'agent tok/s':>12} "

@@ -339,25 +339,24 @@ def test_the_agent_measures_the_load_over_its_runs_only(monkeypatch):
     monkeypatch.setattr(T.time, "monotonic", lambda: clock[0])
     p = T.ThreadPolicy(2, load=Load(cpus=[0, 1]), env=False)
 
-    def run(seconds, ops=10):  # a run whose ops ask for their count as the clock moves on: the counts they got
+    def run(seconds, gap=0.5, ops=8):  # after `gap` s idle, a run whose ops ask for their count as it goes on
+        clock[0] += gap
         p.resume()
         got = []
-        for _ in range(ops):
+        for _ in range(ops):  # steps of binary fractions of a second: every sum below is exact
             got.append(p.threads())
             clock[0] += seconds / ops
         p.pause()
         return got
 
-    assert run(0.3) == [2] * 10  # measured quiet at 0.25 s; 0.03 s carried
-    busy.append((0.3, 1.3))  # the neighbour runs while the agent is idle
-    clock[0] = 1.3
-    assert run(0.3) == [2] * 10 and p._others == 0.0  # measured at 1.52 s: 0.25 s of runs, quiet
-    clock[0] = 2.0
-    busy.append((2.0, 9.0))  # from now on beside every run, and between them
-    got = [run(0.1) for _ in range(4)]
-    # 0.06 s carried + two runs of 0.1 span INTERVAL_S at the second's end: the third's first op measures
-    assert got == [[2] * 10] * 2 + [[1] * 10] * 2
-    assert p._others == pytest.approx(2 * 0.2 / 0.26)  # the neighbour's two cores over 0.2 of the 0.26 s
+    assert run(0.5, gap=0.0) == [2] * 8  # measured quiet at 0.25; 0.25 s carried to the next measurement
+    busy.append((0.5, 1.5))  # the neighbour runs while the agent is idle
+    # measured at the first op (the carried 0.25 s) and at 1.75: quiet; the old window, 0.25..1.5, had 1.6 cores
+    assert run(0.5, gap=1.0) == [2] * 8 and p._others == 0.0
+    busy.append((2.0, 9.0))  # from 2.0 on beside every run, and between them
+    got = [run(0.125, gap=g) for g in (0.0, 0.5, 0.5)]
+    # the first op at 2.0 closes the quiet 0.25 s carried; two runs of 0.125 s beside it make the next 0.25 s
+    assert got == [[2] * 8, [2] * 8, [1] * 8] and p._others == 2.0
 
 
 def test_overlapping_runs_open_one_window_and_the_last_to_end_closes_it():

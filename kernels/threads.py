@@ -172,9 +172,9 @@ class ThreadPolicy:
     def pause(self) -> None:
         """The agent stops computing (its last run ended): the open window closes and its time joins the next
         measurement, and the time until resume() counts for none. What other processes do while the agent is idle is
-        not the load its next run meets: llama.cpp's prefill right before the agent's counted both cores busy,
-        and the agent's next two 256-token prefills ran their GEMMs on one thread, 30-45% slower
-        (docs/benchmarks.md). A neighbour running beside the agent's runs is still seen, over their time summed."""
+        not the load its next run meets: counted, llama.cpp's prefill right before the agent's would put both cores
+        busy and the agent's next two 256-token prefills' GEMMs on one thread, 30-45% slower (docs/benchmarks.md).
+        A neighbour running beside the agent's runs is still seen, over their time summed."""
         if not isinstance(self.load, CpuLoad):
             return
         with self._measuring:

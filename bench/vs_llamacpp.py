@@ -412,8 +412,7 @@ def main():
                             b.append(llama.run(toks)["prefill_s"])
                             a.append(agent_prefill(dev, qm, toks)[0])
                         rows.setdefault(("prefill warm", s, n, anchors[s]), []).append((n / min(b), n / min(a)))
-                        # each side's runs in a row: the order in which neither side runs right after the other
-                        # (the agent counted llama.cpp's run as a neighbour before a72538a; docs/benchmarks.md)
+                        # each side's runs in a row: no run right after the other side's (docs/benchmarks.md)
                         b = [llama.run(toks)["prefill_s"] for _ in range(pairs(n))]
                         a = [agent_prefill(dev, qm, toks)[0] for _ in range(pairs(n))]
                         rows.setdefault(("prefill back to back", s, n, anchors[s]), []).append((n / min(b), n / min(a)))

@@ -157,7 +157,8 @@ class ThreadPolicy:
             s = self._sample
             if s is None or (fresh and time.monotonic() - s[0] > STALE_S):
                 s = self._sample = load.sample()
-                self._spent = (0.0, 0.0) if fresh else self._spent
+                if fresh:  # a pass measures FIRST_S of its own: nothing the agent's runs carried
+                    self._spent = (0.0, 0.0)
                 if s is None or not fresh:
                     return self._others  # no /proc/stat, or a lane's first op: the next one has an interval
                 time.sleep(FIRST_S)
@@ -186,7 +187,8 @@ class ThreadPolicy:
     def _spend(self, s, b) -> tuple[float, float]:
         """(others' busy CPU-seconds, seconds) of the closed windows and the window from sample s to b."""
         busy, dt = self._spent
-        return busy + self.load.between(s, b) * max(0.0, b[0] - s[0]), dt + max(0.0, b[0] - s[0])
+        d = max(0.0, b[0] - s[0])
+        return busy + self.load.between(s, b) * d, dt + d
 
     def resume(self) -> None:
         """The agent computes again (a run starts after none ran): a window opens now; until the windows since the

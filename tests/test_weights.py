@@ -54,12 +54,39 @@ def test_a_tensor_larger_than_the_budget_is_still_returned_and_held_alone():
 
 def test_mapped_tensors_do_not_count_against_the_budget(tmp_path):
     loaders, calls = _counted(3)
-    with pytest.warns(RuntimeWarning):  # the first holds what it dequantized while it writes the .npy cache
-        LazyWeights(loaders, tmp_path, hold_bytes=0).materialize()
+    first = LazyWeights(loaders, tmp_path, hold_bytes=0).materialize()  # no eviction warning: nothing held in memory
+    assert first.held_bytes() == 0
     w = LazyWeights(loaders, tmp_path, hold_bytes=0)
     w.materialize()
     assert w.resident() == {"t0", "t1", "t2"} and w.held_bytes() == 0 and calls == {0: 1, 1: 1, 2: 1}
     assert all(isinstance(w[n], np.memmap) for n in w)
+
+
+def test_the_first_load_into_a_cold_cache_maps_what_it_wrote_as_a_later_load_does(tmp_path):
+    loaders, calls = _counted(2)
+    cold = LazyWeights(loaders, tmp_path / "c")
+    a = cold["t1"]
+    assert isinstance(a, np.memmap) and not a.flags.writeable and np.all(a == 1) and cold.held_bytes() == 0
+    assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["t1.npy"]
+    warm = LazyWeights(loaders, tmp_path / "c")
+    b = warm["t1"]
+    assert isinstance(b, np.memmap) and np.array_equal(a, b) and calls == {0: 0, 1: 1}
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_tensor_in_memory(tmp_path):
+    (tmp_path / "c").write_text("a file where the cache folder would be")
+    loaders, _ = _counted(1)
+    w = LazyWeights(loaders, tmp_path / "c")
+    with pytest.warns(RuntimeWarning, match="cannot write the weight cache"):
+        a = w["t0"]
+    assert not isinstance(a, np.memmap) and np.all(a == 0) and w.held_bytes() == MB
+
+
+def test_a_built_in_model_loaded_into_an_empty_cache_maps_its_weights_on_the_first_load(tmp_path, smollm):
+    cold = models.load("smollm2-135m", cache_dir=tmp_path / "cold")
+    assert cold.meta["npy_cache"] == str(tmp_path / "cold")
+    w = cold.weights["blk.0.attn_q.weight"]
+    assert isinstance(w, np.memmap) and np.array_equal(w, smollm.weights["blk.0.attn_q.weight"])
 
 
 def test_a_stack_part_is_read_alone_held_under_its_own_name_and_released_with_the_stack():
@@ -115,7 +142,7 @@ def test_a_checkpoint_above_the_limit_writes_no_float32_copy_and_reads_the_same_
     # the built-in models stay under the default limit: they map their .npy cache
     monkeypatch.delenv("EDGEPROBE_NPY_CACHE_MAX_MB")
     assert npy_cache_limit() == 2048 * MB and smollm.meta["npy_cache"] is not None
-    assert isinstance(smollm.weights["blk.0.attn_q.weight"], np.memmap)
+    assert isinstance(smollm.weights["blk.0.attn_q.weight"], np.memmap)  # cold or warm cache alike
 
 
 @pytest.mark.parametrize("var", ["EDGEPROBE_NPY_CACHE_MAX_MB", "EDGEPROBE_WEIGHTS_HOLD_MB"])

@@ -15,11 +15,11 @@ import numpy as np
 
 
 def default_cache_dir() -> Path:
-    """$EDGEPROBE_CACHE, else $XDG_CACHE_HOME/edgeprobe, else ~/.cache/edgeprobe."""
-    if os.environ.get("EDGEPROBE_CACHE"):
-        return Path(os.environ["EDGEPROBE_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "edgeprobe"
+    """$EDGEPROBE_CACHE, else $XDG_CACHE_HOME/edgeprobe, else ~/.cache/edgeprobe: the one root of edgeprobe's state
+    (edgeprobe_kernels.paths.cache_root)."""
+    from edgeprobe_kernels.paths import cache_root
+
+    return cache_root()
 
 
 def _env_mb(var: str, default: int) -> int:
@@ -99,7 +99,11 @@ class LazyWeights(Mapping[str, np.ndarray]):
         arr = self._from_cache(name)
         if arr is None:
             arr = np.ascontiguousarray(self._loaders[name](), dtype=np.float32)
-            self._to_cache(name, arr)
+            if self._to_cache(name, arr):
+                # the first load maps what it wrote, as every later process does: one kind of array (read-only,
+                # in the page cache, not held bytes) whether the cache was cold or warm
+                mapped = self._from_cache(name)
+                arr = arr if mapped is None else mapped
         return self._hold(name, arr)
 
     def part(self, name: str, i: int) -> np.ndarray:
@@ -171,9 +175,10 @@ class LazyWeights(Mapping[str, np.ndarray]):
             path.unlink(missing_ok=True)  # a damaged cache entry: dequantize again
             return None
 
-    def _to_cache(self, name: str, arr: np.ndarray) -> None:
+    def _to_cache(self, name: str, arr: np.ndarray) -> bool:
+        """Write arr as cache_dir/name.npy; whether it was written (no cache, or one that cannot be written: False)."""
         if self._cache_dir is None:
-            return
+            return False
         try:
             self._cache_dir.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self._cache_dir, suffix=".tmp")
@@ -184,6 +189,7 @@ class LazyWeights(Mapping[str, np.ndarray]):
             finally:
                 if os.path.exists(tmp):
                     os.unlink(tmp)
+            return True
         except OSError as e:
             if not self._warned:
                 warnings.warn(f"edgeprobe: cannot write the weight cache in {self._cache_dir} ({e}); "
@@ -191,6 +197,7 @@ class LazyWeights(Mapping[str, np.ndarray]):
                               "EDGEPROBE_CACHE to a writable directory.", RuntimeWarning, stacklevel=3)
                 self._warned = True
             self._cache_dir = None
+            return False
 
     def resident(self) -> frozenset[str]:
         """The names of the tensors held now (mapped from the cache or in memory); a part as "name#i"."""

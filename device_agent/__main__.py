@@ -87,6 +87,8 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from edgeprobe_kernels.paths import cache_root  # noqa: E402 - after the thread settings above
+
 # what the agent imports, as (module, pip name); numba and pyopencl are optional (numpy kernels; no gpu lane)
 REQUIRED = (("numpy", "numpy"), ("zmq", "pyzmq"), ("msgpack", "msgpack"))
 INSTALL_HINT = ("pip install {pips}  (on a phone, in Termux: pkg install python python-numpy libzmq; "
@@ -113,8 +115,9 @@ def _warm() -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="edgeprobe_agent", description="edgeprobe device agent (ZeroMQ ROUTER)")
     ap.add_argument("--bind", default="tcp://127.0.0.1:5555", help="ZeroMQ endpoint; port * picks a free one")
-    ap.add_argument("--store", default=str(Path.home() / ".cache" / "edgeprobe" / "agent-store"),
-                    help="blob store directory (the device's flash)")
+    ap.add_argument("--store", default=str(cache_root() / "agent-store"),
+                    help="blob store directory (the device's flash; default <edgeprobe cache>/agent-store: "
+                         "$EDGEPROBE_CACHE, else ~/.cache/edgeprobe)")
     ap.add_argument("--memory-budget", type=float, default=None, help="MB of blobs kept resident (default: all)")
     ap.add_argument("--curve-keys", help="folder with server.key_secret (zmq.auth); required off loopback")
     ap.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: cpu, npu, and gpu where "

@@ -9,6 +9,24 @@ import os
 __version__ = "0.1.0"
 
 
+def _numba_cache_under_the_root() -> None:
+    """numba's compiled kernels go under the edgeprobe cache (paths.cache_root()/numba), beside every other piece of
+    edgeprobe's state, not into __pycache__ of wherever the package lies: emptying $EDGEPROBE_CACHE starts from
+    nothing. A NUMBA_CACHE_DIR the user set is kept."""
+    import sys
+
+    from .paths import cache_root
+
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    os.environ["NUMBA_CACHE_DIR"] = str(cache_root() / "numba")
+    if "numba" in sys.modules:  # imported before us: its config has read the environment already
+        sys.modules["numba"].config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]
+
+
+_numba_cache_under_the_root()
+
+
 def _prefer_tbb() -> str | None:
     """Make numba's parallel kernels use the TBB threading layer where the `tbb` wheel is installed (its libtbb
     loaded by path: the wheel puts it in the environment's lib/, outside the loader's search path). TBB steals work,

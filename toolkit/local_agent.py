@@ -9,13 +9,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from edgeprobe_agent.protocol import HEARTBEAT_TIMEOUT_S
+from edgeprobe_kernels.paths import cache_root
 
 from .errors import DeviceError
 
@@ -113,8 +113,8 @@ def start(store: str | Path | None = None, memory_budget_mb: float | None = None
     argv, agent_path = arm64.interpreter(arch)
     if startup_timeout_s is None:
         startup_timeout_s = START_TIMEOUT_S if agent_path is None else EMULATED_START_TIMEOUT_S
-    default = f"edgeprobe-agent-store-{os.getuid()}" + ("" if agent_path is None else "-arm64")
-    base = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE") or Path(tempfile.gettempdir()) / default)
+    default = "agent-store" + ("" if agent_path is None else "-arm64")
+    base = Path(store or os.environ.get("EDGEPROBE_AGENT_STORE") or cache_root() / default)
     env = None
     if agent_path is not None:  # the emulated device sees only its own packages and the agent's
         env = {**os.environ, "PYTHONPATH": str(agent_path)}

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from edgeprobe_kernels.paths import cache_root
+
 from ..foreign.read import FORMATS
 from .agent import cmd_agent, cmd_kernels
 from .cache import cmd_cache
@@ -147,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "slow each other)")
     r.add_argument("--store", default=None,
                    help="--device local / arm64: the agent's blob store (its flash). Default $EDGEPROBE_AGENT_STORE, "
-                        "else <tmp>/edgeprobe-agent-store-<uid>; when another agent holds that one, a free sibling "
+                        "else <edgeprobe cache>/agent-store[-arm64]; when another agent holds that one, a free sibling "
                         "(<store>-2, ...) is used and said")
     r.add_argument("--scheduler", default="layer", choices=["layer", "in-order", "ooo", "hetero"],
                    help="layer: one layer-by-layer pass; in-order / ooo: chunked prefill scheduled by mllm-NPU §3.4; "
@@ -265,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = _cmd(sub, "agent", help="start a device agent here (same as python -m edgeprobe_agent)")
     a.add_argument("--bind", default="tcp://127.0.0.1:5555",
                    help="address to listen on (default loopback; another address needs --curve-keys)")
-    a.add_argument("--store", default=str(__import__("pathlib").Path.home() / ".cache" / "edgeprobe" / "agent-store"),
-                   help="the agent's blob store (its flash)")
+    a.add_argument("--store", default=str(cache_root() / "agent-store"),
+                   help="the agent's blob store (its flash; default <edgeprobe cache>/agent-store)")
     a.add_argument("--memory-budget", type=float, default=None, help="MB of blobs kept resident")
     a.add_argument("--curve-keys", help="folder with server.key_secret; required off loopback")
     a.add_argument("--lanes", help="comma-separated lanes to offer, e.g. cpu,npu (default: all this machine has)")

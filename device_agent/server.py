@@ -321,6 +321,7 @@ class Agent:
             sess.close()
         self.sock.close(linger=1000)
         self.ctx.term()
+        self.store.unlock()
 
     def _host_gone(self) -> bool:
         """Has the process named by --parent-pid exited? A dead direct parent re-parents us (it may linger as a

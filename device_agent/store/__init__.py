@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 
 from .cache import Reads
-from .files import StoreError, _lock_store, _open_jsonl, check_sha, now_us
+from .files import StoreError, _lock_store, _open_jsonl, _unlock_store, check_sha, now_us
 from .layouts import Layouts
 from .upload import Uploads
 
@@ -92,6 +92,12 @@ class FlashStore(Uploads, Reads, Layouts):
         are daemons, so an agent told to stop right after a put_blob would otherwise lose the last chunks."""
         self._drain()  # the queues are FIFO: a marker behind every chunk of every upload
         self._close_layouts()
+
+    def unlock(self) -> None:
+        """Release the store to the next agent, its pid cleared from the lock file; the last thing a stopping
+        agent does."""
+        if not self._lock_file.closed:
+            _unlock_store(self._lock_file)
 
     def stats(self) -> dict:
         blobs = [p for p in self.blob_dir.iterdir() if len(p.name) == 64]

@@ -8,6 +8,7 @@ import hashlib
 import json
 import mmap
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -66,10 +67,25 @@ def _lock_store(root: Path, wait_s: float):
                                                "this agent its own --store, or stop the other one") from None
             time.sleep(0.2)
     f.seek(0)
+    before = f.read().strip()
+    f.seek(0)
     f.truncate()
     f.write(str(os.getpid()))
     f.flush()
+    if before.isdigit() and int(before) != os.getpid():  # a holder killed before it could clear its pid
+        print(f"edgeprobe-agent: the store {root} was last locked by pid {before}, which ended without releasing it; "
+              "its lock is taken over", file=sys.stderr, flush=True)
     return f
+
+
+def _unlock_store(f) -> None:
+    """Clear this agent's pid from the store's lock file, then release it: a stopped agent leaves no pid behind."""
+    try:
+        f.seek(0)
+        f.truncate()
+        f.flush()
+    finally:
+        f.close()
 
 
 def _map_whole(path: Path, nbytes: int | None = None, private: bool = False, populate: bool = True) -> mmap.mmap | None:

@@ -8,6 +8,7 @@ import numpy as np
 
 from edgeprobe_kernels.threads import host_pass
 
+from .errors import TextError, TokenRangeError
 from .forward import KVCache, forward
 from .models import Model
 from .sampling import sample
@@ -22,15 +23,25 @@ class Generation:
     decode_tok_per_s: float
 
 
+EMPTY_PROMPT = 'the prompt is empty; give at least one character of text (--prompt "...")'
+
+
+def check_request(prompt: str, n: int) -> None:
+    """TokenRangeError / TextError for what no model could continue: a negative -n, an empty prompt."""
+    if n < 0:
+        raise TokenRangeError(f"-n {n}: the number of tokens to generate must be 0 or more")
+    if not prompt:
+        raise TextError(EMPTY_PROMPT)
+
+
 def generate(model: Model, prompt: str, n: int = 32, temperature: float = 0.0, seed: int = 0,
              stop_at_eos: bool = True) -> Generation:
     """Continue `prompt` by up to `n` tokens: greedy at temperature 0, else sampled with `seed` (sampling.sample,
     the draw of workflows.generate's host loop: the same seed and logits give the same tokens)."""
-    if n < 0:
-        raise ValueError(f"n must be >= 0, got {n}")
+    check_request(prompt, n)
     ids = model.tokenizer.encode(prompt)
     if len(ids) == 0:
-        raise ValueError("the prompt is empty; give at least one character of text")
+        raise TextError(EMPTY_PROMPT)
     rng = np.random.default_rng(seed)
     cache = KVCache(model.config)
     out: list[int] = []

@@ -34,8 +34,9 @@ def cmd_eval(args) -> int:
 
 def cmd_generate(args) -> int:
     from .. import models
-    from ..generate import generate
+    from ..generate import check_request, generate
 
+    check_request(args.prompt, args.n)  # before the model loads: refused in a second, not after it
     model = models.load(args.model)
     g = generate(model, args.prompt, n=args.n, temperature=args.temperature, seed=args.seed)
     if args.json:

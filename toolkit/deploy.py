@@ -75,6 +75,10 @@ def probe_ssh(host: str, port: int, timeout_s: float = BANNER_TIMEOUT_S) -> str:
 def _client(host, user, key_path, port, known_hosts, host_fingerprint):
     import paramiko
 
+    key = Path(key_path).expanduser()
+    if not key.is_file():  # before any connection: a typo'd key path is the user's to fix, not the network's
+        raise DeployError(f"the SSH key {key_path} {'is a folder' if key.is_dir() else 'does not exist'}; give the "
+                          "private key the device accepts (--ssh-key PATH, e.g. ~/.ssh/id_ed25519)")
     probe_ssh(host, port)
 
     c = paramiko.SSHClient()

@@ -89,7 +89,9 @@ def test_nothing_listening_says_so_and_how_to_start_an_agent(closed_port):
     line = _one_error_line(err)
     assert rc == 2
     assert f"nothing is listening at {url}" in line
-    assert "edgeprobe agent --bind" in line and "--device local" in line
+    # the hint names only what works: an agent off loopback refuses to start without CURVE keys
+    assert f"edgeprobe agent --bind tcp://127.0.0.1:{closed_port}" in line and "--device local" in line
+    assert "0.0.0.0" not in line
     assert "killed" not in line  # no agent was ever there
     with pytest.raises(AgentUnreachableError, match="nothing is listening") as e:
         Device.connect(url)
@@ -120,6 +122,16 @@ def test_ssh_to_an_http_server_is_not_an_ssh_server(http_port, tmp_path):
     assert f"not an SSH server at 127.0.0.1:{http_port}" in line and "HTTP server" in line
     with pytest.raises(NotSSHServerError):
         Device.ssh("127.0.0.1", "user", key, port=http_port, progress=False)
+
+
+def test_a_missing_ssh_key_is_named_before_any_connection(closed_port, tmp_path):
+    for key, what in ((tmp_path / "no-such-key", "does not exist"), (tmp_path, "is a folder")):
+        rc, _, err = _cli("--device", f"ssh://user@127.0.0.1:{closed_port}", "--ssh-key", str(key))
+        line = _one_error_line(err)
+        assert rc == 2 and f"the SSH key {key} {what}" in line and "--ssh-key PATH" in line
+        assert "listening" not in line and "reach" not in line  # the port (closed) was never tried
+        with pytest.raises(DeployError, match=what):
+            Device.ssh("127.0.0.1", "user", key, port=closed_port, progress=False)
 
 
 def test_an_ssh_port_that_never_answers_names_the_timeout(silent_port, tmp_path):

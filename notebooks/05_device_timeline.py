@@ -126,7 +126,7 @@ cols = [c for c in ("scheme", "prune_rate", "scheduler", "chunk", "makespan_ms",
                     "predicted_over_measured", "flash_read_mb", "npu_busy_pct", "cpu_busy_pct", "cosine_vs_host")
         if c in sweep]
 print(sweep[cols].round(3).to_string(index=False))
-panel = {"title": explorer.figure.layout.title.text.split("<br>")[0],
+panel = {"title": " ".join(l for l in explorer.figure.layout.title.text.split("<br>") if not l.startswith("<sup>")),
          "bars": sum(len(t.x) for t in explorer.figure.data)}
 print("the panel now shows:", panel["title"], f"({panel['bars']} bars)")
 print("predicted_over_measured: the modelled cost model's makespan over the measured one (1.00 = exact); it prices "

@@ -62,7 +62,13 @@ class Trace:
         if any(e.get("predicted") for e in ev) or (meta.get("predicted") and not any(e.get("measured") for e in ev)):
             cm = meta.get("cost_model") or meta.get("profile") or "a cost model"
             modelled = meta.get("modelled", any(e.get("modelled") for e in ev))
-            return f"{lane} (modelled: {cm})" if modelled else f"{lane} (predicted: {cm}, fitted to measurements)"
+            if modelled:
+                return f"{lane} (modelled: {cm})"
+            if cm == "measured-real":  # schedule.measure's cost models, named by their mode
+                return f"{lane} (predicted: the agent's measured times)"
+            if cm == "measured-predicted":
+                return f"{lane} (predicted: fitted to the agent's measured times)"
+            return f"{lane} (predicted: {cm}, fitted to measurements)"
         if any(e.get("measured") for e in ev) or meta.get("measured"):
             src = meta.get("source")
             tool = src.get("tool") if isinstance(src, dict) else src
@@ -267,9 +273,10 @@ class Trace:
         names = (self.meta.get("title", "measured"), other.meta.get("title", "predicted"))
         lanes = [f"{t.lane_label(l)} · {side}" for t, side in ((self, "measured"), (other, "predicted"))
                  for l in t.lanes if l != "io"]
-        fig.update_layout(barmode="overlay", title=(title or "measured vs predicted") +
-                          f"<br><sup>{sub}; measured: {names[0]}; predicted: {names[1]}</sup>",
-                          xaxis_title="time (ms)", height=380 + 24 * len(lanes), margin=dict(t=110),
+        head = title_layout(title or "measured vs predicted", f"{sub}; measured: {names[0]}; predicted: {names[1]}",
+                            controls=True)
+        fig.update_layout(barmode="overlay", **head, xaxis_title="time (ms)",
+                          height=270 + head["margin"]["t"] + 24 * len(lanes),
                           yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes))),
                           legend=dict(orientation="h", y=-0.25, title=dict(text="op kind")),
                           updatemenus=[colour_toggle(n_kind, len(fig.data) - n_kind)])
@@ -336,13 +343,14 @@ class Trace:
             bars(ev, label, chunk_color(ev[0].get("chunk")), False)
         m = self.metrics()
         busy = ", ".join(f"{l} {v['busy_pct']:.0f}%" for l, v in m["lanes"].items())
-        fig.update_layout(barmode="overlay", title=(title or self.meta.get("title", "execution trace")) +
-                          f"<br><sup>makespan {m['makespan_ms']:.1f} ms; busy {busy}; {self.provenance()} times</sup>",
-                          xaxis_title="time (ms)", yaxis=dict(categoryorder="array",
+        head = title_layout(title or self.meta.get("title", "execution trace"),
+                            f"makespan {m['makespan_ms']:.1f} ms; busy {busy}; {self.provenance()} times",
+                            controls=True)
+        fig.update_layout(barmode="overlay", **head, xaxis_title="time (ms)", yaxis=dict(categoryorder="array",
                           categoryarray=[labels[l] for l in reversed(self.lanes)]),
                           legend=dict(orientation="h", y=-0.2, title=dict(text="op kind")),
                           updatemenus=[colour_toggle(len(kinds), len(chunks))],
-                          margin=dict(t=110), height=350 + 30 * len(self.lanes))
+                          height=240 + head["margin"]["t"] + 30 * len(self.lanes))
         return fig
 
 
@@ -471,12 +479,41 @@ def set_colouring(fig, how: str):
     return fig
 
 
-def colour_toggle(n_kind: int, n_chunk: int, x: float = 0.0, y: float = 1.16) -> dict:
+TITLE_CHARS, SUBTITLE_CHARS = 70, 95  # wrap widths: ~650 px at plotly's 17 px title and 12 px subtitle fonts
+TITLE_LINE_PX, SUBTITLE_LINE_PX, CONTROLS_PX = 24, 17, 34
+MODEBAR_PX = 40  # plotly's toolbar sits in the top right corner on hover: the title starts below it
+
+
+def _wrap(parts: list[str], width: int, sep: str) -> list[str]:
+    """Pack parts (words, or clauses of a subtitle) into lines of at most `width` characters where they fit."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(part)
+    return lines
+
+
+def title_layout(title: str, sub: str = "", controls: bool = False) -> dict:
+    """update_layout arguments for a title and its subtitle that a narrow figure never cuts (both wrapped: the
+    title by words, the subtitle at its "; " clauses) and that leave a row for the colour buttons (`controls`) between
+    them and the plot, so the buttons never cover them. Title at the container's top-left; the top margin holds it."""
+    lines = _wrap(title.split(" "), TITLE_CHARS, " ")
+    subs = _wrap(sub.split("; "), SUBTITLE_CHARS, "; ") if sub else []
+    text = "<br>".join(lines + [f"<sup>{s}</sup>" for s in subs])
+    top = MODEBAR_PX + TITLE_LINE_PX * len(lines) + SUBTITLE_LINE_PX * len(subs) + (CONTROLS_PX if controls else 0)
+    return dict(title=dict(text=text, x=0.0, xref="container", xanchor="left", y=1.0, yref="container",
+                           yanchor="top", pad=dict(t=MODEBAR_PX, l=12)), margin=dict(t=top + 8))
+
+
+def colour_toggle(n_kind: int, n_chunk: int, x: float = 0.0, y: float = 1.0) -> dict:
     """A plotly updatemenus entry of two buttons that show the bars coloured by kind (the first n_kind traces) or
-    by chunk (the next n_chunk): the legend lists only the shown colouring."""
+    by chunk (the next n_chunk): the legend lists only the shown colouring. Placed just above the plot, in the row
+    title_layout(..., controls=True) leaves below the title."""
     by_kind = [True] * n_kind + [False] * n_chunk
     return dict(type="buttons", direction="right", x=x, y=y, xanchor="left", yanchor="bottom", showactive=True,
-                active=0, pad=dict(r=4, t=0), buttons=[
+                active=0, pad=dict(r=4, t=0, b=6), buttons=[
                     dict(label="colour by kind", method="update",
                          args=[{"visible": by_kind}, {"legend.title.text": "op kind"}]),
                     dict(label="colour by chunk", method="update",

@@ -5,7 +5,7 @@ SETUP := scripts/setup.sh
 # the emulated arm64 device (scripts/arm64_python.sh); rebuilt by `make test` if its cache was removed
 ARM64 := $(or $(EDGEPROBE_ARM64),$(or $(EDGEPROBE_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/edgeprobe)/arm64)
 
-.PHONY: demo test bench lab notebooks setup setup-test setup-notebook setup-ray clean-venv
+.PHONY: demo test bench lab notebooks setup setup-test setup-notebook setup-ray setup-arm64 clean-venv
 
 $(VENV)/.setup-base: pyproject.toml $(SETUP) scripts/arm64_python.sh
 	bash $(SETUP)
@@ -30,8 +30,10 @@ setup: $(VENV)/.setup-base
 setup-test: $(VENV)/.setup-test
 setup-notebook: $(VENV)/.setup-notebook
 setup-ray: $(VENV)/.setup-ray
+# the emulated phone (`--device arm64`): built by demo and test, or alone
+setup-arm64: $(ARM64)/bin/python3
 
-demo: setup
+demo: setup $(ARM64)/bin/python3
 	$(BIN)/edgeprobe demo
 
 $(ARM64)/bin/python3:

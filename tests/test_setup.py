@@ -30,6 +30,14 @@ def test_make_lab_after_make_test_does_not_set_up_again(tmp_path):
     assert (tmp_path / "setup.log").read_text().splitlines() == ["setup test"]
 
 
+def test_make_demo_builds_the_emulated_phone_that_device_arm64_needs(tmp_path):
+    # `make -n`: what make would run, nothing run; the arm64 Python missing under an empty cache
+    r = subprocess.run(["make", "-n", "--no-print-directory", "demo", f"EDGEPROBE_CACHE={tmp_path / 'cache'}"],
+                       cwd=ROOT, capture_output=True, text=True, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert f"bash scripts/arm64_python.sh {tmp_path / 'cache' / 'arm64'}" in r.stdout.splitlines()
+
+
 def test_jupyter_checkpoints_are_ignored():
     r = subprocess.run(["git", "check-ignore", "-q", "notebooks/.ipynb_checkpoints/01_outliers-checkpoint.ipynb"],
                        cwd=ROOT)

@@ -38,8 +38,8 @@ def python() -> Path:
         raise Arm64Error("qemu-aarch64 is not installed (Debian: apt-get install qemu-user; make test installs it)")
     exe = home() / "bin" / "python3"
     if not os.access(exe, os.X_OK):
-        raise Arm64Error(f"no arm64 Python at {exe}: build it with `bash {BUILD_SCRIPT}` (make test and make demo do, "
-                         "once; about 20 s and 140 MB)")
+        raise Arm64Error(f"no arm64 Python at {exe}: build it with `make setup-arm64` in the edgeprobe checkout (or "
+                         f"`bash {BUILD_SCRIPT}`; make demo and make test build it too, once: about 20 s and 140 MB)")
     return exe
 
 

@@ -42,10 +42,13 @@ $(ARM64)/bin/python3:
 # lint first: a style or pyflakes finding fails in seconds, before the 20-minute suite
 # prepared models of other source versions are never read again (their key holds the code's hash) and take ~1 GB
 # each: pruned first, so that editing the quantizer or kernels between runs does not fill the disk
+# the suite runs shuffled (pytest-randomly: modules, then the tests inside each) in the order TEST_SEED gives, the same
+# on every machine: no test may lean on another's leftovers; `make test TEST_SEED=N` tries another order
+TEST_SEED ?= 1
 test: setup-test $(ARM64)/bin/python3
 	$(BIN)/ruff check .
 	$(BIN)/edgeprobe cache prune
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=30 tests
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=30 -p randomly --randomly-seed=$(TEST_SEED) tests
 
 # the notebooks' .ipynb from their jupytext sources (notebooks/*.py) after an edit outside JupyterLab
 notebooks: setup-notebook

@@ -226,11 +226,12 @@ def test_topk_larger_than_the_experts_is_refused(tmp_path):
         models.load(d)
 
 
-def test_dense_model_given_to_the_experts_profiler(smollm):
+def test_dense_model_given_to_the_experts_profiler(smollm, tmp_path):
     with pytest.raises(UnsupportedModelError, match="dense.*tiny-moe"):
         CoActivationStats.for_model(smollm)
     r = subprocess.run([sys.executable, "-m", "edgeprobe", "profile", "experts", "--model", "smollm2-135m",
-                        "--out", "/tmp/never", "--tokens", "512"], capture_output=True, text=True, timeout=300)
+                        "--out", str(tmp_path / "never"), "--tokens", "512"], capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 2 and "dense" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -135,12 +135,31 @@ def test_chunked_prefill_planned_from_the_config(name):
     assert sched.makespan_us > 0 and set(sched.slots) == {g.name for g in graph.subgraphs}
 
 
-def test_plans_refuse_what_needs_the_weights():
-    c = models.load(CONFIGS / "mixtral-8x7b").config
-    with pytest.raises(ModelFormatError, match="mixture of experts: plan it with --scheme float"):
-        plan_manifest(c, "w8a8-shadow")
+def test_every_scheme_plans_from_a_config_at_the_bytes_it_stores():
+    from edgeprobe.graph import Weights, model_ops
+    from edgeprobe.models.config import PLANNED_SCHEMES
+
+    c = models.load(CONFIGS / "llama-3.2-1b").config
+    h, f = c.hidden, c.ffn  # 2048, 8192: multiples of 32, so Q4_0 needs no padding
+    per_scheme = {"float": 4 * f * h, "w8a8": f * h, "w8a8-shadow": f * h, "w8a8c-shadow": f * h + 4 * f,
+                  "smoothquant": f * h + 4 * h, "llm-int8": f * h + 4 * f, "q4_0": f * h // 32 * 18,
+                  "q4_0-tile": f * h // 32 * 18}
+    for scheme in PLANNED_SCHEMES:
+        if scheme == "moe-mixed":
+            with pytest.raises(ModelFormatError, match="moe-mixed.*dense"):
+                plan_manifest(c, scheme)
+            continue
+        plan = plan_manifest(c, scheme)
+        assert plan["planned"]["priced_from"].startswith("shapes and bytes")
+        (gate,) = [op for op in model_ops(Weights.of(plan), 4)
+                   if op["name"] in ("blk.0.ffn_gate", "blk.0.ffn_gate.int8")]
+        assert gate["attrs"]["rec"]["kind"] == scheme and gate["cost"][2] == per_scheme[scheme], scheme
+        assert gate["cost"][0] == ("int8_linear" if scheme in ("w8a8", "w8a8-shadow", "w8a8c-shadow", "smoothquant",
+                                                               "llm-int8") else "linear")
+    moe = plan_manifest(models.load(CONFIGS / "mixtral-8x7b").config, "moe-mixed")  # MoE: any scheme, INT4 experts
+    assert "INT4" in moe["planned"]["priced_from"]
     with pytest.raises(ModelFormatError, match="cannot be planned from a config alone"):
-        plan_manifest(models.load(CONFIGS / "llama-3.2-1b").config, "q4_0")
+        plan_manifest(c, "int3")
 
 
 def test_a_folder_with_only_a_config_loads_without_weights(tmp_path):

@@ -49,12 +49,14 @@ class Weights:
     shadow (config only): layers whose linears keep float shadow outliers (w8a8-shadow); True = all.
     floats (config only): every linear a float record (the host's float pass, graph.local.run_float)."""
 
-    def __init__(self, config, manifest: dict | None = None, shadow=True, floats: bool = False, q8_head: bool = False):
+    def __init__(self, config, manifest: dict | None = None, shadow=True, floats: bool = False, q8_head: bool = False,
+                 scheme: str | None = None):
         import dataclasses
 
         self.config = dict(config) if isinstance(config, dict) else dataclasses.asdict(config)
         self.manifest = manifest
         self.floats = floats
+        self.scheme = scheme  # config only: the planned scheme's stand-in records (None: w8a8 / w8a8-shadow)
         self.q8_head = q8_head  # config only: price the LM head as the Q8_0 a quantized model carries
         L = self.config["n_layers"]
         self.shadow = set(range(L)) if shadow is True else set() if shadow in (False, None) else set(shadow)
@@ -66,7 +68,7 @@ class Weights:
         plan = manifest.get("planned")
         if plan is not None:
             return cls(manifest["config"], None, shadow=plan["shadow"], floats=plan["floats"],
-                       q8_head=plan.get("q8_head", False))
+                       q8_head=plan.get("q8_head", False), scheme=plan.get("scheme"))
         return cls(manifest["config"], manifest)
 
     def tensor(self, name: str) -> dict:
@@ -100,9 +102,14 @@ class Weights:
             return {"kind": "float", "shape": list(self.shape(linear))}
         if linear.endswith(N.ROUTERS):
             kind = "float"
-        else:
+        elif self.scheme in (None, "w8a8", "w8a8-shadow"):
             kind = "w8a8-shadow" if layer in self.shadow else "w8a8"
-        return {"kind": kind, "shape": list(self.shape(linear)), "shadow": layer in self.shadow}
+        else:
+            kind = self.scheme
+        rec = {"kind": kind, "shape": list(self.shape(linear)), "shadow": layer in self.shadow}
+        if kind == "moe-mixed":
+            rec["bits"] = 4 if "_exps." in linear else 8  # EdgeMoE's default expert width; the rest INT8
+        return rec
 
     def shape(self, linear: str) -> tuple:
         """[out, in] of a linear from the config (what a stand-in record and the costs need)."""
@@ -122,8 +129,7 @@ class Weights:
         if self.manifest is not None and "blobs" in self.manifest:
             blobs = self.manifest["blobs"]
             return int(sum(blobs[s]["nbytes"] for s in weight_blobs(rec) if s in blobs))
-        n, k = shape
-        return n * k * (4 if scheme_of(rec) == "float" else 1)
+        return planned_bytes(scheme_of(rec), shape, rec.get("bits", 8))
 
     def experts(self, layer: int) -> list:
         E = self.config["n_experts"]
@@ -148,6 +154,28 @@ class Weights:
         if nr is None:
             raise GraphError("ffn_flash needs neuron bundles (edgeprobe.neurons.add_bundles) and a decode session")
         return nr
+
+
+def planned_bytes(scheme: str, shape, bits: int = 8) -> int:
+    """Bytes a linear's weights [out, in] take in `scheme`'s stored format, from the shape alone (quant.schemes
+    writes them so): float32; int8 codes (+ float32 scales per output channel where the scheme has them); ggml Q4_0
+    blocks of 32 along K (18 bytes: FP16 scale and 16 bytes of codes), q4_0-tile over the 32-padded tile layout;
+    moe-mixed `bits`-bit codes with a float32 scale per output channel."""
+    n, k = (int(v) for v in shape)
+    pad = lambda v: -(-v // 32) * 32
+    if scheme == "float":
+        return 4 * n * k
+    if scheme in ("w8a8c-shadow", "llm-int8"):
+        return n * k + 4 * n
+    if scheme == "smoothquant":
+        return n * k + 4 * k
+    if scheme == "q4_0":
+        return n * (pad(k) // 32) * 18
+    if scheme == "q4_0-tile":
+        return pad(n) * (pad(k) // 32) * 18
+    if scheme == "moe-mixed":
+        return (n * k * bits + 7) // 8 + 4 * n
+    return n * k
 
 
 def model_ops(w: Weights, tokens: int, *, batch: int = 1, chunk: int | None = None, session: bool = False,
@@ -305,7 +333,7 @@ def _ffn(add, linear, w, p, x, l, ci, R, ffn_flash, experts_flash):
             raise GraphError(f"the agent runs float routers; blk.{l}.ffn_gate_inp is {router.get('kind')!r}")
         attrs = w.moe_attrs(l, experts_flash)
         fe, k, E = c.get("expert_ffn") or c["ffn"], c["n_experts_used"], c["n_experts"]
-        wb = sum(w.weight_bytes(r, (fe, h)) for ex in attrs["experts"] for r in ex.values())
+        wb = sum(w.weight_bytes(r, r.get("shape") or (fe, h)) for ex in attrs["experts"] for r in ex.values())
         rw = {"blob": router["w"]} if "w" in router else w.tensor(N.weight(N.blk(l, "ffn_gate_inp")))
         y = add(f"{p}.moe_ffn", "moe_ffn", [x, rw], l, ci, "ffn", (R, h),
                 ("linear", 2 * R * h * E + 2 * R * k * 3 * h * fe, wb), **attrs)

@@ -233,8 +233,12 @@ def check_ffn_shapes(cfg: ModelConfig, shapes: dict, path) -> None:
                     "with the config")
 
 
-# schemes a config alone can be planned under: their records are the template's stand-ins (no profile, no blobs)
-PLANNED_SCHEMES = ("float", "w8a8", "w8a8-shadow")
+# schemes a config alone can be planned under: their records are the template's stand-ins (no profile, no blobs).
+# Every scheme's bytes and op kinds follow from the shapes alone; what depends on the weights (clips, which layers
+# keep shadow outliers, expert bit widths) is stood in for, and the plan says so (`planned.priced_from`)
+PLANNED_SCHEMES = ("float", "w8a8", "w8a8-shadow", "w8a8c-shadow", "smoothquant", "llm-int8", "q4_0", "q4_0-tile",
+                   "moe-mixed")
+EXACT_FROM_CONFIG = ("float", "w8a8", "q4_0", "q4_0-tile")  # nothing of theirs depends on the weights' values
 
 
 def plan_manifest(cfg: ModelConfig, scheme: str = "w8a8-shadow", prune_rate: float = 0.85) -> dict:
@@ -247,16 +251,25 @@ def plan_manifest(cfg: ModelConfig, scheme: str = "w8a8-shadow", prune_rate: flo
     spread evenly over the depth. MoE models plan as float: the quantizer's w8a8 schemes need activation
     statistics inside experts, which it does not collect (quant.qmodel.quantize refuses them too)."""
     if scheme not in PLANNED_SCHEMES:
-        raise ModelFormatError(f"scheme {scheme!r} cannot be planned from a config alone (its records depend on the "
-                               f"weights); choose one of {', '.join(PLANNED_SCHEMES)}")
-    if cfg.n_experts and scheme != "float":
-        raise ModelFormatError(f"{cfg.name or 'this model'} is a mixture of experts: plan it with --scheme float "
-                               f"(the w8a8 schemes need activation statistics inside experts; {scheme!r} is refused "
-                               "by the quantizer too)")
+        raise ModelFormatError(f"scheme {scheme!r} cannot be planned from a config alone; choose one of "
+                               f"{', '.join(PLANNED_SCHEMES)}")
+    if scheme == "moe-mixed" and not cfg.n_experts:
+        raise ModelFormatError(f"scheme 'moe-mixed' sets the bit widths of experts, and {cfg.name or 'this model'} "
+                               "is dense: choose another scheme")
     L = cfg.n_layers
-    keep = L - int(np.floor(prune_rate * L)) if scheme == "w8a8-shadow" else 0
+    keep = L - int(np.floor(prune_rate * L)) if scheme in ("w8a8-shadow", "w8a8c-shadow") else 0
     shadow = sorted({int(i * L // keep) for i in range(keep)}) if keep else []
+    exact = scheme in EXACT_FROM_CONFIG
     return {"config": dataclasses.asdict(cfg), "scheme": scheme,
             "model": {"name": cfg.name, "sha256": None},
-            "planned": {"shadow": shadow, "floats": scheme == "float",
-                        "q8_head": scheme != "float" and cfg.hidden % 32 == 0, "prune_rate": prune_rate}}
+            "planned": {"scheme": scheme, "shadow": shadow, "floats": scheme == "float",
+                        "q8_head": scheme != "float" and cfg.hidden % 32 == 0, "prune_rate": prune_rate,
+                        "priced_from": "shapes and bytes" if exact else
+                        "shapes and bytes; what depends on the weights (" + WEIGHT_DEPENDENT[scheme] + ") stood in"}}
+
+
+WEIGHT_DEPENDENT = {"w8a8-shadow": "which layers keep shadow outliers: spread evenly over the depth",
+                    "w8a8c-shadow": "which layers keep shadow outliers: spread evenly over the depth",
+                    "smoothquant": "the smoothing scales: their bytes only",
+                    "llm-int8": "the outlier columns: none priced",
+                    "moe-mixed": "each expert's bit width: INT4 for every expert (EdgeMoE's default width)"}

@@ -2,9 +2,9 @@
 
 A CostModel prices each op of a subgraph (graph.template's cost: kind and FLOPs — int8_linear, linear,
 float_sparse, attention, elementwise) at a per-lane, per-kind rate, plus a fixed launch cost per subgraph and a
-sync cost when a dependency crosses lanes.
-
-Named cost models are built from the papers' published numbers (documented per model). Cost models measured on
+sync cost when a dependency crosses lanes. The phones' named models (schedule.soc: snapdragon-8gen2, -8gen3,
+-8elite) are rooflines that price each op by max(FLOPs / rate, bytes / bandwidth) plus its fixed costs, every number
+from a paper's component measurement or a specification. Cost models measured on
 an agent (HeteroLLM's "real" and "predicted" modes) live in measure.py and load here from their JSON files.
 ("Profile" is a corpus statistic, edgeprobe.profile; DeviceProfile, PROFILES and device_profile are the old
 names of CostModel, COST_MODELS and cost_model, kept for code written against them.)
@@ -55,27 +55,6 @@ class CostModel:
         return t
 
 
-# Snapdragon 8 Gen 3 (Xiaomi 14, mllm-NPU §4.1's test phone), modelled from one sentence of mllm-NPU §3.4:
-# "Qwen1.5-1.8B, prompt 256: NPU execution 315 ms, about twice the CPU's". The rates are chosen so that this cost
-# model, on Qwen1.5-1.8B's chunk graph at prompt 256 / chunk 256, gives exactly that: NPU int8 linears 2.0 TOP/s
-# effective (315 ms), CPU float work (attention, shadow outliers) 90 GFLOP/s effective (158 ms).
-# GPU (Adreno 750): HeteroLLM §1 measures the 8 Gen 3's GPU at about 1 TFLOPS in practice (2.8 peak). Sync: 100 µs
-# per cross-processor hand-off (HeteroLLM §3.1: 50-100 µs after a GPU sync; §4.2: usleep's 80-100 µs granularity).
-# The launch costs and the other per-kind rates are assumptions, not from a paper.
-SNAPDRAGON_8GEN3 = CostModel(
-    name="snapdragon-8gen3",
-    rates={"npu": {"int8_linear": 2000.0, "default": 2000.0},
-           "cpu": {"attention": 90.0, "float_sparse": 40.0, "default": 90.0, "int8_linear": 60.0},
-           "gpu": {"attention": 1000.0, "float_sparse": 200.0, "default": 1000.0, "int8_linear": 1000.0}},
-    launch_us={"npu": 50.0, "cpu": 20.0, "gpu": 30.0},
-    sync_us=100.0,
-    source="modelled, not measured: NPU int8 2.0 TOP/s and CPU 90 GFLOP/s chosen to reproduce mllm-NPU §3.4's "
-           "sentence 'Qwen1.5-1.8B, prompt 256: NPU execution 315 ms, about twice the CPU' (Xiaomi 14, §4.1); "
-           "GPU 1 TFLOP/s from HeteroLLM §1 (8 Gen 3 GPU ~1 TFLOPS in practice); sync 100 µs from HeteroLLM "
-           "§3.1/§4.2 (50-100 µs GPU sync, 80-100 µs usleep); launch costs and other per-kind rates assumed. "
-           "Not refitted: no real trace of this SoC is bundled (tests/data/foreign holds Snapdragon 8 Elite traces)",
-)
-
 # This host's lanes as edgeprobe emulates them (2 cores): rates from bench/quant.py and bench/agent.py —
 # exact int8 GEMM by K-blocked float32 BLAS on one thread ≈60–100 GOP/s (the emulated NPU), numpy float
 # ≈100 GFLOP/s on one thread, OpenCL on PoCL ≈38 GFLOP/s. Elementwise ops (norms, SwiGLU, adds, RoPE; "FLOPs" =
@@ -93,7 +72,14 @@ THIS_HOST = CostModel(
     source="modelled from this machine's benchmarks (bench/quant.py, bench/agent.py)",
 )
 
-COST_MODELS = {m.name: m for m in (SNAPDRAGON_8GEN3, THIS_HOST)}
+# The phones: a roofline per SoC, every number sourced (schedule/soc/<name>.json). snapdragon-8gen3 is the name
+# the FLOPs-only model of mllm-NPU §3.4's one sentence had: a contract, now this roofline.
+from .soc import available as _socs  # noqa: E402 - soc's models derive from CostModel above
+from .soc import load as _load_soc
+
+SOC_MODELS = {n: _load_soc(n) for n in _socs()}
+SNAPDRAGON_8GEN3 = SOC_MODELS["snapdragon-8gen3"]
+COST_MODELS = {**SOC_MODELS, THIS_HOST.name: THIS_HOST}
 
 
 def cost_model(name):

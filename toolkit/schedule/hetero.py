@@ -48,10 +48,23 @@ class HeteroCostModel:
     slowdown_gpu: float = 1.0
 
 
-# Snapdragon 8 Gen 3 as in cost.SNAPDRAGON_8GEN3 (NPU 2.0 TOP/s effective, GPU 1 TFLOP/s), sync ~100 µs
-# (HeteroLLM §4.2: usleep-based sync granularity 80–100 µs).
-SNAPDRAGON_HETERO = HeteroCostModel("snapdragon-8gen3", npu_gops=2000.0, gpu_gflops=1000.0,
-                                    source="modelled: mllm-NPU §3.4 calibration, HeteroLLM §2 and §4.2")
+def from_soc(soc) -> HeteroCostModel:
+    """The solver's view of a SoC roofline (schedule.soc): the NPU's int8 rate and the GPU's, their launch costs,
+    the SoC's sync (HeteroLLM §4.2's fast sync) and the NPU's pre-built lengths."""
+    npu, gpu = soc.lane("npu"), soc.lane("gpu")
+    return HeteroCostModel(soc.name, npu_gops=npu.rate("int8"), gpu_gflops=gpu.rate("fp16"),
+                           npu_launch_us=npu.launch_us, gpu_launch_us=gpu.op_us, sync_us=soc.sync_us,
+                           prebuilt=npu.stage_rows or PREBUILT, source=soc.source)
+
+
+def _snapdragon():
+    from .cost import SNAPDRAGON_8GEN3
+
+    return from_soc(SNAPDRAGON_8GEN3)
+
+
+# Snapdragon 8 Gen 3 as its roofline (schedule/soc/snapdragon-8gen3.json) gives it
+SNAPDRAGON_HETERO = _snapdragon()
 HETERO_COST_MODELS = {m.name: m for m in (SNAPDRAGON_HETERO,)}
 
 

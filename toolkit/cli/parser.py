@@ -11,6 +11,7 @@ from .agent import cmd_agent, cmd_kernels
 from .cache import cmd_cache
 from .demo import cmd_demo
 from .evaluate import cmd_eval, cmd_generate
+from .predict import cmd_predict
 from .profile import cmd_profile
 from .quant import cmd_quantize
 from .run import cmd_run
@@ -230,6 +231,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", help="write the schedule (slots, dependencies, metrics) as JSON here")
     s.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     s.set_defaults(fn=cmd_schedule)
+
+    pr = _cmd(sub, "predict", help="what a phone SoC should give for a model: prefill and decode, from its config",
+              description="Predict a model's prefill and decode on a phone SoC from its configuration alone (no "
+                          "weights): each op priced by max(FLOPs / rate of its dtype, bytes / bandwidth) plus its "
+                          "fixed costs on the lane the strategy gives it (the SoC files of edgeprobe.schedule.soc, "
+                          "every number sourced). Prints the times, tok/s, the lanes' busy shares and what bound "
+                          "each phase (compute, bandwidth, overhead, flash).")
+    pr.add_argument("--model", default="smollm2-135m",
+                    help="a config.json, a Hugging Face folder, a GGUF file or a built-in name")
+    pr.add_argument("--soc", default="snapdragon-8gen3",
+                    help="snapdragon-8gen2, snapdragon-8gen3 (default) or snapdragon-8elite, or a SoC file")
+    pr.add_argument("--prompt-len", type=int, required=True, help="prompt tokens to prefill")
+    pr.add_argument("--decode", type=int, default=0, metavar="N", help="tokens to decode after it (default 0)")
+    pr.add_argument("--batch", type=int, default=1, help="sequences decoded together (test-time scaling's Best-of-N)")
+    pr.add_argument("--scheme", default="w8a8-shadow", help="quantization scheme (default w8a8-shadow, mllm-NPU's; "
+                                                            "W4A16 as HeteroLLM and the TTS paper run it: q4_0)")
+    pr.add_argument("--strategy", default="mllm-npu", help="mllm-npu (chunked NPU + CPU, default), hetero "
+                                                           "(HeteroLLM's GPU + NPU row cuts), gpu, npu or cpu")
+    pr.add_argument("--chunk", type=int, default=256, help="mllm-npu: chunk length (default 256)")
+    pr.add_argument("--scheduler", default="ooo", choices=["in-order", "ooo"], help="mllm-npu: subgraph order")
+    pr.add_argument("--sync", default="fast", choices=["fast", "conventional"],
+                    help="a cross-lane sync: HeteroLLM's fast sync (default) or a conventional one")
+    pr.add_argument("--experts-in-flash", action="store_true",
+                    help="MoE decode: routed experts the buffer misses are read from flash (EdgeMoE)")
+    pr.add_argument("--expert-hit-rate", type=float, default=None,
+                    help="the expert buffer's hit rate (an expert profile's; default 0 with --experts-in-flash)")
+    pr.add_argument("--ffn-sparsity", type=float, default=None,
+                    help="dense decode: the share of FFN neurons active per token, their rows streamed (LLM in a "
+                         "flash)")
+    pr.add_argument("--ffn-reuse", type=float, default=0.0,
+                    help="with --ffn-sparsity: the share of active neurons already in DRAM (the sliding window's)")
+    pr.add_argument("--trace", help="write the predicted prefill and decode-step timelines here (Chrome JSON)")
+    pr.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    pr.set_defaults(fn=cmd_predict)
 
     t = _cmd(sub, "trace", help="open a written trace as an offline timeline, or import a phone's trace",
              description="show: a trace edgeprobe wrote (run --trace, the demo's trace.json, Trace.save) as an "

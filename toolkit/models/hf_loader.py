@@ -26,10 +26,12 @@ from .weights import LazyWeights, file_sha256
 # models and schedules work from its config.json alone
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                 "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                 "internlm2": "InternLM2ForCausalLM"}
 SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
-# those whose safetensors this loader reads: every architecture it names
-WEIGHT_MODEL_TYPES = SUPPORTED_MODEL_TYPES
+# those whose safetensors this loader reads: InternLM2 (HeteroLLM's InternLM-1.8B) plans from its config only (its
+# fused wqkv tensor is not read yet)
+WEIGHT_MODEL_TYPES = tuple(t for t in SUPPORTED_MODEL_TYPES if t != "internlm2")
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 _ARCH_NAME = {"gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}  # the others run as "llama" always did
 _ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -245,9 +247,11 @@ def config_from_hf(cfg: dict, path: Path) -> ModelConfig:
     if act not in _ACTIVATIONS:
         raise UnsupportedModelError(f"{path}: FFN activation {act!r} is not supported; the forward pass implements "
                                     "SwiGLU with silu and GeGLU with gelu_pytorch_tanh")
-    if model_type != "qwen2" and cfg.get("attention_bias"):
+    if model_type != "qwen2" and (cfg.get("attention_bias") or (model_type == "internlm2" and cfg.get("bias"))):
         raise UnsupportedModelError(f"{path}: attention_bias (biases on every attention projection, output included) "
                                     "is not supported; Qwen2's Q/K/V biases are")
+    if model_type == "internlm2" and rope_type == "dynamic":
+        rope_type = "default"  # dynamic NTK scaling changes RoPE only past the trained context; InternLM2 plans only
     if rope_type not in ("default", None, "llama3"):
         raise UnsupportedModelError(f"{path}: RoPE scaling {rope_type!r} is not supported yet; "
                                     "plain RoPE and Llama 3's ('llama3') are implemented")

@@ -20,6 +20,7 @@ DATA = Path(__file__).parent / "data" / "foreign"
 HEX = DATA / "llamacpp_hexagon" / "issue18139_mul_mat.log"
 README = DATA / "llamacpp_hexagon" / "readme_stderr.log"
 LFM2 = DATA / "chrome_json" / "lfm2_hexagon_v79.json"
+CONFIGS = Path(__file__).parent / "data" / "configs"
 # LFM2-1.2B's numbers as its source document gives them (SOURCE.md); its attention layers have Q/K norms
 LFM2_CONFIG = dict(arch="lfm2", n_layers=16, hidden=2048, ffn=8192, n_heads=32, n_kv_heads=8, head_dim=64,
                    vocab_size=65536, qk_norm=True)
@@ -305,10 +306,16 @@ def test_fitted_model_prices_schedules_and_rejects_other_json(tmp_path):
     assert set(m.fits) == {"npu"}
     g = chunk_graph(ModelConfig(**LFM2_CONFIG), 128, 64)
     sg = {x.name: x for x in g.subgraphs}
-    # a lane the trace lacks (cpu) by the named base: launch 20 µs, elementwise at 90 GFLOP/s, float_sparse at 40
+    # a lane the trace lacks (cpu) by the named base's roofline: its launch, the ops' FLOPs at the lane's FP32 rate
+    # (element-wise work too: the file gives the CPU no vector rate), against the weights at its bandwidth
     assert sg["c0.l1.shadow"].costs == [("elementwise", 131072), ("float_sparse", 2097152), ("float_sparse", 524288),
                                         ("float_sparse", 524288)]
-    assert m.time_us(sg["c0.l1.shadow"]) == pytest.approx(20 + 131072 / 90e3 + 3145728 / 40e3, rel=1e-12)
+    from edgeprobe.schedule import cost_model
+
+    cpu = cost_model("snapdragon-8gen3").lane("cpu")
+    want = cpu.launch_us + 4 * cpu.op_us + max((131072 + 3145728) / (cpu.rate("fp32") * 1e3),
+                                               sg["c0.l1.shadow"].weight_bytes / (cpu.bandwidth_gbs * 1e3))
+    assert m.time_us(sg["c0.l1.shadow"]) == pytest.approx(want, rel=1e-12)
     # the fitted lane: one norm by the elementwise fit, three int8 linears by the linear fit (no bytes term in it)
     e, f = m.fits["npu"]["elementwise"], m.fits["npu"]["linear"]
     assert f["us_per_byte"] == 0 and "below" not in f
@@ -372,7 +379,7 @@ def test_cli_import_bad_input_is_one_line_naming_file_line_and_format(tmp_path, 
     other.write_text(json.dumps(LFM2_CONFIG))
     rc, out, err = _cli(["trace", "import", str(other), "--out", str(tmp_path / "o2")], capsys)
     assert rc == 2 and err.count("\n") == 1 and str(other) in err and "whole file" in err
-    assert "expected one of: llamacpp-hexagon-op, chrome-json" in err
+    assert "expected one of: llamacpp-hexagon-op, llamacpp-hexagon-profile-op, chrome-json" in err
     rc, out, err = _cli(["trace", "import", str(other), "--format", "chrome-json", "--out", str(tmp_path / "o3")],
                         capsys)
     assert rc == 2 and err.count("\n") == 1 and f"{other}: document:" in err and "Chrome trace-event JSON" in err
@@ -433,18 +440,73 @@ def test_edgeprobe_own_traces_are_not_imported_as_measured(tmp_path):
     assert "edgeprobe wrote" in str(exc.value)
 
 
-def test_hexagon_newer_lines_are_named_not_guessed(tmp_path):
-    # the newer line's shape as issue text describes it; no reader parses it (no public sample), the error says so
-    newer = tmp_path / "newer.log"
-    newer.write_text("ggml-hex: HTP0 profile-op MUL_MAT|a|b|c|d|e|usec 1 cycles 2 start 3 mhz 4\n")
-    with pytest.raises(ForeignTraceError) as exc:
-        load_foreign(newer)
-    _one_line_error(exc, newer, "whole file")
-    assert "no reader yet" in str(exc.value)
-    with pytest.raises(ForeignTraceError) as exc:
-        load_foreign(newer, format="llamacpp-hexagon-op")
-    _one_line_error(exc, newer, "whole file")
-    assert "1 newer 'profile-op' lines" in str(exc.value)
+PROF2 = DATA / "llamacpp_hexagon" / "profile_op_level2.log"
+PROF3 = DATA / "llamacpp_hexagon" / "profile_op_level3.log"
+
+
+def test_hexagon_profile_op_lines_of_today_read_as_printed():
+    t = load_foreign(PROF2)
+    assert detect_format(PROF2) == t.meta["source"]["format"] == "llamacpp-hexagon-profile-op"
+    assert [e["name"] for e in t.events] == ["attn_norm-0", "Qcur-0", "Kcur-0", "Vcur-0", "ffn_gate-0", "ffn_up-0"]
+    assert [b["n_ops"] for b in t.meta["batches"]] == [4, 2] and [e["batch"] for e in t.events] == [0, 0, 0, 0, 1, 1]
+    q = t.events[1]
+    assert (q["kind"], q["inputs"], q["dtypes"], q["kernel"]) == (
+        "MUL_MAT", ["blk.0.attn_q.weight", "attn_norm-0"], ["q4_0", "f32", "f32"], "hmx-tiled vtcm 4194304")
+    assert q["input_shapes"] == [[2048, 2048], [2048, 64]] and q["shape"] == [2048, 64] and q["layer"] == 0
+    assert q["flops"] == 2 * 2048 * 2048 * 64 and q["pmu"] == [2000 + k for k in range(8)]
+    # times from each line's start cycle (its low 32 bits unwrapped against the batch's 64-bit start) over its mhz
+    line = PROF2.read_text().splitlines()[q["line"] - 1]
+    start, mhz = int(line.split(" start ")[1].split()[0]), float(line.split(" mhz ")[1].split()[0])
+    base = t.meta["batches"][0]["start_cycles"]
+    assert q["start_us"] == ((base >> 32 << 32) + start - base) / mhz and q["end_us"] - q["start_us"] == 176
+    assert t.events[0]["kind"] == "RMS_NORM+MUL" and t.events[0]["kernel"] == "----"
+    assert all(a["end_us"] <= b["start_us"] for a, b in zip(t.events, t.events[1:]))  # one op at a time
+
+
+def test_hexagon_level_3_trace_events_pair_on_hvx_and_hmx_threads():
+    t = load_foreign(PROF3)
+    hmx = [e for e in t.events if e["lane"] == "hmx"]
+    hvx = [e for e in t.events if e["lane"] == "hvx"]
+    assert len(hmx) == 5 and len(hvx) == 4 and t.meta["unpaired_trace_events"] == 0
+    assert t.meta["batches"][0]["evt_cnt"] == [2, 2, 0, 0, 0, 0, 0, 0, 0, 0, 6]
+    mm = {e["name"]: e for e in t.events if e["lane"] == "npu"}
+    for e in hmx:  # each HMX computation inside the matmul it belongs to
+        op = [o for o in mm.values() if o["batch"] == e["batch"] and o["start_us"] <= e["start_us"] <= o["end_us"]]
+        assert len(op) == 1 and op[0]["kind"] == "MUL_MAT" and e["end_us"] <= op[0]["end_us"]
+
+
+def test_a_profile_op_line_of_today_imports_and_aligns():
+    from edgeprobe.foreign.align import align
+
+    a = align(load_foreign(PROF2), CONFIGS / "llama-3.2-1b")
+    assert a.share == 1.0
+    assert [e["template_ops"] for e in a.trace.events] == [["blk.0.attn_norm"], ["blk.0.attn_q"], ["blk.0.attn_k"],
+                                                           ["blk.0.attn_v"], ["blk.0.ffn_gate"], ["blk.0.ffn_up"]]
+
+
+def test_hexagon_profile_op_mixed_stderr_and_wrong_lines(tmp_path):
+    prof = PROF2.read_text().splitlines()
+    other = [l for l in README.read_text().splitlines() if not l.startswith("#")]
+    mixed = tmp_path / "mixed.log"
+    mixed.write_text("\n".join(other[:3] + ["0.01.576.635 D " + prof[0]] + prof[1:4] + other[3:] + prof[4:]) + "\n")
+    t = load_foreign(mixed)  # a log timestamp before `ggml-hex:` is allowed
+    assert len(t.events) == 6 and t.meta["skipped_lines"] == len(other)
+    for name, lines, where, what in (
+            ("cut", prof[:2] + [prof[2][:prof[2].index("|usec") + 8]], "line 3", "truncated or unknown"),
+            ("short", prof[:4] + prof[5:], "line 5", "batch 0 announced 4 ops and 3 followed"),
+            ("orphan", prof[1:], "line 1", "outside a batch"),
+            ("evt", prof[:2] + ["ggml-hex: HTP0 trace-evt HMX_COMP: thread 10 info 1 begin 5"], "line 3",
+             "trace-evt record unknown")):
+        bad = tmp_path / f"{name}.log"
+        bad.write_text("\n".join(lines) + "\n")
+        with pytest.raises(ForeignTraceError) as exc:
+            load_foreign(bad, format="llamacpp-hexagon-profile-op")
+        _one_line_error(exc, bad, where)
+        assert what in str(exc.value)
+    old = tmp_path / "old.log"  # the issue's older form, given to today's reader: named, not misread
+    old.write_text(HEX.read_text())
+    with pytest.raises(ForeignTraceError, match="no profile-op line of an op"):
+        load_foreign(old, format="llamacpp-hexagon-profile-op")
 
 
 # ---- llama.cpp OpenCL cl_profiling.csv (Adreno) ---------------------------------------------------------------

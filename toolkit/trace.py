@@ -21,9 +21,10 @@ import numpy as np
 
 from .foreign.base import CHROME_KEY  # the readers refuse what carries it: edgeprobe's own times are not measured
 
-LANE_ORDER = ("npu", "hmx", "dma", "gpu", "cpu", "io")
+LANE_ORDER = ("npu", "hmx", "hvx", "dma", "gpu", "cpu", "io")
 # an agent's lanes on this host; every label starts with its lane's name (Trace.load reads the lane back from it)
-LANE_LABEL = {"npu": "npu (emulated on CPU)", "hmx": "hmx (Hexagon matrix unit)", "dma": "dma (Hexagon DMA)",
+LANE_LABEL = {"npu": "npu (emulated on CPU)", "hmx": "hmx (Hexagon matrix unit)", "hvx": "hvx (Hexagon vector threads)",
+              "dma": "dma (Hexagon DMA)",
               "gpu": "gpu (OpenCL)", "cpu": "cpu", "io": "io (flash reads)"}
 ISA_LANE_LABEL = "npu (Hexagon HVX code under qemu-hexagon)"  # the npu lane's events carry an isa: the hvx backend
 EVENT_ARGS = ("layer", "chunk", "group", "bytes_in", "bytes_out", "flops", "emulated", "measured", "modelled",

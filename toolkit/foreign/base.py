@@ -1,6 +1,7 @@
 """What every reader of a foreign trace shares: its error and how an imported event looks."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..errors import EdgeprobeError
@@ -33,3 +34,14 @@ def event(name: str, kind: str, lane: str, start_us: float, end_us: float, layer
 def ggml_dims(text: str) -> list[int]:
     """"4096:64:1:1" -> [4096, 64, 1, 1]: ggml's ne0:ne1:... (ne0 the contiguous, innermost dimension)."""
     return [int(v) for v in text.split(":") if v != ""]
+
+
+def ggml_layer(*texts) -> int:
+    """The layer a llama.cpp tensor name says ("blk.3.attn_q.weight", "Qcur-3"), from the first text that says one;
+    -1 for none."""
+    for t in texts:
+        if isinstance(t, str):
+            m = re.search(r"blk\.(\d+)", t) or re.search(r"-(\d+)(?: \(|$)", t)
+            if m:
+                return int(m[1])
+    return -1

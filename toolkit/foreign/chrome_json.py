@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 
-from .base import CHROME_KEY, ForeignTraceError, event, ggml_dims, read_text
+from .base import CHROME_KEY, ForeignTraceError, event, ggml_dims, ggml_layer, read_text
 
 FORMAT = "chrome-json"
 EXPECTED = "Chrome trace-event JSON ({\"traceEvents\": [...]} or a list of events with ph, ts (µs), dur)"
@@ -27,13 +27,7 @@ def lane_of(label: str) -> str | None:
     return next((lane for key, lane in _LANES if key in low), None)
 
 
-def _layer(*texts) -> int:
-    for t in texts:
-        if isinstance(t, str):
-            m = re.search(r"blk\.(\d+)", t) or re.search(r"-(\d+)(?: \(|$)", t)
-            if m:
-                return int(m[1])
-    return -1
+_layer = ggml_layer
 
 
 def _shapes(text) -> list | None:

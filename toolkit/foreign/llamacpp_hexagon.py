@@ -1,4 +1,5 @@
-"""llama.cpp's Hexagon backend, per-op profile lines of its first releases (2025) on stderr:
+"""llama.cpp's Hexagon backend, per-op profile lines of a 2025 build, on stderr (the form quoted in llama.cpp issue
+#18139; no upstream version printed it, so it is a local build's; upstream's of today: llamacpp_hexagon_prof):
 
     ggml-hex: HTP0 MUL_MAT leaf_0 4096:4096:1:1 x leaf_1 4096:64:1:1 -> q_proj 4096:64:1:1 : total 5053 us
         (quant 56 us, compute 4925 us, vtcm 68 us) cycles 10672609 pkts 5144869 (2.07) call 11 us
@@ -64,7 +65,8 @@ def read(path, version: str | None = None) -> tuple[list, dict]:
         events.append(e)
         t += total
     if not events:
-        hint = f" ({newer} newer 'profile-op' lines: not read by this reader)" if newer else ""
+        hint = (f" ({newer} newer 'profile-op' lines: read them with --format llamacpp-hexagon-profile-op)" if newer
+                else "")
         raise ForeignTraceError(path, "whole file", f"no per-op profile line among {skipped} lines{hint}", EXPECTED)
     meta = {"source": {"tool": "llama.cpp ggml-hexagon", "format": FORMAT, "version": version},
             "title": f"{path}", "measured": True, "skipped_lines": skipped, "newer_profile_op_lines": newer,

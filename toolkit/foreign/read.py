@@ -5,10 +5,11 @@ from __future__ import annotations
 import inspect
 from pathlib import Path
 
-from . import chrome_json, executorch_etdump, llamacpp_hexagon, llamacpp_opencl, qnn_profile
+from . import chrome_json, executorch_etdump, llamacpp_hexagon, llamacpp_hexagon_prof, llamacpp_opencl, qnn_profile
 from .base import ForeignTraceError, read_text
 
-READERS = {llamacpp_hexagon.FORMAT: llamacpp_hexagon, chrome_json.FORMAT: chrome_json,
+READERS = {llamacpp_hexagon.FORMAT: llamacpp_hexagon, llamacpp_hexagon_prof.FORMAT: llamacpp_hexagon_prof,
+           chrome_json.FORMAT: chrome_json,
            llamacpp_opencl.FORMAT: llamacpp_opencl, executorch_etdump.FORMAT: executorch_etdump,
            qnn_profile.FORMAT: qnn_profile}
 FORMATS = tuple(READERS)
@@ -23,9 +24,9 @@ def detect_format(path) -> str:
         if READERS[fmt].sniff(text):
             return fmt
     if "profile-op " in text:
-        raise ForeignTraceError(path, "whole file", "llama.cpp Hexagon 'profile-op'/'trace-op' lines (the 2026 format) "
-                                "have no reader yet: no public sample was found to check one against",
-                                "one of: " + ", ".join(FORMATS))
+        raise ForeignTraceError(path, "whole file", "llama.cpp Hexagon 'profile-op' lines of a form between the "
+                                "2025 and today's (' : '-separated fields, 'trace-op' lines): no reader for it; "
+                                "today's '|'-separated lines are read", "one of: " + ", ".join(FORMATS))
     if text.lstrip().startswith('{"events"'):
         raise ForeignTraceError(path, "whole file", "a trace edgeprobe wrote (Trace.save): open it with Trace.load or "
                                 "`edgeprobe trace show`", "another tool's trace, one of: " + ", ".join(FORMATS))

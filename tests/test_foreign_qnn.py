@@ -218,30 +218,32 @@ def test_optrace_fit_names_its_degeneracy_and_held_out_error():
     assert set(m.fits) == {"hmx"} and set(m.fits["hmx"]) == {"FullyConnected"}  # DMA/HVX ops (flops 0) not fitted
     f = m.fits["hmx"]["FullyConnected"]
     us = [d / MHZ for _, d in HMX]
-    mean = sum(us) / 8  # 12312 cycles / 8 / 806.365 MHz = 1.90856 us
-    assert mean == pytest.approx(1.908565, abs=1e-6)
+    assert sum(us) / 8 == pytest.approx(1.908565, abs=1e-6)  # 12312 cycles / 8 / 806.365 MHz
+    # the fit's figure: the time of least relative error over the eight, sum(1/u) / sum(1/u^2)
+    mean = sum(1 / u for u in us) / sum(1 / u ** 2 for u in us)
     assert (f["n"], f["sizes"], f["fixed_us"], f["us_per_byte"]) == (8, 1, 0.0, 0.0)
     assert f["us_per_flop"] == pytest.approx(mean / FC_FLOPS, rel=1e-12)
-    assert f["rate_gflops"] == pytest.approx(FC_FLOPS / mean / 1e3, rel=1e-12)  # 17581 GFLOP/s effective
+    assert f["rate_gflops"] == pytest.approx(FC_FLOPS / mean / 1e3, rel=1e-12)  # ~17,500 GFLOP/s effective
     assert f["regime"] == "one: every op has M = 256"
     assert f["degenerate"].startswith("degenerate: all 8 ops have one size (3.35544e+07 FLOPs)")
     assert "cannot be separated" in f["degenerate"] and "\n" not in f["degenerate"]
     assert "degenerate (one size: rate and fixed cost not separable): hmx/FullyConnected" in m.source
-    # the fit gives back the ops' mean exactly; each op within its distance from the mean: MatMul_0 (cold, 4095
-    # cycles) 62.7% above it, the seven warm ones (1168..1181 cycles) 23.2% to 24.0% below it
+    # the fit gives back that figure exactly; the cold MatMul_0 (4095 cycles) sits far above it, the seven warm ones
+    # (1168..1181 cycles) close: a relative-error fit is not dragged by the one outlier as a mean is
     pred = f["us_per_flop"] * FC_FLOPS
     assert pred == pytest.approx(mean, rel=1e-12)
     errs = [abs(pred - u) / u for u in us]
-    assert errs[0] == pytest.approx(1 - 12312 / 8 / 4095, rel=1e-9) and max(errs[1:]) < 0.32
+    assert errs[0] == pytest.approx(1 - mean / us[0], rel=1e-9) and max(errs[1:]) < 0.12
     assert f["fit_median_rel_error"] == pytest.approx(sorted(errs)[3:5][0] / 2 + sorted(errs)[3:5][1] / 2, rel=1e-12)
     # held out: no layers, so fit on MatMul_0, 2, 4, 6 (even-indexed) and predict MatMul_1, 3, 5, 7
-    train = (4095 + 1178 + 1172 + 1168) / 4 / MHZ
+    tr = [d / MHZ for d in (4095, 1178, 1172, 1168)]
+    train = sum(1 / u for u in tr) / sum(1 / u ** 2 for u in tr)
     held = [abs(train - d / MHZ) / (d / MHZ) for d in (1181, 1170, 1179, 1169)]
     h = m.held_out
     assert (h["n_train"], h["n_predicted"], h["n_unseen_kind"]) == (4, 4, 0)
     assert h["degenerate_training_fits"] == ["hmx/FullyConnected"]
     assert h["median_rel_error"] == pytest.approx(sorted(held)[1] / 2 + sorted(held)[2] / 2, rel=1e-12)
-    assert h["median_rel_error"] == pytest.approx(0.6205, abs=1e-4)  # the cold first op drags the training mean
+    assert h["median_rel_error"] < 0.15  # the cold first op drags the training figure far less than a mean (62%)
 
 
 def test_optrace_clock_passed_through_read_foreign_and_the_cli(tmp_path, capsys):

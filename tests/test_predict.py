@@ -149,3 +149,39 @@ def test_predict_cli_gives_the_json_fields_and_refuses_bad_input_in_one_line(cap
         (line,) = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and line.startswith("edgeprobe: error: ") and words in line, (args, line)
     assert not math.isnan(out["prefill_ms"])
+
+
+def test_a_model_fitted_from_a_real_trace_is_the_same_roofline_with_its_lanes_refined(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_trace import LFM2, LFM2_CONFIG
+
+    from edgeprobe.foreign import load_foreign
+    from edgeprobe.foreign.align import align
+    from edgeprobe.foreign.fit import fit
+    from edgeprobe.graph import Weights, model_ops
+    from edgeprobe.models import ModelConfig
+    from edgeprobe.models.config import plan_manifest
+    from edgeprobe.schedule.cost import fitted_time_us
+
+    m = fit(align(load_foreign(LFM2), LFM2_CONFIG), name="lfm2-v79", base="snapdragon-8elite")
+    assert m.held_out["median_rel_error"] < 0.41  # the fit of least relative error (was 41% by least squares)
+    m.to_json(tmp_path / "fitted.json")
+    cfg = ModelConfig(**LFM2_CONFIG)
+    named = soc.load("snapdragon-8elite")
+    for as_given in (m, tmp_path / "fitted.json"):
+        p = predict(cfg, as_given, 256, decode=32, batch=2, scheme="q4_0", strategy="npu")
+        assert p.soc == "lfm2-v79" and p.decode_tok_s > 0 and p.prefill_tok_s > 0
+    refined = m.as_soc()
+    ops = model_ops(Weights.of(plan_manifest(cfg, "q4_0")), 2)
+    lin = next(o for o in ops if o["cost"][0] == "linear" and o["name"].endswith("ffn_gate"))
+    f = m.fits["npu"]["linear"]
+    assert f["flops_range"][0] <= lin["cost"][1] <= f["flops_range"][1]
+    assert refined.op_cost(lin, "npu").us == fitted_time_us(f, lin["cost"][1], lin["cost"][2], 2)  # the trace's fit
+    assert refined.op_cost(lin, "gpu") == named.op_cost(lin, "gpu")  # a lane it did not see: the named roofline
+    wide = model_ops(Weights.of(plan_manifest(cfg, "q4_0")), 256)  # 128x the FLOPs it saw: the roofline again
+    big = next(o for o in wide if o["name"].endswith("ffn_gate"))
+    assert refined.op_cost(big, "npu") == named.op_cost(big, "npu")
+    with pytest.raises(ScheduleError, match="needs a SoC base"):
+        fit(align(load_foreign(LFM2), LFM2_CONFIG), base=None).as_soc()

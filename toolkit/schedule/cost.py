@@ -126,6 +126,11 @@ _FALLBACK_KIND = {"int8_linear": "linear", "float_sparse": "linear", "linear": "
 _BYTES_KINDS = ("linear", "int8_linear")  # the template's kinds whose ops read weight bytes
 
 
+def fit_for(kinds: dict, kind: str) -> dict | None:
+    """A lane's fit for an op of cost kind `kind`: its own, else the related kind's (None: the trace saw neither)."""
+    return kinds.get(kind) or kinds.get(_FALLBACK_KIND.get(kind, ""))
+
+
 def fitted_time_us(f: dict, flops: float, nbytes: float = 0.0, rows: int | None = None) -> float:
     """One op under a lane/kind fit: fixed_us + us_per_flop * FLOPs + us_per_byte * bytes, with the `below`
     regime's coefficients when the op's token rows M are under its threshold (version-1 fits: no bytes term)."""
@@ -157,7 +162,7 @@ class FittedCostModel(CostModel):
         kinds = self.fits.get(lane)
         if kinds is None:
             return None
-        f = kinds.get(kind) or kinds.get(_FALLBACK_KIND.get(kind, ""))
+        f = fit_for(kinds, kind)
         if f is None:
             raise ScheduleError(f"fitted cost model {self.name!r} saw no {kind!r} op on {lane} "
                                 f"(fitted: {', '.join(kinds)})")
@@ -172,6 +177,19 @@ class FittedCostModel(CostModel):
     def for_graph(self, graph) -> "FittedCostModel":
         """This model priced op by op over `graph`'s template ops (a ChunkGraph): exact bytes and rows per op."""
         return replace(self, graph_ops=graph.ops_of())
+
+    def as_soc(self):
+        """The same model as its base SoC's roofline (schedule.soc) with the fitted lanes and kinds priced by their
+        fits: what schedule.predict prices prefill, decode, batches and flash with. Needs a SoC base."""
+        from .soc import SocCostModel, available, load
+
+        if self.base not in available():
+            raise ScheduleError(f"fitted cost model {self.name!r} has base {self.base!r}; a phone prediction needs a "
+                                f"SoC base ({', '.join(available())}): fit again with base=...")
+        base = load(self.base)
+        assert isinstance(base, SocCostModel)
+        return replace(base, name=self.name, fits=self.fits, modelled=False, source=self.source,
+                       notes={**base.notes, "fitted_from": self.trace_source, "held_out": self.held_out})
 
     def op_time_us(self, op: dict, lane: str | None = None) -> float:
         kind, flops, nbytes = op["cost"]

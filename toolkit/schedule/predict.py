@@ -173,7 +173,6 @@ def predict(model, soc="snapdragon-8gen3", prompt_len: int = 256, decode: int = 
         an ordinary synchronisation) wherever work crosses lanes."""
     from ..graph import Weights, model_ops
     from ..models import ModelConfig
-    from . import soc as _soc
 
     strategy = STRATEGY_ALIASES.get(strategy, strategy)
     if strategy not in STRATEGIES:
@@ -186,7 +185,7 @@ def predict(model, soc="snapdragon-8gen3", prompt_len: int = 256, decode: int = 
     for what, v in (("expert_hit_rate", expert_hit_rate), ("ffn_sparsity", ffn_sparsity), ("ffn_reuse", ffn_reuse)):
         if v is not None and not 0.0 <= v <= 1.0:
             raise ScheduleError(f"{what} must lie in [0, 1], got {v!r}")
-    cost = soc if isinstance(soc, _soc.SocCostModel) else _soc.load(soc)
+    cost = soc_model(soc)
     if sync not in ("fast", "conventional"):
         raise ScheduleError(f"sync must be 'fast' (HeteroLLM §4.2) or 'conventional', got {sync!r}")
     if sync == "conventional":
@@ -241,6 +240,25 @@ def predict(model, soc="snapdragon-8gen3", prompt_len: int = 256, decode: int = 
     return Prediction(name, cost.name, scheme, strategy, prompt_len, used_chunk, decode, batch, prefill, step,
                       plan["planned"]["priced_from"] if "planned" in plan else "the quantized model's records",
                       notes)
+
+
+def soc_model(soc):
+    """A SoC's roofline from a name or file (schedule.soc), a SocCostModel, or a cost model fitted from a real trace
+    (a FittedCostModel or its .json: its fitted lanes and kinds over its base SoC's roofline)."""
+    from . import soc as _soc
+    from .cost import FittedCostModel, cost_model
+
+    if isinstance(soc, _soc.SocCostModel):
+        return soc
+    if isinstance(soc, FittedCostModel):
+        return soc.as_soc()
+    if str(soc).endswith(".json") and not _soc.is_soc_file(soc):
+        m = cost_model(str(soc))
+        if isinstance(m, FittedCostModel):
+            return m.as_soc()
+        raise ScheduleError(f"{soc}: a cost model measured on an agent prices this host's lanes, not a phone's: give "
+                            "a SoC (name or file) or a model fitted from a phone's trace (trace import --fit)")
+    return _soc.load(soc)
 
 
 def _expert_bytes(op: dict, batch: int) -> tuple[float, float]:

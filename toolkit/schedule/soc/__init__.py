@@ -34,6 +34,7 @@ FORMAT, VERSION = "edgeprobe-soc", 1
 DTYPE_BYTES = {"int8": 1, "fp16": 2, "fp32": 4}
 MATMUL_KINDS = ("int8_linear", "linear", "float_sparse", "attention")
 KV_BYTES = 2  # the KV cache in FP16 on every lane (llama.cpp, mllm and QNN keep it so)
+FIT_REACH = 2.0  # a trace's fit prices ops up to this factor beyond the FLOPs it was fitted on
 # the template's elementwise ops read this many inputs of their output's size (one for the rest)
 _TWO_INPUTS = ("add", "swiglu", "geglu", "sigmoid_mul")
 
@@ -99,6 +100,7 @@ class SocCostModel(CostModel):
     sync_conventional_us: float = 0.0  # a synchronisation without HeteroLLM's fast sync (sync_us is with it)
     sources: dict = field(default_factory=dict, compare=False)   # "lanes.npu.compute.int8" -> source text
     phones: tuple = ()
+    fits: dict = field(default_factory=dict)  # lane -> kind -> a fit from a real trace (foreign.fit), priced first
     graph_ops: dict = field(default_factory=dict, compare=False, repr=False)
 
     # ---- the roofline of one op ------------------------------------------------------------------
@@ -141,6 +143,10 @@ class SocCostModel(CostModel):
             keys = kv_len if kv_len is not None else max(int(round(flops / max(4 * b * H * t * d, 1))), 1)
             flops = 4 * b * H * t * keys * d
             nbytes = 2 * b * keys * KV * d * KV_BYTES + 2 * rows * cols * act
+        fitted = self._fitted(op, lane, kind, flops, wbytes)
+        if fitted is not None:
+            return fitted
+        if kind == "attention":
             padded = flops * self._pad(spec, t, keys, d) if spec.stage_rows else flops
         elif kind in MATMUL_KINDS:
             k_in = (a.get("rec") or {}).get("shape", [0, 0])[1] or (flops // max(2 * rows * cols, 1))
@@ -158,6 +164,24 @@ class SocCostModel(CostModel):
         memory_us = nbytes / (bw * 1e3)      # GB/s -> bytes/µs
         fixed = spec.op_us
         return OpCost(fixed + max(compute_us, memory_us), compute_us, memory_us, fixed, padded, nbytes)
+
+    def _fitted(self, op: dict, lane: str, kind: str, flops: float, wbytes: float) -> OpCost | None:
+        """The op priced by a real trace's fit of its lane and kind (fixed + per FLOP + per weight byte, the rows'
+        regime), where this model carries one and the op's FLOPs lie within FIT_REACH of those it was fitted on: a
+        fitted lane and kind replace the named SoC's there, the roofline prices the rest."""
+        if not self.fits or lane not in self.fits:
+            return None
+        from ..cost import fit_for, fitted_time_us
+
+        f = fit_for(self.fits[lane], kind)
+        if f is None:
+            return None
+        seen = f.get("flops_range")
+        if seen and not seen[0] / FIT_REACH <= flops <= seen[1] * FIT_REACH:
+            return None  # a fit speaks for the sizes it saw; far outside them the roofline does
+        us = fitted_time_us(f, flops, wbytes, op["shape"][0])
+        g = f["below"] if "below" in f and op["shape"][0] < f["below"]["rows_lt"] else f
+        return OpCost(us, g["us_per_flop"] * flops, g.get("us_per_byte", 0.0) * wbytes, g["fixed_us"], flops, wbytes)
 
     @staticmethod
     def _pad(spec: Lane, m: int, n: int, k: int) -> float:
@@ -206,6 +230,14 @@ class SocCostModel(CostModel):
 # ---- files ------------------------------------------------------------------------------------------
 def available() -> list[str]:
     return sorted(p.stem for p in FOLDER.glob("*.json"))
+
+
+def is_soc_file(path) -> bool:
+    """Whether the JSON file at `path` declares this format (a SoC file, not another cost model's)."""
+    try:
+        return json.loads(Path(path).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _q(node, where: str, path: Path, sources: dict):

@@ -169,7 +169,7 @@ Markdown(f"""Measured on a real phone (Snapdragon 8 Elite, Hexagon v79), quoted 
 - **Fitted cost model**: matmuls at {lin["rate_gflops"]:.0f} GFLOP/s plus {lin["fixed_us"]:.0f} µs per op on the
   NPU lane (the named profile assumes {named.rate("npu", "int8_linear"):.0f}). Fitted on two layers, it predicts the
   third with a **median error of {h["median_rel_error"]:.0%}** per op ({h["time_weighted_rel_error"]:.0%} weighted
-  by time: the matmuls that dominate are predicted well, the few-µs elementwise ops are not).
+  by time, worst {h["max_rel_error"]:.0%}).
 - **Chunked prefill on that phone** ({PROMPT} tokens, chunks of {CHUNK}): out of order
   {mk[f"{phone.name}/ooo"]:.0f} ms against in order {mk[f"{phone.name}/in-order"]:.0f} ms with the fitted model;
   the named profile predicts {mk[f"{named.name}/ooo"]:.0f} ms. The trace's matmuls had {tokens} rows, so a chunk's

@@ -16,7 +16,8 @@ from nbclient import NotebookClient
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 NAMES = ["01_outliers", "02_experts", "03_sparsity", "04_quantization", "05_device_timeline", "06_scheduling",
          "07_decoding"]
-ALL_NAMES = NAMES + ["08_phone_trace"]  # 08 executes in tests/test_notebook_08.py; pairing and imports checked here
+# 08 and 09 execute in tests/test_notebook_08.py and test_notebook_09.py; pairing and imports checked here
+ALL_NAMES = NAMES + ["08_phone_trace", "09_plan_a_phone"]
 SMALL = {"EDGEPROBE_NB_TOKENS": "1024", "EDGEPROBE_NB_WINDOW": "64", "EDGEPROBE_NB_WINDOWS": "2",
          "EDGEPROBE_NB_CALIB": "256", "EDGEPROBE_NB_PROMPT": "32"}
 # a cell's limit: a cold prepared-model cache quantizes and writes every scheme of two models in 04's first cell

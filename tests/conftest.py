@@ -9,6 +9,13 @@ import pytest
 # Nothing in the suite may reach a model hub.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Ray reads its settings when first imported: the session's (token auth with one token, clusters kept on loopback, no
+# usage stats) are set before any test can import it, so the e2e ray_cluster and every `--ray local` head agree in
+# any test order (a shuffled run imported Ray first elsewhere, and the cluster's in-process joins then failed)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_AUTH_TOKEN", __import__("secrets").token_hex(32))
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 def _exited(pid: int, wait_s: float = 10.0) -> str:

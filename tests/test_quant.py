@@ -50,6 +50,10 @@ def _ppl(logits, ids):
 # bits between 1.47 and 1.62, the other schemes within 3%; the same bits at any thread count since d14be05)
 PPL_OVER_FLOAT = {"float": 1.0, "w8a8": 9.846, "w8a8-shadow": 1.370, "w8a8c-shadow": 1.009, "smoothquant": 1.622,
                   "llm-int8": 1.053, "q4_0": 1.065, "q4_0-tile": 1.288}
+# SmoothQuant's smoothing scales and LLM.int8's |x| > 6 outlier columns follow the calibration's last float bits,
+# which differ by CPU: on a Zen 4 EPYC (llvmlite znver4, 2026-12-02) the same code gives 1.529 and 1.013 where the
+# Zen 5 one above gave 1.622 and 1.053 (every other scheme within 2%): the range seen, not one machine's figure
+PPL_RANGE = {"smoothquant": (1.45, 1.65), "llm-int8": (1.0, 1.07)}
 
 
 def test_every_scheme_runs_through_the_one_forward_pass(smollm, ids, quantized, float_logits):
@@ -61,6 +65,9 @@ def test_every_scheme_runs_through_the_one_forward_pass(smollm, ids, quantized, 
         ppl = _ppl(logits, ids[:W])
         if scheme == "float":
             np.testing.assert_allclose(logits, float_logits, atol=1e-4)
+        elif scheme in PPL_RANGE:
+            lo, hi = PPL_RANGE[scheme]
+            assert lo <= ppl / base <= hi, (scheme, ppl, base)
         else:
             assert ppl / base == pytest.approx(PPL_OVER_FLOAT[scheme], rel=0.03), (scheme, ppl, base)
     # the shadow outliers repair what plain per-tensor W8A8 breaks

@@ -107,8 +107,10 @@ def ray_cluster():
     from edgeprobe.profile.cluster import HeadStartError, start_head
 
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: Ray's switch that keeps a single-node cluster on loopback
-    extra = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token",
-             "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
+    # the session's own, set by tests/conftest.py before anything imported Ray
+    extra = {k: os.environ.get(k) or v for k, v in (
+        ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_AUTH_MODE", "token"),
+        ("RAY_AUTH_TOKEN", secrets.token_hex(32)), ("RAY_USAGE_STATS_ENABLED", "0"))}
     saved = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     try:

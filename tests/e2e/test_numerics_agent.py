@@ -184,10 +184,19 @@ def test_arm64_captures_every_op_int8_linears_exact_float_parts_to_rounding(arm6
     res = prefill_numerics(arm64_agent, qm, tokens8)
     rep = res.numerics
     ops = _captured_as_asked(res, [n for n, o in plan_ops.items() if o["lane"] != "io"])
-    assert rep.meta["full_captured"] == len(rep.ops) and rep.first_divergent is None
+    assert rep.meta["full_captured"] == len(rep.ops)
     assert all(ops[r["op"]]["backend"] == "numpy" for r in rep.ops)
-    worst = max(rep.ops, key=lambda r: r["device_vs_sim"]["rel_l2"])
+    # float32 rounding alone up to the first divergence, if any; and a divergence may only be an int8 linear whose
+    # input left the simulation by rounding alone: one activation code rounded the other way (whether one does
+    # depends on the host CPU's float bits: none on a Zen 5 host, one at blk.23.ffn_gate on a Zen 4)
+    div = rep.first_divergent
+    upto = rep.ops if div is None else rep.ops[:rep.ops.index(rep.by_name()[div["op"]])]
+    worst = max(upto, key=lambda r: r["device_vs_sim"]["rel_l2"])
     assert worst["device_vs_sim"]["rel_l2"] < ARM64_FLOAT_REL_L2, worst
+    if div is not None:
+        assert plan_ops[div["op"]]["lane"] == "npu", div
+        source = plan_ops[div["op"]]["inputs"][0]["op"]
+        assert rep.by_name()[source]["device_vs_sim"]["rel_l2"] < ARM64_FLOAT_REL_L2, (div, source)
     # each npu-lane int8 linear, run by the host's simulation on the device's own input, gives the device's output
     # bit for bit: whatever differs there came in through the float32 parts upstream
     linears = [n for n, o in plan_ops.items() if o["lane"] == "npu"]

@@ -31,11 +31,12 @@ def _run(env, *extra, wait=True):
 COSINE_GAP = 1e-6
 
 
-def test_a_second_run_reuses_the_first_runs_preparation_and_a_short_prompt_is_run_whole(env):
+def test_a_second_run_reuses_the_first_runs_preparation_and_a_short_prompt_is_run_whole(env, tmp_path):
     from edgeprobe.quant import QuantizedModel
 
-    prepared = env[0] / "prepared"
-    assert not prepared.exists() or not list(prepared.iterdir())
+    # a prepared-model cache and an agent store of its own: the module's other tests fill theirs, in any order
+    prepared = tmp_path / "prepared"
+    env = (env[0], {**env[1], "EDGEPROBE_PREPARED_CACHE": str(prepared), "EDGEPROBE_AGENT_STORE": str(tmp_path / "st")})
     out, err, rc = _run(env)
     assert rc == 0, err
     first = json.loads(out.splitlines()[-1])

@@ -24,11 +24,15 @@ NAMES = sorted(p.name for p in CONFIGS.iterdir() if (p / "config.json").exists()
 # norm, q, k, v, rope q, rope k, attention, o, residual, ffn norm, gate, up, act, down, residual = 15;
 # Qwen2 adds 3 bias adds, Qwen3 2 head norms, Gemma 2 norms after attention and FFN; an MoE FFN is one op (12)
 OPS_PER_LAYER = {"gemma-2-2b": 17, "llama-3.1-8b": 15, "llama-3.2-1b": 15, "mixtral-8x7b": 12, "phi-3-mini-4k": 15,
-                 "qwen2.5-3b": 18, "qwen3-1.7b": 17, "qwen3-30b-a3b": 14}
+                 "qwen2.5-3b": 18, "qwen3-1.7b": 17, "qwen3-30b-a3b": 14,
+                 # the papers' models (tests/data/papers): Llama-shaped, InternLM2 too; Qwen1.5 is Qwen2 with biases
+                 "llama-3-8b": 15, "llama-3.2-3b": 15, "llama-2-7b": 15, "mistral-7b": 15, "internlm2-1.8b": 15,
+                 "qwen1.5-1.8b": 18}
 # layers that keep shadow GEMMs under w8a8-shadow, the 15% the pruning keeps (mllm-NPU prunes 85%), worked out by
 # hand from each config's layer count: 26 -> 4, 32 -> 5, 16 -> 3, 36 -> 6, 28 -> 5; MoE models are planned float
 SHADOW_LAYERS = {"gemma-2-2b": 4, "llama-3.1-8b": 5, "llama-3.2-1b": 3, "mixtral-8x7b": 0, "phi-3-mini-4k": 5,
-                 "qwen2.5-3b": 6, "qwen3-1.7b": 5, "qwen3-30b-a3b": 0}
+                 "qwen2.5-3b": 6, "qwen3-1.7b": 5, "qwen3-30b-a3b": 0, "llama-3-8b": 5, "llama-3.2-3b": 5,
+                 "llama-2-7b": 5, "mistral-7b": 5, "internlm2-1.8b": 4, "qwen1.5-1.8b": 4}  # 32, 28, 24 layers
 
 
 def _json(name):
@@ -42,8 +46,8 @@ def _cli(*argv, timeout=600):
 
 
 def test_every_architecture_of_the_issue_has_a_stored_config():
-    assert {_json(n)["model_type"] for n in NAMES} == {"llama", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma2",
-                                                       "phi3"}
+    assert {_json(n)["model_type"] for n in NAMES} == {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe",
+                                                       "gemma2", "phi3", "internlm2"}
     assert set(NAMES) == set(OPS_PER_LAYER)
     for n in NAMES:
         assert (CONFIGS / n / "SOURCE").read_text().strip(), f"{n} has no SOURCE"

@@ -15,45 +15,8 @@ import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .graph import ScheduleError, Subgraph
-
-
-@dataclass(frozen=True)
-class CostModel:
-    name: str
-    rates: dict            # lane -> {op kind: GFLOP/s (GOP/s for int8)}
-    launch_us: dict        # lane -> fixed cost per subgraph, µs
-    sync_us: float = 0.0   # added when a subgraph waits for one on another lane
-    op_us: dict = field(default_factory=dict)  # lane -> fixed cost per op (dispatch, allocation, event), µs
-    source: str = ""
-    modelled: bool = True
-    notes: dict = field(default_factory=dict)
-
-    def rate(self, lane: str, kind: str) -> float:
-        r = self.rates.get(lane)
-        if r is None:
-            raise ScheduleError(f"cost model {self.name!r} has no lane {lane!r} (lanes: {', '.join(self.rates)})")
-        rate = r.get(kind) or r.get("default")
-        if rate is None:
-            raise ScheduleError(f"cost model {self.name!r} cannot price {kind!r} on {lane}")
-        return rate
-
-    def op_time_us(self, op: dict, lane: str | None = None) -> float:
-        """One template op (graph.template: cost [kind, FLOPs, bytes]) on a lane, launch cost excluded."""
-        kind, flops, _ = op["cost"]
-        lane = lane or op["lane"]
-        return self.op_us.get(lane, 0.0) + flops / (self.rate(lane, kind) * 1e3)  # GFLOP/s -> FLOP/µs
-
-    def time_us(self, g: Subgraph, lane: str | None = None) -> float:
-        """A subgraph: its lane's launch cost plus each op's FLOPs at the lane's rate for the op's cost kind."""
-        lane = lane or g.lane
-        if lane not in self.rates:
-            raise ScheduleError(f"cost model {self.name!r} has no lane {lane!r} (lanes: {', '.join(self.rates)})")
-        t = self.launch_us.get(lane, 0.0) + self.op_us.get(lane, 0.0) * len(g.costs)
-        for kind, flops in g.costs:
-            t += flops / (self.rate(lane, kind) * 1e3)
-        return t
-
+from .costmodel import _FALLBACK_KIND, CostModel, fit_for, fitted_time_us  # noqa: F401 - importable from here
+from .graph import ScheduleError
 
 # This host's lanes as edgeprobe emulates them (2 cores): rates from bench/quant.py and bench/agent.py —
 # exact int8 GEMM by K-blocked float32 BLAS on one thread ≈60–100 GOP/s (the emulated NPU), numpy float
@@ -122,22 +85,7 @@ device_profile = cost_model
 FITTED_JSON_FORMAT = "edgeprobe-fitted-cost-model"
 FITTED_JSON_VERSION = 2   # 2: a bytes term (us_per_byte) and an M-threshold regime (below); 1 (FLOPs only) loads
 FITTED_JSON_VERSIONS = (1, 2)
-_FALLBACK_KIND = {"int8_linear": "linear", "float_sparse": "linear", "linear": "int8_linear"}
 _BYTES_KINDS = ("linear", "int8_linear")  # the template's kinds whose ops read weight bytes
-
-
-def fit_for(kinds: dict, kind: str) -> dict | None:
-    """A lane's fit for an op of cost kind `kind`: its own, else the related kind's (None: the trace saw neither)."""
-    return kinds.get(kind) or kinds.get(_FALLBACK_KIND.get(kind, ""))
-
-
-def fitted_time_us(f: dict, flops: float, nbytes: float = 0.0, rows: int | None = None) -> float:
-    """One op under a lane/kind fit: fixed_us + us_per_flop * FLOPs + us_per_byte * bytes, with the `below`
-    regime's coefficients when the op's token rows M are under its threshold (version-1 fits: no bytes term)."""
-    b = f.get("below")
-    if b is not None and rows is not None and rows < b["rows_lt"]:
-        f = b
-    return f["fixed_us"] + f["us_per_flop"] * flops + f.get("us_per_byte", 0.0) * nbytes
 
 
 @dataclass(frozen=True)

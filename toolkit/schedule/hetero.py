@@ -58,9 +58,9 @@ def from_soc(soc) -> HeteroCostModel:
 
 
 def _snapdragon():
-    from .cost import SNAPDRAGON_8GEN3
+    from .soc import load
 
-    return from_soc(SNAPDRAGON_8GEN3)
+    return from_soc(load("snapdragon-8gen3"))
 
 
 # Snapdragon 8 Gen 3 as its roofline (schedule/soc/snapdragon-8gen3.json) gives it

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from edgeprobe_kernels.linear_records import scheme_of
 
-from ..cost import CostModel
+from ..costmodel import CostModel, fit_for, fitted_time_us
 from ..graph import ScheduleError
 
 FOLDER = Path(__file__).resolve().parent
@@ -171,8 +171,6 @@ class SocCostModel(CostModel):
         fitted lane and kind replace the named SoC's there, the roofline prices the rest."""
         if not self.fits or lane not in self.fits:
             return None
-        from ..cost import fit_for, fitted_time_us
-
         f = fit_for(self.fits[lane], kind)
         if f is None:
             return None

@@ -1,4 +1,4 @@
-"""Where a batch-1 decode step's time goes on the agent: its ops, and the time between them (issue 42, item 2).
+"""Where a batch-1 decode step's time goes on the agent: its ops, and the time between them.
 
 A local agent decodes --steps greedy tokens after a --prompt-token prompt, the loop on the agent (one request for all
 steps, as a phone's runtime loops) and, with --host-loop, on the host too (a round trip per token). From the trace:

@@ -1,4 +1,4 @@
-"""Numerics op by op (issue 41): what capture costs on the agent, and the divergence-by-depth figures.
+"""Numerics op by op: what capture costs on the agent, and the divergence-by-depth figures.
 
 1. Overhead: a layer-by-layer prefill on a local agent, plain and with every op captured (summaries only, and every
    op's whole tensor as well where they fit the capture's limit), rounds interleaved A/B/C so all three see the same

@@ -1,4 +1,4 @@
-"""`edgeprobe profile outliers` against transformers collecting the same per-channel maxima (issue 42, item 5).
+"""`edgeprobe profile outliers` against transformers collecting the same per-channel maxima.
 
 Both sides start as a new process on the same Hugging Face folder of SmolLM2-135M (float32 safetensors written once
 from the shipped GGUF by transformers, as tests/test_reference.py writes one; kept in $EDGEPROBE_CACHE/hf, else

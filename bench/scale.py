@@ -1,4 +1,4 @@
-"""Scale measured, not guessed (issue 43, item 4): outlier profiles of generated checkpoints at real model shapes.
+"""Scale measured, not guessed: outlier profiles of generated checkpoints at real model shapes.
 
 For each model shape: a GGUF checkpoint with that shape's exact tensors (Llama-3.2-1B, Qwen2.5-3B, Llama-3.1-8B,
 Mixtral-8x7B; `--layers N` keeps the first N blocks) and random weights (normal x 0.02, norms 1.0) quantized to Q8_0

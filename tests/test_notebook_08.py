@@ -3,12 +3,10 @@ runs the others, and its headline numbers are recomputed here from the bundled t
 fixture's raw JSON, the held-out error by an independent least squares, the makespans from the saved cost model."""
 import json
 
-import jupytext
 import numpy as np
 import pytest
-from nbclient import NotebookClient
 from test_foreign import LFM2, LFM2_CONFIG, _ref_fit, _ref_pred
-from test_notebooks import NOTEBOOKS, _conclusion
+from test_notebooks import _conclusion, execute_notebook
 
 from edgeprobe.foreign import load_foreign
 from edgeprobe.foreign.align import align
@@ -23,13 +21,8 @@ NAME = "08_phone_trace"
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("nb08")
-    nb = jupytext.read(NOTEBOOKS / f"{NAME}.py")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("PLOTLY_RENDERER", raising=False)
-        mp.setenv("EDGEPROBE_NB_RESULTS", str(tmp / "results"))
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp)}}).execute()
-    return nb, json.loads((tmp / "results" / f"{NAME}.json").read_text()), tmp / "results"
+    nb, results = execute_notebook(NAME, tmp_path_factory.mktemp("nb08"))
+    return nb, json.loads((results / f"{NAME}.json").read_text()), results
 
 
 def test_notebook_08_executes_and_draws(executed):

@@ -5,10 +5,8 @@ import json
 import re
 from pathlib import Path
 
-import jupytext
 import pytest
-from nbclient import NotebookClient
-from test_notebooks import NOTEBOOKS, _conclusion
+from test_notebooks import _conclusion, execute_notebook
 
 from edgeprobe.schedule import papers
 from edgeprobe.schedule.predict import predict
@@ -19,13 +17,8 @@ CONFIGS = Path(__file__).parent / "data" / "configs"
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("nb09")
-    nb = jupytext.read(NOTEBOOKS / f"{NAME}.py")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv("PLOTLY_RENDERER", raising=False)
-        mp.setenv("EDGEPROBE_NB_RESULTS", str(tmp / "results"))
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp)}}).execute()
-    return nb, json.loads((tmp / "results" / f"{NAME}.json").read_text())
+    nb, results = execute_notebook(NAME, tmp_path_factory.mktemp("nb09"))
+    return nb, json.loads((results / f"{NAME}.json").read_text())
 
 
 def test_notebook_09_executes_and_draws_five_figures(executed):

@@ -481,6 +481,17 @@ SAYS = {  # what each notebook's rendered conclusion must say, formatted from th
 }
 
 
+def execute_notebook(name: str, tmp) -> tuple:
+    """Run notebooks/<name>.py in a real Jupyter kernel (plotly's own renderer, results into tmp/results) ->
+    (the executed notebook, tmp/results): what test_notebook_08 and _09 check."""
+    nb = jupytext.read(NOTEBOOKS / f"{name}.py")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PLOTLY_RENDERER", raising=False)
+        mp.setenv("EDGEPROBE_NB_RESULTS", str(tmp / "results"))
+        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp)}}).execute()
+    return nb, tmp / "results"
+
+
 def _conclusion(nb) -> str:
     """The Markdown the notebook's last cell displayed: its conclusion, rendered from the numbers it computed."""
     last = nb.cells[-1]

@@ -228,7 +228,7 @@ def predict(model, soc="snapdragon-8gen3", prompt_len: int = 256, decode: int = 
             raise ScheduleError(f"prompt {prompt_len} + {decode} decoded tokens exceed the model's context length "
                                 f"{cfg.context_length}")
         ops = model_ops(Weights.of(plan), 1, batch=batch, session=True)
-        step = _sequential(cost, ops, strategy, decode=True, kv_len=ctx, cfg=cfg, batch=batch,
+        step = _sequential(cost, ops, strategy, decode=True, kv_len=ctx, batch=batch,
                            hit_rate=expert_hit_rate if experts_in_flash else None, ffn_sparsity=ffn_sparsity,
                            ffn_reuse=ffn_reuse, title=f"predicted decode step: {strategy} on {cost.name}")
         if experts_in_flash:
@@ -261,17 +261,16 @@ def soc_model(soc):
     return _soc.load(soc)
 
 
-def _expert_bytes(op: dict, batch: int) -> tuple[float, float]:
-    """An MoE layer's bytes per step: (the routed experts' weights read, one expert's bytes). With a batch, the
-    distinct experts of `batch` tokens: E (1 - (1 - k/E)^batch) on average under uniform routing."""
+def _expert_bytes(op: dict, batch: int) -> float:
+    """An MoE layer's routed experts' weight bytes read a step: with a batch, the distinct experts of `batch` tokens,
+    E (1 - (1 - k/E)^batch) on average under uniform routing."""
     a = op["attrs"]
     E, k = len(a["experts"]), a["k"]
     per = op["cost"][2] / max(E, 1)
-    distinct = E * (1.0 - (1.0 - k / E) ** batch)
-    return distinct * per, per
+    return E * (1.0 - (1.0 - k / E) ** batch) * per
 
 
-def _sequential(cost, ops, strategy, decode, title, kv_len=None, cfg=None, batch=1, hit_rate=None, ffn_sparsity=None,
+def _sequential(cost, ops, strategy, decode, title, kv_len=None, batch=1, hit_rate=None, ffn_sparsity=None,
                 ffn_reuse=0.0) -> Phase:
     """Ops run one after another, each on the lane `strategy` gives it (a split: both lanes at once), with one
     sync where consecutive ops change lane. Returns the Phase with its predicted timeline."""
@@ -284,7 +283,7 @@ def _sequential(cost, ops, strategy, decode, title, kv_len=None, cfg=None, batch
         kv = kv_len if op["kind"] == "attention" and kv_len is not None else None
         wb, flash_us, extra = None, 0.0, {}
         if op["kind"] == "moe_ffn" and decode:
-            wb, per = _expert_bytes(op, batch)
+            wb = _expert_bytes(op, batch)
             if hit_rate is not None:
                 flash_us = (1.0 - hit_rate) * wb / (cost.flash_gbs * 1e3)
                 extra["flash_bytes"] = (1.0 - hit_rate) * wb
